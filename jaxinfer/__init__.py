@@ -1,0 +1,11 @@
+"""jaxinfer: JAX/XLA inference for Llama-family language models."""
+
+from jaxinfer.config import LlamaConfig
+from jaxinfer.errors import CheckpointError, ConfigError, InputError, JaxinferError
+from jaxinfer.generate import Completion, Model, compute_logits, generate, stream, stream_tokens
+from jaxinfer.sampling import SamplingParams
+
+__all__ = [
+    "CheckpointError", "Completion", "ConfigError", "InputError", "JaxinferError", "LlamaConfig",
+    "Model", "SamplingParams", "compute_logits", "generate", "stream", "stream_tokens",
+]

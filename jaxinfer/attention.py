@@ -1,0 +1,94 @@
+"""The one attention entry point. Backends: ``"reference"`` (plain jnp) and ``"pallas"``.
+
+Two modes share the entry point because they have different K/V sources:
+
+* ``"prefill"``: q ``[batch, q_len, q_heads, head_dim]`` against the chunk's own fresh
+  k/v ``[batch, q_len, kv_heads, head_dim]``, causal, keys past ``lengths[b]`` ignored.
+* ``"decode"``: q ``[batch, q_heads, head_dim]`` (one new token per sequence) against the
+  cache k/v ``[batch, kv_heads, max_len, head_dim]``; keys at index ``>= lengths[b]`` ignored.
+
+The decode cache keeps kv_heads before the sequence axis so that the score and value
+contractions have their batch dimensions (batch, kv_heads) leading: XLA then emits a batched
+GEMV over the cache as stored, never a transpose of the whole cache.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Backend = Literal["reference", "pallas", "auto"]
+Mode = Literal["prefill", "decode"]
+_NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+
+
+def resolve_backend(backend: Backend) -> Literal["reference", "pallas"]:
+    """Map ``"auto"`` to the best backend for the default JAX platform."""
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if backend not in ("reference", "pallas"):
+        raise ValueError(f"unknown attention backend {backend!r}; use 'reference', 'pallas' "
+                         "or 'auto'")
+    return backend
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    mode: Mode,
+    backend: Literal["reference", "pallas"] = "reference",
+) -> jax.Array:
+    """Scaled dot-product attention with GQA, per-sequence lengths, float32 softmax.
+
+    Args:
+      q: prefill ``[B, T, H, D]`` or decode ``[B, H, D]``.
+      k, v: prefill ``[B, T, KVH, D]`` or decode ``[B, KVH, S, D]``; ``H % KVH == 0``.
+      lengths: ``[B]`` int32, number of valid keys per sequence.
+      mode: ``"prefill"`` (causal within the chunk) or ``"decode"``.
+      backend: ``"reference"`` or ``"pallas"`` (the kernels in ``pallas_kernels``).
+
+    Returns:
+      Same shape and dtype as ``q``.
+    """
+    if backend == "pallas":
+        import pallas_kernels
+
+        if mode == "prefill":
+            return pallas_kernels.flash_attention(q, k, v, causal=True, lengths=lengths)
+        return pallas_kernels.decode_attention(q, k, v, lengths)
+    if mode == "prefill":
+        return _prefill_reference(q, k, v, lengths)
+    return _decode_reference(q, k, v, lengths)
+
+
+def _prefill_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    # scores [B, KVH, G, Tq, Tk]
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores *= d**-0.5
+    pos = jnp.arange(t)
+    visible = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _decode_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    b, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32)
+    scores *= d**-0.5
+    visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+    scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgs,bksd->bkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, d).astype(q.dtype)

@@ -1,0 +1,182 @@
+"""Functional Llama: parameters are a plain pytree, the forward pass a pure function.
+
+Params layout (weights in ``x @ W`` orientation, layers stacked on a leading axis so the layer
+loop is one ``lax.scan`` and compile time does not grow with depth)::
+
+    embed       [vocab, hidden]
+    layers/attn_norm [L, hidden]          layers/mlp_norm [L, hidden]
+    layers/wq   [L, hidden, heads*hd]     layers/wo     [L, heads*hd, hidden]
+    layers/wk   [L, hidden, kv_heads*hd]  layers/wv     [L, hidden, kv_heads*hd]
+    layers/w_gate, layers/w_up [L, hidden, inter]     layers/w_down [L, inter, hidden]
+    final_norm  [hidden]
+    lm_head     [hidden, vocab]           (absent when embeddings are tied)
+
+Q/K weights use HF's non-interleaved ("rotate half") RoPE convention.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import attention
+from jaxinfer.config import LlamaConfig
+from jaxinfer.kv_cache import KVCache
+
+Params = dict[str, Any]
+
+
+def param_shapes(config: LlamaConfig) -> Params:
+    """The expected shape of every parameter, as a pytree of tuples."""
+    c = config
+    n, d, f = c.num_layers, c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: Params = {
+        "embed": (c.vocab_size, d),
+        "layers": {
+            "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv),
+            "wo": (n, q, d), "mlp_norm": (n, d),
+            "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
+        },
+        "final_norm": (d,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (d, c.vocab_size)
+    return shapes
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> Params:
+    """Random parameters of the right shapes for tests and benchmarks (never all zeros).
+
+    Matrices are scaled by 1/sqrt(fan_in) and norm weights drawn near 1, so activations stay
+    in a realistic range through many layers.
+    """
+    shapes = param_shapes(config)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for k, (path, shape) in zip(keys, flat, strict=True):
+        noise = jax.random.normal(k, shape, jnp.float32)
+        if "norm" in jax.tree_util.keystr(path):
+            leaves.append((1.0 + 0.1 * noise).astype(dtype))
+        else:
+            leaves.append((noise / math.sqrt(shape[-2])).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm with float32 statistics, result in ``x.dtype`` (HF Llama's order of casts)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse RoPE frequencies ``[head_dim // 2]`` float32, with llama3 scaling if configured."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    inv = inv.astype(np.float32)
+    scaling = config.rope_scaling_dict
+    if scaling is None:
+        return inv
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x [B, T, heads, D]`` by ``positions [B, T]`` (non-interleaved halves)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos = jnp.cos(freqs)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(freqs)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
+
+
+def forward(
+    params: Params,
+    config: LlamaConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    *,
+    mode: Literal["prefill", "decode"],
+    backend: Literal["reference", "pallas"] = "reference",
+    dtype: Any = jnp.bfloat16,
+) -> tuple[jax.Array, KVCache]:
+    """Run the decoder on new tokens and write their K/V into the cache.
+
+    Args:
+      tokens: ``[B, T]`` int32. In ``"prefill"`` mode, each sequence's prompt starts at position
+        0 and ``cache.lengths [B]`` must already hold the prompt lengths (positions past them
+        are padding whose outputs are garbage). In ``"decode"`` mode ``T == 1`` and the token of
+        sequence b sits at position ``cache.lengths[b]``; its K/V are written there.
+      cache: the KV cache, ``T <= cache.max_len``.
+
+    Returns:
+      ``(hidden [B, T, hidden] after the final norm, cache)``; the cache lengths are unchanged
+      (the caller decides which sequences advance).
+    """
+    b, t = tokens.shape
+    if t > cache.max_len:
+        raise ValueError(f"{t} new tokens do not fit a cache of {cache.max_len} positions")
+    inv_freq = rope_inv_freq(config)
+    c = config
+    if mode == "prefill":
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:
+        positions = cache.lengths[:, None]
+    h = params["embed"].astype(dtype)[tokens]  # [B, T, hidden]
+
+    def layer(h: jax.Array, xs: tuple[Params, jax.Array, jax.Array]):
+        lp, k_cache, v_cache = xs  # k_cache, v_cache: [B, KVH, S, D]
+        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+        q = _dense(x, lp["wq"]).reshape(b, t, c.num_heads, c.head_dim)
+        k = _dense(x, lp["wk"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = _dense(x, lp["wv"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        k_new = k.astype(k_cache.dtype).transpose(0, 2, 1, 3)  # [B, KVH, T, D], only new rows
+        v_new = v.astype(v_cache.dtype).transpose(0, 2, 1, 3)
+        if mode == "prefill":
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, (0, 0, 0, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (0, 0, 0, 0))
+            attn = attention(q, k, v, cache.lengths, mode="prefill", backend=backend)
+        else:
+            rows = jnp.arange(b)
+            k_cache = k_cache.at[rows, :, cache.lengths].set(k_new[:, :, 0], mode="drop")
+            v_cache = v_cache.at[rows, :, cache.lengths].set(v_new[:, :, 0], mode="drop")
+            attn = attention(q[:, 0], k_cache, v_cache, cache.lengths + 1, mode="decode",
+                             backend=backend)[:, None]
+        h = h + _dense(attn.reshape(b, t, c.num_heads * c.head_dim), lp["wo"])
+        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+        gated = jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
+        h = h + _dense(gated, lp["w_down"])
+        return h, (k_cache, v_cache)
+
+    h, (k_all, v_all) = jax.lax.scan(layer, h, (params["layers"], cache.k, cache.v))
+    h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+    return h, cache.replace(k=k_all, v=v_all)
+
+
+def lm_head(params: Params, h: jax.Array) -> jax.Array:
+    """Logits ``[..., vocab]`` float32 from final hidden states ``[..., hidden]``."""
+    if "lm_head" in params:
+        w = params["lm_head"]
+        return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", h, params["embed"].astype(h.dtype),
+                      preferred_element_type=jnp.float32)

@@ -1,0 +1,175 @@
+"""The one sampling function, and the per-sequence sampling settings it reads.
+
+Every option is a per-sequence array, so one batch can mix greedy and stochastic requests.
+Order of logit processing (as in HF transformers): repetition penalty, temperature, top-k,
+top-p, min-p; a temperature of 0 means greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request (host side, validated on construction).
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable those
+    filters; ``repetition_penalty`` 1 disables it; ``seed`` None draws a fresh random seed.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+             f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"),
+            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 is greedy)"),
+            (isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
+            (0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1)"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)"),
+            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+             f"seed={self.seed!r} must be a non-negative integer or None"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             f"stop={self.stop!r} must be non-empty strings"),
+            (all(isinstance(i, int) and i >= 0 for i in self.stop_token_ids),
+             f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InputError(message)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> SamplingParams:
+        """Build from keyword arguments, naming any unknown option in the error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InputError(f"unknown sampling option {unknown[0]!r}; valid options: "
+                             f"{', '.join(sorted(names))}")
+        for key in ("stop", "stop_token_ids"):
+            value = kwargs.get(key)
+            if isinstance(value, str | int):
+                kwargs[key] = (value,)
+            elif value is not None:
+                kwargs[key] = tuple(value)  # type: ignore[arg-type]
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Device-side sampling settings for a batch: one row per sequence."""
+
+    temperature: jax.Array  # Float['B']
+    top_k: jax.Array  # Int['B'], 0 = off
+    top_p: jax.Array  # Float['B']
+    min_p: jax.Array  # Float['B']
+    repetition_penalty: jax.Array  # Float['B']
+    keys: jax.Array  # UInt32['B 2'] one PRNG key per sequence
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
+        """Stack per-request settings (seeds resolved here, so a None seed is random)."""
+        seeds = [p.seed if p.seed is not None else secrets.randbits(63) for p in params]
+        keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds])
+        return cls(
+            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+            min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
+            repetition_penalty=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
+            keys=jnp.asarray(keys, jnp.uint32),
+        )
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """HF-style penalty: seen tokens' positive logits divided, negative multiplied.
+
+    logits ``[B, V]`` float32, seen ``[B, V]`` bool, penalty ``[B]``.
+    """
+    p = penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / p, logits * p)
+    return jnp.where(seen, penalised, logits)
+
+
+def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Temperature, top-k, top-p and min-p applied to ``logits [B, V]`` (float32).
+
+    Removed tokens get ``-inf``. Rows with temperature 0 are returned unscaled (greedy rows
+    take the argmax of the penalised logits instead).
+    """
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    scaled = logits / temp
+    vocab = logits.shape[-1]
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(s.top_k > 0, s.top_k, vocab)[:, None]
+    keep = rank < k
+    # top-p and min-p act on the distribution left after top-k, as in HF's processor chain.
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < s.top_p[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= probs >= s.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    filtered_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
+    out = jnp.full_like(scaled, -jnp.inf)
+    return out.at[jnp.arange(out.shape[0])[:, None], order].set(filtered_sorted)
+
+
+def sample(
+    logits: jax.Array,
+    s: SamplingArrays,
+    seen: jax.Array,
+    step: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Choose the next token of every sequence.
+
+    Args:
+      logits: ``[B, V]`` float32 model logits.
+      s: per-sequence settings.
+      seen: ``[B, V]`` bool, tokens already in each sequence (for the repetition penalty).
+      step: ``[B]`` int32, index of the token being sampled in each sequence; folded into the
+        sequence's key, so a request's tokens depend only on its seed and inputs, not on the
+        batch it shares.
+
+    Returns:
+      ``(tokens [B] int32, logprobs [B] float32)``: the log-probability is that of the chosen
+      token under the model's raw distribution (before any sampling filter).
+    """
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    penalised = apply_repetition_penalty(logits, seen, s.repetition_penalty)
+    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+
+    def stochastic() -> jax.Array:
+        filtered = filter_logits(penalised, s)
+        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.wrap_key_data)(s.keys), step)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(s.temperature > 0, drawn, greedy)
+
+    # A batch of only greedy rows skips the vocabulary sort entirely.
+    tokens = jax.lax.cond(jnp.any(s.temperature > 0), stochastic, lambda: greedy)
+    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen
