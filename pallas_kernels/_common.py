@@ -1,0 +1,106 @@
+"""Shared helpers for the attention kernels: argument checks, constants, backend plumbing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Triton's tensor-core dot needs every matrix side to be at least 16.
+MIN_DOT = 16
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def cdiv(a: Any, b: int) -> Any:
+    """Ceiling division that works on Python ints and traced int32 scalars."""
+    return (a + b - 1) // b
+
+
+def check(cond: bool, msg: str) -> None:
+    """Raise a one-line ValueError when `cond` is false (argument validation)."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_head_dim(head_dim: int) -> None:
+    check(
+        head_dim in SUPPORTED_HEAD_DIMS,
+        f"unsupported head_dim {head_dim}; supported: {SUPPORTED_HEAD_DIMS}",
+    )
+
+
+def check_dtype(name: str, x: jax.Array) -> None:
+    check(
+        jnp.dtype(x.dtype) in SUPPORTED_DTYPES,
+        f"{name} has unsupported dtype {x.dtype}; use bfloat16, float16 or float32",
+    )
+
+
+def check_gqa(q_heads: int, kv_heads: int) -> int:
+    """Validate grouped-query head counts and return the group size."""
+    check(kv_heads > 0, "kv_heads must be positive")
+    check(
+        q_heads % kv_heads == 0,
+        f"q_heads ({q_heads}) must be divisible by kv_heads ({kv_heads})",
+    )
+    return q_heads // kv_heads
+
+
+def check_backend(backend: str) -> None:
+    check(backend in ("gpu", "tpu"), f"backend must be 'gpu' or 'tpu', got {backend!r}")
+
+
+def default_scale(sm_scale: float | None, head_dim: int) -> float:
+    return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def gpu_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def tpu_interpret(interpret: bool) -> Any:
+    """The `interpret` argument for a Mosaic TPU pallas_call: the TPU interpreter on CPU."""
+    return pltpu.InterpretParams() if interpret else False
+
+
+def tpu_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def online_softmax_finish(acc: jax.Array, l_sum: jax.Array) -> jax.Array:
+    """Normalise an online-softmax accumulator; rows that saw no key give 0, never NaN."""
+    safe = jnp.where(l_sum == 0.0, 1.0, l_sum)
+    return acc / safe
+
+
+def combine_splits(
+    acc: jax.Array, m: jax.Array, l_sum: jax.Array, axis: int
+) -> jax.Array:
+    """Merge split-K partial results (Flash-Decoding's combine step).
+
+    `acc` holds unnormalised sum_j 2^(s_j - m) v_j per split, `m` the running max (log2
+    domain) and `l_sum` the matching denominator. Splits that saw no key carry m = -inf,
+    l = 0, acc = 0 and drop out with weight 0; a row with no key at all gives 0.
+    """
+    m_max = jnp.max(m, axis=axis, keepdims=True)
+    m_max = jnp.where(jnp.isneginf(m_max), 0.0, m_max)
+    w = jnp.exp2(m - m_max)
+    num = jnp.sum(acc * w[..., None], axis=axis)
+    den = jnp.sum(l_sum * w, axis=axis)
+    return online_softmax_finish(num, den[..., None])
