@@ -1,0 +1,269 @@
+"""Load an HF Llama checkpoint folder (``config.json`` + safetensors) into the params pytree.
+
+The params pytree (the contract with ``jaxinfer.model``) is a nested dict of arrays, weights in
+``x @ W`` orientation (HF's torch ``Linear.weight`` transposed), all layers stacked on axis 0::
+
+    {"embed": [vocab, hidden],
+     "layers": {"attn_norm": [L, hidden], "wq": [L, hidden, heads*head_dim],
+                "wk": [L, hidden, kv_heads*head_dim], "wv": [L, hidden, kv_heads*head_dim],
+                "wo": [L, heads*head_dim, hidden], "mlp_norm": [L, hidden],
+                "w_gate": [L, hidden, inter], "w_up": [L, hidden, inter],
+                "w_down": [L, inter, hidden]},
+     "final_norm": [hidden],
+     "lm_head": [hidden, vocab]}   # absent when config.tie_word_embeddings
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.config import LlamaConfig
+from jaxinfer.errors import CheckpointError
+
+# HF per-layer tensor name suffix -> (our key, whether the torch weight is transposed).
+_LAYER_TENSORS: dict[str, tuple[str, bool]] = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+
+# safetensors dtype codes numpy cannot name natively; read through ml_dtypes (a JAX dependency).
+_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, Any]:
+    """The params pytree of shapes (tuples) that ``config`` implies (the loaders' contract)."""
+    d, f, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    shapes: dict[str, Any] = {
+        "embed": (v, d),
+        "layers": {
+            "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv),
+            "wo": (n, q, d), "mlp_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f),
+            "w_down": (n, f, d),
+        },
+        "final_norm": (d,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+def hf_tensor_shape(name: str, config: LlamaConfig) -> tuple[int, ...]:
+    """Shape the HF (torch orientation) tensor ``name`` must have under ``config``."""
+    shapes = expected_shapes(config)
+    if name == "model.embed_tokens.weight":
+        return shapes["embed"]
+    if name == "model.norm.weight":
+        return shapes["final_norm"]
+    if name == "lm_head.weight":
+        return (config.vocab_size, config.hidden_size)
+    suffix = name.split(".", 3)[3]
+    key, transposed = _LAYER_TENSORS[suffix]
+    shape = shapes["layers"][key][1:]
+    return tuple(reversed(shape)) if transposed else shape
+
+
+def _parse_dtype(dtype: Any) -> np.dtype | None:
+    """``None``, a numpy dtype, a jnp dtype or a name such as ``"bfloat16"`` -> numpy dtype."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        import ml_dtypes  # imported here: only needed for names numpy does not know
+
+        if hasattr(ml_dtypes, dtype):
+            return np.dtype(getattr(ml_dtypes, dtype))
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise CheckpointError(f"unknown dtype {dtype!r}; use e.g. 'float32' or "
+                              "'bfloat16'") from None
+
+
+class _SafetensorsFile:
+    """One ``.safetensors`` file: validated header, tensors read as numpy arrays.
+
+    The header is parsed here (rather than only through ``safe_open``) so that a truncated file is
+    reported by name before any tensor read, and so bfloat16 tensors, which the safetensors numpy
+    backend refuses, can be read straight from the mapped bytes.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as fh:
+                head = fh.read(8)
+                if len(head) < 8:
+                    raise ValueError("file shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", head)
+                if n > size - 8:
+                    raise ValueError(f"header length {n} exceeds the file size {size}")
+                header = json.loads(fh.read(n))
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing; re-download the "
+                                  "checkpoint") from None
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file ({e}); re-download "
+                                  "it") from None
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        self.header: dict[str, dict[str, Any]] = header
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        if self.data_start + end > size:
+            raise CheckpointError(
+                f"{path} is truncated ({size} bytes, its header needs {self.data_start + end}); "
+                "re-download it"
+            )
+        self._handle: Any = None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.header[name]["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        code = info["dtype"]
+        try:
+            if code in _RAW_DTYPES:
+                import ml_dtypes
+
+                dt = np.dtype(getattr(ml_dtypes, _RAW_DTYPES[code]))
+                start, stop = (int(o) for o in info["data_offsets"])
+                raw = np.memmap(self.path, dtype=np.uint8, mode="r",
+                                offset=self.data_start + start, shape=(stop - start,))
+                return np.array(raw.view(dt).reshape(self.shape(name)))
+            if self._handle is None:
+                from safetensors import safe_open
+
+                self._handle = safe_open(str(self.path), framework="numpy")
+            return self._handle.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any decode failure means a corrupt file
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.path} ({e}); the file "
+                                  "is corrupt, re-download it") from None
+
+
+def _open_checkpoint(folder: Path) -> dict[str, _SafetensorsFile]:
+    """Map every tensor name to the file holding it (single file or sharded index)."""
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e}); "
+                                  "re-download it") from None
+        files = {fname: _SafetensorsFile(folder / fname)
+                 for fname in sorted(set(weight_map.values()))}
+        where = {}
+        for name, fname in weight_map.items():
+            if name not in files[fname].header:
+                raise CheckpointError(f"tensor {name!r} is listed in {index.name} but missing from "
+                                      f"{fname}; re-download the checkpoint")
+            where[name] = files[fname]
+        return where
+    if single.exists():
+        f = _SafetensorsFile(single)
+        return {name: f for name in f.header}
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}; "
+                              "pass an HF checkpoint folder with safetensors weights")
+    where = {}
+    for path in shards:
+        f = _SafetensorsFile(path)
+        where.update({name: f for name in f.header})
+    return where
+
+
+def _checked(where: dict[str, _SafetensorsFile], name: str, config: LlamaConfig,
+             cast: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    if name not in where:
+        raise CheckpointError(f"checkpoint is missing tensor {name!r} that the config requires; "
+                              "the checkpoint is incomplete or not a Llama model")
+    expected = hf_tensor_shape(name, config)
+    got = where[name].shape(name)
+    if got != expected:
+        raise CheckpointError(f"tensor {name!r} has shape {list(got)} but config.json implies "
+                              f"{list(expected)}; the config does not match these weights")
+    return cast(where[name].read(name))
+
+
+def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig, dict[str, Any]]:
+    """Load an HF Llama checkpoint folder.
+
+    Args:
+      path: folder with ``config.json`` and ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json``.
+      dtype: cast every tensor to this dtype (numpy/jnp dtype or name such as ``"bfloat16"``);
+        ``None`` keeps the checkpoint's dtype.
+
+    Returns:
+      ``(config, params)``: params is the pytree described in this module's docstring, holding
+      host numpy arrays (per-layer tensors stacked into ``[num_layers, ...]``).
+
+    Raises:
+      CheckpointError: missing/corrupt/truncated files, missing tensors, or shape mismatches.
+      ConfigError: unsupported config fields.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if not (folder / "config.json").exists():
+        raise CheckpointError(f"{folder} has no config.json; pass an HF checkpoint folder")
+    config = LlamaConfig.from_json_file(folder / "config.json")
+    target = _parse_dtype(dtype)
+
+    def cast(a: np.ndarray) -> np.ndarray:
+        return a if target is None or a.dtype == target else a.astype(target)
+
+    where = _open_checkpoint(folder)
+    params: dict[str, Any] = {
+        "embed": _checked(where, "model.embed_tokens.weight", config, cast),
+        "final_norm": _checked(where, "model.norm.weight", config, cast),
+    }
+    layers: dict[str, np.ndarray] = {}
+    for i in range(config.num_layers):
+        for suffix, (key, transposed) in _LAYER_TENSORS.items():
+            a = _checked(where, f"model.layers.{i}.{suffix}", config, cast)
+            if transposed:
+                a = a.T
+            if key not in layers:
+                # Preallocate the stacked array so peak host memory stays ~1x the checkpoint.
+                layers[key] = np.empty((config.num_layers, *a.shape), dtype=a.dtype)
+            layers[key][i] = a
+    params["layers"] = layers
+    if not config.tie_word_embeddings:
+        params["lm_head"] = np.ascontiguousarray(
+            _checked(where, "lm_head.weight", config, cast).T)
+    extra_layers = [n for n in where if n.startswith("model.layers.")
+                    and int(n.split(".")[2]) >= config.num_layers]
+    if extra_layers:
+        raise CheckpointError(f"checkpoint has tensor {extra_layers[0]!r} beyond "
+                              f"num_hidden_layers={config.num_layers}; the config does not match")
+    return config, params
+
+
+def iter_leaves(tree: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """Yield ``("layers/wq", leaf)`` pairs of a nested-dict pytree, in sorted key order."""
+    for key in sorted(tree):
+        value = tree[key]
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from iter_leaves(value, name + "/")
+        else:
+            yield name, value
