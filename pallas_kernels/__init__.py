@@ -1,5 +1,11 @@
 """Pallas attention kernels for jaxinfer (GPU Triton + TPU Mosaic), each with a jnp reference."""
 
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 
-__all__ = ["flash_attention", "flash_attention_reference"]
+__all__ = [
+    "decode_attention",
+    "decode_attention_reference",
+    "flash_attention",
+    "flash_attention_reference",
+]

@@ -1,0 +1,386 @@
+"""Decode attention over a contiguous, preallocated KV cache (one new query token per sequence).
+
+Cache layout is [batch, kv_heads, max_len, head_dim]: kv heads before the sequence axis so
+that one (sequence, kv head) slice is a contiguous [max_len, head_dim] matrix and decode
+never transposes the cache.
+
+GPU: Flash-Decoding. The grid is (batch, kv_heads, num_splits); each program streams its
+share of the valid keys once and applies them to all q heads of its group at once (GQA:
+each K/V block is read once per kv head). Partial results (acc, max, sum) are merged by a
+small combine step. TPU: one program per (sequence, kv head) walks key blocks along an
+"arbitrary" grid axis with the online softmax kept in VMEM scratch; blocks past the length
+are neither fetched nor computed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import (
+    LOG2E,
+    MIN_DOT,
+    cdiv,
+    check,
+    check_backend,
+    check_dtype,
+    check_gqa,
+    check_head_dim,
+    combine_splits,
+    default_scale,
+    gpu_params,
+    next_pow2,
+    online_softmax_finish,
+    prev_pow2,
+    tpu_interpret,
+    tpu_params,
+)
+
+NEG_INF = float("-inf")
+# Enough programs to give each of the H100's 132 SMs about four (latency hiding).
+_TARGET_PROGRAMS = 528
+
+
+def _validate(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array) -> int:
+    check(q.ndim == 3, f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+    check(
+        k_cache.ndim == 4,
+        f"k_cache must be [batch, kv_heads, max_len, head_dim], got shape {k_cache.shape}",
+    )
+    check(k_cache.shape == v_cache.shape, f"k_cache {k_cache.shape} != v_cache {v_cache.shape}")
+    check(
+        q.shape[0] == k_cache.shape[0],
+        f"batch mismatch: q {q.shape[0]} vs cache {k_cache.shape[0]}",
+    )
+    check(
+        q.shape[2] == k_cache.shape[3],
+        f"head_dim mismatch: q {q.shape[2]} vs cache {k_cache.shape[3]}",
+    )
+    check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
+    check_dtype("q", q)
+    check_head_dim(q.shape[2])
+    check(
+        lengths.shape == (q.shape[0],),
+        f"lengths must have shape ({q.shape[0]},), got {lengths.shape}",
+    )
+    return check_gqa(q.shape[1], k_cache.shape[1])
+
+
+def decode_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Plain-jnp decode attention (float32 math), same contract as `decode_attention`.
+
+    Args:
+      q: [batch, q_heads, head_dim].
+      k_cache, v_cache: [batch, kv_heads, max_len, head_dim].
+      lengths: int [batch], number of valid keys; positions >= lengths[b] never contribute
+        (they may hold NaN).
+      sm_scale: logit scale, default 1/sqrt(head_dim).
+
+    Returns:
+      [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives 0.
+    """
+    group = _validate(q, k_cache, v_cache, lengths)
+    b, hq, d = q.shape
+    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    scale = default_scale(sm_scale, d)
+    valid = jnp.arange(max_len)[None, :] < lengths[:, None]  # [b, max_len]
+    kf = jnp.where(valid[:, None, :, None], k_cache.astype(jnp.float32), 0.0)
+    vf = jnp.where(valid[:, None, :, None], v_cache.astype(jnp.float32), 0.0)
+    qf = q.astype(jnp.float32).reshape(b, hkv, group, d)
+    s = jnp.einsum("bhgd,bhkd->bhgk", qf, kf) * scale
+    s = jnp.where(valid[:, None, None, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m))
+    o = jnp.einsum("bhgk,bhkd->bhgd", p, vf)
+    o = online_softmax_finish(o, jnp.sum(p, axis=-1, keepdims=True))
+    return o.reshape(b, hq, d).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- GPU (Triton)
+
+
+def _decode_gpu_kernel(
+    len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float, block_k: int,
+    max_len: int, num_splits: int,
+) -> None:
+    split = pl.program_id(2)
+    q = q_ref[...]  # [group_pad, d]
+    rows = q.shape[0]
+    seq_len = jnp.minimum(len_ref[0], max_len)
+    # Splits divide the *valid* blocks, so a short sequence in a long cache still spreads
+    # its work across all splits instead of leaving most of them idle.
+    n_blocks = cdiv(seq_len, block_k)
+    per_split = cdiv(n_blocks, num_splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_blocks)
+
+    def body(j, carry):
+        acc, m, l_sum = carry
+        nominal = j * block_k
+        # The last block may overhang max_len (not a block multiple): slide it back to end
+        # at max_len and mask the keys that the previous block already covered.
+        start = jnp.minimum(nominal, max_len - block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        valid = (kpos >= nominal) & (kpos < seq_len)
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale
+        s = jnp.where(valid, s, NEG_INF)
+        vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        # Masked cache slots may hold NaN: zero them, since 0 * NaN = NaN.
+        v = jnp.where((vpos >= nominal) & (vpos < seq_len), v, jnp.zeros_like(v))
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return acc, m_new, l_sum
+
+    acc, m, l_sum = lax.fori_loop(
+        lo, hi, body,
+        (
+            jnp.zeros(q.shape, jnp.float32),
+            jnp.full((rows,), NEG_INF, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        ),
+    )
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l_sum
+
+
+def default_num_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
+    """Split count that gives about _TARGET_PROGRAMS programs, capped by the block count."""
+    want = next_pow2(cdiv(_TARGET_PROGRAMS, batch * kv_heads))
+    return max(1, min(want, cdiv(max_len, block_k)))
+
+
+def _decode_gpu(q, k_cache, v_cache, lengths, *, scale, block_k, num_splits, num_warps,
+                num_stages, interpret):
+    b, hq, d = q.shape
+    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if max_len < MIN_DOT:
+        # Tiny caches only (tests): pad to the smallest dot size; the pad is masked.
+        pad = ((0, 0), (0, 0), (0, MIN_DOT - max_len), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+        max_len = MIN_DOT
+    block_k = max(MIN_DOT, min(block_k, prev_pow2(max_len)))
+    if num_splits is None:
+        num_splits = default_num_splits(b, hkv, max_len, block_k)
+    # Pad the q-head group to the minimum dot height; the padded rows are discarded.
+    gp = max(MIN_DOT, next_pow2(group))
+    qg = q.reshape(b, hkv, group, d)
+    if gp != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    kernel = functools.partial(
+        _decode_gpu_kernel, scale=scale * LOG2E, block_k=block_k, max_len=max_len,
+        num_splits=num_splits,
+    )
+    acc, m, l_sum = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda bi, h, s: (bi,)),
+            pl.BlockSpec((None, None, gp, d), lambda bi, h, s: (bi, h, 0, 0)),
+            pl.BlockSpec((None, None, max_len, d), lambda bi, h, s: (bi, h, 0, 0)),
+            pl.BlockSpec((None, None, max_len, d), lambda bi, h, s: (bi, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+        ],
+        compiler_params=gpu_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jaxinfer_decode_splitk",
+    )(lengths, qg, k_cache, v_cache)
+    out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group], axis=2)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- TPU (Mosaic)
+
+
+def _decode_tpu_kernel(
+    len_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float, block_k: int,
+    max_len: int,
+) -> None:
+    bi, kj = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(kj == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    seq_len = jnp.minimum(len_ref[bi], max_len)
+    k_lo = kj * block_k
+
+    @pl.when(k_lo < seq_len)
+    def _compute():
+        q = q_ref[...]
+        k = k_ref[...]
+        v = v_ref[...]
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale
+        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(kpos < seq_len, s, NEG_INF)
+        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
+        m_prev = m_sc[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp2(m_prev - m_safe)
+        p = jnp.exp2(s - m_safe)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_sc[...] = acc_sc[...] * alpha + lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        m_sc[...] = m_new
+
+    @pl.when(kj == pl.num_programs(2) - 1)
+    def _finish():
+        o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
+
+
+def _tpu_block_k(max_len: int, block_k: int) -> int:
+    if max_len % block_k == 0:
+        return block_k
+    # The cache is not a block multiple: use the largest multiple of 8 dividing it.
+    for cand in range(min(block_k, max_len) // 8 * 8, 7, -8):
+        if max_len % cand == 0:
+            return cand
+    return max_len
+
+
+def _decode_tpu(q, k_cache, v_cache, lengths, *, scale, block_k, interpret):
+    b, hq, d = q.shape
+    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    block_k = _tpu_block_k(max_len, block_k)
+    nk = max_len // block_k
+    qg = q.reshape(b, hkv, group, d)
+
+    def kv_map(bi, h, j, len_ref):
+        # Re-use the last valid block index past the length: no DMA for skipped steps.
+        last = jnp.maximum(cdiv(jnp.minimum(len_ref[bi], max_len), block_k) - 1, 0)
+        return (bi, h, jnp.minimum(j, last), 0)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(b, hkv, nk),
+        in_specs=[
+            pl.BlockSpec((None, None, group, d), lambda bi, h, j, L: (bi, h, 0, 0)),
+            pl.BlockSpec((None, None, block_k, d), kv_map),
+            pl.BlockSpec((None, None, block_k, d), kv_map),
+        ],
+        out_specs=pl.BlockSpec((None, None, group, d), lambda bi, h, j, L: (bi, h, 0, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((group, 1), jnp.float32),
+            pltpu.VMEM((group, 1), jnp.float32),
+            pltpu.VMEM((group, d), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        functools.partial(
+            _decode_tpu_kernel, scale=scale * LOG2E, block_k=block_k, max_len=max_len
+        ),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
+        interpret=tpu_interpret(interpret),
+        name="jaxinfer_decode_tpu",
+    )(lengths, qg, k_cache, v_cache)
+    return out.reshape(b, hq, d)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret", "backend",
+    ),
+)
+def _decode_attention_jit(q, k_cache, v_cache, lengths, *, sm_scale, block_k, num_splits,
+                          num_warps, num_stages, interpret, backend):
+    lengths = lengths.astype(jnp.int32)
+    scale = default_scale(sm_scale, q.shape[-1])
+    if backend == "tpu":
+        return _decode_tpu(
+            q, k_cache, v_cache, lengths, scale=scale, block_k=block_k, interpret=interpret
+        )
+    return _decode_gpu(
+        q, k_cache, v_cache, lengths, scale=scale, block_k=block_k, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    block_k: int = 128,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+    backend: str = "gpu",
+) -> jax.Array:
+    """Single-token decode attention over a contiguous KV cache (Flash-Decoding on GPU).
+
+    Args:
+      q: [batch, q_heads, head_dim], bfloat16/float16/float32 (one new token per sequence).
+      k_cache, v_cache: [batch, kv_heads, max_len, head_dim], q's dtype;
+        q_heads % kv_heads == 0.
+      lengths: int [batch], valid keys per sequence; slots >= lengths[b] never contribute
+        and may hold garbage or NaN.
+      sm_scale: logit scale, default 1/sqrt(head_dim).
+      block_k: keys per inner step (a power of two on GPU).
+      num_splits: split-K factor along the sequence (GPU); default fills about 4 programs
+        per SM of an H100.
+      num_warps, num_stages: Triton launch parameters (GPU only).
+      interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
+      backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
+
+    Returns:
+      [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
+    """
+    check_backend(backend)
+    _validate(q, k_cache, v_cache, lengths)
+    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
+    return _decode_attention_jit(
+        q, k_cache, v_cache, lengths, sm_scale=sm_scale, block_k=block_k,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, backend=backend,
+    )
