@@ -2,10 +2,13 @@
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 __all__ = [
     "decode_attention",
     "decode_attention_reference",
     "flash_attention",
     "flash_attention_reference",
+    "paged_attention",
+    "paged_attention_reference",
 ]

@@ -1,0 +1,382 @@
+"""Paged decode attention: one query token per sequence, K/V in a shared pool of pages.
+
+Pages are [kv_heads, num_pages, page_size, head_dim] (the layout JAX's own GPU and TPU
+paged kernels use): one kv head's page is a contiguous [page_size, head_dim] tile, and a
+block of pages is gathered by index with one load. `block_tables[b, i]` is the physical
+page that holds keys [i * page_size, (i + 1) * page_size) of sequence b.
+
+GPU: Flash-Decoding over the page list, grid (batch, kv_heads, num_splits); each program
+gathers `pages_per_block` pages per step and applies them to the whole q-head group
+(GQA: each page is read once per kv head). TPU: the block table is scalar-prefetched into
+SMEM and drives the K/V BlockSpec index map, one page per grid step, so the pipeline DMAs
+exactly the pages the sequence owns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import (
+    LOG2E,
+    MIN_DOT,
+    cdiv,
+    check,
+    check_backend,
+    check_dtype,
+    check_gqa,
+    check_head_dim,
+    combine_splits,
+    default_scale,
+    gpu_params,
+    next_pow2,
+    online_softmax_finish,
+    tpu_interpret,
+    tpu_params,
+)
+from pallas_kernels.decode_attention import decode_attention_reference
+
+NEG_INF = float("-inf")
+_TARGET_PROGRAMS = 528
+
+
+def _validate(q, k_pages, v_pages, block_tables, lengths) -> int:
+    check(q.ndim == 3, f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+    check(
+        k_pages.ndim == 4,
+        "k_pages must be [kv_heads, num_pages, page_size, head_dim], "
+        f"got shape {k_pages.shape}",
+    )
+    check(k_pages.shape == v_pages.shape, f"k_pages {k_pages.shape} != v_pages {v_pages.shape}")
+    check(
+        q.shape[2] == k_pages.shape[3],
+        f"head_dim mismatch: q {q.shape[2]} vs pages {k_pages.shape[3]}",
+    )
+    check(q.dtype == k_pages.dtype == v_pages.dtype, "q, k_pages and v_pages must share a dtype")
+    check_dtype("q", q)
+    check_head_dim(q.shape[2])
+    check(
+        block_tables.ndim == 2 and block_tables.shape[0] == q.shape[0],
+        f"block_tables must be [batch={q.shape[0]}, pages_per_seq], got {block_tables.shape}",
+    )
+    check(
+        lengths.shape == (q.shape[0],),
+        f"lengths must have shape ({q.shape[0]},), got {lengths.shape}",
+    )
+    return check_gqa(q.shape[1], k_pages.shape[0])
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Pages [kv_heads, num_pages, page_size, d] -> dense [batch, kv_heads, p * page_size, d]."""
+    g = pages[:, block_tables]  # [kv_heads, batch, p, page_size, d]
+    h, b, p, ps, d = g.shape
+    return jnp.transpose(g, (1, 0, 2, 3, 4)).reshape(b, h, p * ps, d)
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Plain-jnp paged decode attention: gather the pages, then dense masked attention.
+
+    Args:
+      q: [batch, q_heads, head_dim].
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
+      block_tables: int [batch, pages_per_seq], physical page of each logical page.
+      lengths: int [batch], valid keys per sequence.
+      sm_scale: logit scale, default 1/sqrt(head_dim).
+
+    Returns:
+      [batch, q_heads, head_dim] in q's dtype.
+    """
+    _validate(q, k_pages, v_pages, block_tables, lengths)
+    # Entries past a sequence's pages may be anything: clamp so the gather stays in range.
+    bt = jnp.clip(block_tables, 0, k_pages.shape[1] - 1)
+    return decode_attention_reference(
+        q, gather_pages(k_pages, bt), gather_pages(v_pages, bt), lengths, sm_scale=sm_scale
+    )
+
+
+# --------------------------------------------------------------------------- GPU (Triton)
+
+
+def _paged_gpu_kernel(
+    len_ref, bt_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
+    pages_per_block: int, page_size: int, num_pages: int, num_splits: int,
+) -> None:
+    split = pl.program_id(2)
+    q = q_ref[...]
+    rows, d = q.shape
+    block_k = pages_per_block * page_size
+    seq_len = len_ref[0]
+    n_blocks = cdiv(seq_len, block_k)
+    per_split = cdiv(n_blocks, num_splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_blocks)
+
+    def body(j, carry):
+        acc, m, l_sum = carry
+        pages = bt_ref[pl.ds(j * pages_per_block, pages_per_block)]
+        # Table slots past the sequence may be stale or padding: keep the gather in range.
+        pages = jnp.clip(pages, 0, num_pages - 1)
+        k = k_ref[pages].reshape(block_k, d)
+        v = v_ref[pages].reshape(block_k, d)
+        start = j * block_k
+        kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale
+        s = jnp.where(kpos < seq_len, s, NEG_INF)
+        vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return acc, m_new, l_sum
+
+    acc, m, l_sum = lax.fori_loop(
+        lo, hi, body,
+        (
+            jnp.zeros(q.shape, jnp.float32),
+            jnp.full((rows,), NEG_INF, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        ),
+    )
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l_sum
+
+
+def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_block,
+               num_splits, num_warps, num_stages, interpret):
+    b, hq, d = q.shape
+    hkv, num_pages, page_size, _ = k_pages.shape
+    group = hq // hkv
+    pps = block_tables.shape[1]
+    # At least MIN_DOT keys per step (Triton dot) and no more pages than a sequence has.
+    pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
+    pages_per_block = min(pages_per_block, max(next_pow2(pps), cdiv(MIN_DOT, page_size)))
+    pages_per_block = next_pow2(pages_per_block)
+    n_blocks_max = cdiv(pps, pages_per_block)
+    if num_splits is None:
+        num_splits = max(1, min(next_pow2(cdiv(_TARGET_PROGRAMS, b * hkv)), n_blocks_max))
+    # Pad the table so every block's slice of it is in bounds (padding is masked by length).
+    bt = jnp.pad(
+        block_tables.astype(jnp.int32), ((0, 0), (0, n_blocks_max * pages_per_block - pps))
+    )
+    gp = max(MIN_DOT, next_pow2(group))
+    qg = q.reshape(b, hkv, group, d)
+    if gp != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    kernel = functools.partial(
+        _paged_gpu_kernel, scale=scale * LOG2E, pages_per_block=pages_per_block,
+        page_size=page_size, num_pages=num_pages, num_splits=num_splits,
+    )
+    acc, m, l_sum = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda bi, h, s: (bi,)),
+            pl.BlockSpec((None, bt.shape[1]), lambda bi, h, s: (bi, 0)),
+            pl.BlockSpec((None, None, gp, d), lambda bi, h, s: (bi, h, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+        ],
+        compiler_params=gpu_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jaxinfer_paged_decode",
+    )(lengths, bt, qg, k_pages, v_pages)
+    out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group], axis=2)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- TPU (Mosaic)
+
+
+def _paged_tpu_kernel(
+    len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float,
+    page_size: int,
+) -> None:
+    bi, j = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    seq_len = len_ref[bi]
+    k_lo = j * page_size
+
+    @pl.when(k_lo < seq_len)
+    def _compute():
+        q = q_ref[...]
+        k = k_ref[...]
+        v = v_ref[...]
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale
+        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(kpos < seq_len, s, NEG_INF)
+        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
+        m_prev = m_sc[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp2(m_prev - m_safe)
+        p = jnp.exp2(s - m_safe)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_sc[...] = acc_sc[...] * alpha + lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        m_sc[...] = m_new
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish():
+        o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
+
+
+def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):
+    b, hq, d = q.shape
+    hkv, num_pages, page_size, _ = k_pages.shape
+    group = hq // hkv
+    pps = block_tables.shape[1]
+    qg = q.reshape(b, hkv, group, d)
+    # SMEM pads 2-D arrays heavily; a flat table is the compact form.
+    bt_flat = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
+
+    def kv_map(bi, h, j, len_ref, bt_ref):
+        # Past the length, keep pointing at the last valid page: no new DMA is issued.
+        last = jnp.maximum(cdiv(len_ref[bi], page_size) - 1, 0)
+        return (h, bt_ref[bi * pps + jnp.minimum(j, last)], 0, 0)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, hkv, pps),
+        in_specs=[
+            pl.BlockSpec((None, None, group, d), lambda bi, h, j, L, T: (bi, h, 0, 0)),
+            pl.BlockSpec((None, None, page_size, d), kv_map),
+            pl.BlockSpec((None, None, page_size, d), kv_map),
+        ],
+        out_specs=pl.BlockSpec((None, None, group, d), lambda bi, h, j, L, T: (bi, h, 0, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((group, 1), jnp.float32),
+            pltpu.VMEM((group, 1), jnp.float32),
+            pltpu.VMEM((group, d), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        functools.partial(_paged_tpu_kernel, scale=scale * LOG2E, page_size=page_size),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
+        interpret=tpu_interpret(interpret),
+        name="jaxinfer_paged_decode_tpu",
+    )(lengths, bt_flat, qg, k_pages, v_pages)
+    return out.reshape(b, hq, d)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "interpret",
+        "backend",
+    ),
+)
+def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale,
+                         pages_per_block, num_splits, num_warps, num_stages, interpret,
+                         backend):
+    lengths = jnp.minimum(
+        lengths.astype(jnp.int32), block_tables.shape[1] * k_pages.shape[2]
+    )
+    scale = default_scale(sm_scale, q.shape[-1])
+    if backend == "tpu":
+        return _paged_tpu(
+            q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret
+        )
+    return _paged_gpu(
+        q, k_pages, v_pages, block_tables, lengths, scale=scale,
+        pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    pages_per_block: int = 8,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+    backend: str = "gpu",
+) -> jax.Array:
+    """Paged decode attention with split-K (Flash-Decoding) and GQA grouping.
+
+    Args:
+      q: [batch, q_heads, head_dim], bfloat16/float16/float32, one token per sequence.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], q's dtype; page_size a
+        power of two on GPU; q_heads % kv_heads == 0.
+      block_tables: int [batch, pages_per_seq]; entry i is the physical page holding keys
+        [i*page_size, (i+1)*page_size) of the sequence. Entries past the length are never
+        used for values (they are clamped into range before any gather).
+      lengths: int [batch], valid keys per sequence (<= pages_per_seq * page_size).
+      sm_scale: logit scale, default 1/sqrt(head_dim).
+      pages_per_block: pages gathered per inner step on GPU (rounded up so a step has at
+        least 16 keys).
+      num_splits: split-K factor (GPU); default about 4 programs per H100 SM.
+      num_warps, num_stages: Triton launch parameters (GPU only).
+      interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
+      backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
+
+    Returns:
+      [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
+    """
+    check_backend(backend)
+    _validate(q, k_pages, v_pages, block_tables, lengths)
+    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
+    page_size = k_pages.shape[2]
+    check(
+        backend == "tpu" or page_size == next_pow2(page_size),
+        f"page_size must be a power of two on GPU, got {page_size}",
+    )
+    return _paged_attention_jit(
+        q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
+        pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, backend=backend,
+    )
