@@ -1,0 +1,304 @@
+"""Check and time the pallas_kernels attention kernels on a GPU (run on the device machine).
+
+Correctness first (each kernel against its float32 jnp reference on fresh random inputs,
+masked cache slots / unused pages filled with NaN), then timings:
+
+* flash attention, causal, bf16: ours (several tile configs) vs cuDNN
+  (`jax.nn.dot_product_attention(implementation="cudnn")`), plain XLA and JAX's shipped
+  Pallas Triton kernel (`jax.experimental.pallas.ops.gpu.attention.mha`), in TFLOP/s;
+* decode attention (contiguous cache) and paged attention, bf16, 32 q / 8 kv heads,
+  head_dim 128: achieved K/V bytes/s (each valid K/V byte counted once) vs JAX's
+  `decode_attention.gqa` / `paged_attention.paged_attention` and a device-copy ceiling.
+
+Timing: jit, warm up, then launch `reps` back-to-back calls that rotate over several input
+sets (so small caches do not sit in L2) and `block_until_ready` once; the figure is the
+median over `trials` such batches. Results go to JSON (`--out`) and a table on stdout.
+
+Usage: PYTHONPATH=. python3 scripts/bench_kernels.py --out $OUT/bench.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (
+    decode_attention,
+    decode_attention_reference,
+    flash_attention,
+    flash_attention_reference,
+    paged_attention,
+    paged_attention_reference,
+)
+
+RESULTS: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0])}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def rand(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def time_fn(fn: Callable[..., Any], arg_sets: list[tuple], reps: int = 10,
+            trials: int = 7) -> float:
+    """Median seconds per call: `reps` async launches over rotating inputs, one sync."""
+    out = fn(*arg_sets[0])
+    jax.block_until_ready(out)
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for i in range(reps):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def max_err(a: jax.Array, b: jax.Array) -> float:
+    a32 = np.asarray(a, np.float32)
+    b32 = np.asarray(b, np.float32)
+    if np.isnan(a32).any():
+        return float("nan")
+    return float(np.abs(a32 - b32).max())
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
+    f = jax.jit(lambda x: x + 1)
+    t = time_fn(f, [(x,)], reps=5, trials=5)
+    bw = 2 * x.nbytes / t
+    RESULTS["copy_bw_TBps"] = bw / 1e12
+    log(f"device copy (read+write) {bw / 1e12:.2f} TB/s")
+    return bw
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def check_correctness() -> None:
+    key = jax.random.PRNGKey(1)
+    errs: dict[str, float] = {}
+    ks = jax.random.split(key, 16)
+    # flash: GQA 4, lengths not block multiples, bf16 + f32
+    for dt, d, causal in ((jnp.bfloat16, 128, True), (jnp.float32, 64, False)):
+        b, s, hq, hkv = 3, 333, 8, 2
+        q, k, v = rand(ks[0], (b, s, hq, d), dt), rand(ks[1], (b, s, hkv, d), dt), rand(
+            ks[2], (b, s, hkv, d), dt)
+        lengths = jnp.array([1, 200, 333], jnp.int32)
+        o = flash_attention(q, k, v, causal=causal, lengths=lengths)
+        r = flash_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                      v.astype(jnp.float32), causal=causal, lengths=lengths)
+        errs[f"flash_{jnp.dtype(dt).name}_d{d}_causal{causal}"] = max_err(o, r)
+    # decode: NaN past the length
+    b, hq, hkv, d, max_len = 4, 32, 8, 128, 1000
+    lengths = jnp.array([1, 17, 640, 1000], jnp.int32)
+    valid = (jnp.arange(max_len)[None, :] < lengths[:, None])[:, None, :, None]
+    q = rand(ks[3], (b, hq, d), jnp.bfloat16)
+    kc = jnp.where(valid, rand(ks[4], (b, hkv, max_len, d), jnp.bfloat16), jnp.nan)
+    vc = jnp.where(valid, rand(ks[5], (b, hkv, max_len, d), jnp.bfloat16), jnp.nan)
+    o = decode_attention(q, kc, vc, lengths)
+    r = decode_attention_reference(q.astype(jnp.float32), kc.astype(jnp.float32),
+                                   vc.astype(jnp.float32), lengths)
+    errs["decode_bf16"] = max_err(o, r)
+    # paged: shuffled pages, unused pages NaN
+    ps, pps = 16, 40
+    npages = b * pps + 7
+    perm = np.random.default_rng(0).permutation(npages)
+    bt = jnp.asarray(perm[: b * pps].reshape(b, pps), jnp.int32)
+    used = np.zeros(npages, bool)
+    used[perm[: b * pps]] = True
+    kp = rand(ks[6], (hkv, npages, ps, d), jnp.bfloat16)
+    vp = rand(ks[7], (hkv, npages, ps, d), jnp.bfloat16)
+    kp = jnp.where(jnp.asarray(used)[None, :, None, None], kp, jnp.nan)
+    vp = jnp.where(jnp.asarray(used)[None, :, None, None], vp, jnp.nan)
+    lengths = jnp.array([1, 100, 333, pps * ps], jnp.int32)
+    o = paged_attention(q, kp, vp, bt, lengths)
+    r = paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                  vp.astype(jnp.float32), bt, lengths)
+    errs["paged_bf16"] = max_err(o, r)
+    RESULTS["correctness_max_abs_err"] = errs
+    for name, e in errs.items():
+        log(f"check {name}: max |err| = {e:.3g}")
+
+
+# --------------------------------------------------------------------------- flash
+
+
+def bench_flash(quick: bool) -> None:
+    from jax.experimental.pallas.ops.gpu import attention as jax_attn
+
+    rows = []
+    key = jax.random.PRNGKey(0)
+    configs = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 4),
+               (64, 64, 4, 3)]
+    if quick:
+        configs = configs[:2]
+    for s in (4096, 1024, 2048, 8192):
+        b, h, d = 4, 32, 128
+        kq, kk, kv = jax.random.split(jax.random.fold_in(key, s), 3)
+        q = rand(kq, (b, s, h, d), jnp.bfloat16)
+        k = rand(kk, (b, s, h, d), jnp.bfloat16)
+        v = rand(kv, (b, s, h, d), jnp.bfloat16)
+        flops = 4 * b * h * s * s * d / 2  # causal: half the score matrix
+        scale = 1 / math.sqrt(d)
+
+        def record(name: str, fn: Callable[..., Any], s=s, q=q, k=k, v=v, flops=flops):
+            try:
+                t = time_fn(fn, [(q, k, v)], reps=5, trials=5)
+                rows.append({"seq": s, "impl": name, "ms": t * 1e3, "tflops": flops / t / 1e12})
+                log(f"flash S={s:5d} {name:32s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s")
+            except Exception as e:  # keep going: one failing comparison must not stop the run
+                log(f"flash S={s} {name} FAILED: {type(e).__name__}: {str(e)[:300]}")
+
+        cfgs = configs if s == 4096 else configs[:1]
+        for bq, bk, nw, ns in cfgs:
+            f = jax.jit(lambda q, k, v, bq=bq, bk=bk, nw=nw, ns=ns: flash_attention(
+                q, k, v, causal=True, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns))
+            record(f"ours bq{bq} bk{bk} w{nw} s{ns}", f)
+        if s == 4096:
+            o = flash_attention(q, k, v, causal=True)
+            ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+            err = max_err(o, ref)
+            RESULTS["flash_4096_err_vs_xla"] = err
+            log(f"flash S=4096 ours vs XLA max |err| {err:.3g}")
+        record("cudnn", jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")))
+        if s <= 4096:
+            record("xla", jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="xla")))
+        record("jax pallas mha", jax.jit(lambda q, k, v, scale=scale: jax_attn.mha(
+            q, k, v, None, sm_scale=scale, causal=True)))
+        del q, k, v
+    RESULTS["flash"] = rows
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _n_sets(bytes_per_set: int) -> int:
+    # Rotate over enough input sets that the working set is well past the 50 MB L2.
+    return max(1, min(8, math.ceil(256e6 / bytes_per_set)))
+
+
+def bench_decode(quick: bool) -> None:
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_dec
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    key = jax.random.PRNGKey(2)
+    batches = (1, 8, 64)
+    ctxs = (1024, 8192, 32768)
+    if quick:
+        batches, ctxs = (1, 64), (1024, 32768)
+    for b in batches:
+        for ctx in ctxs:
+            kv_bytes = 2 * b * hkv * ctx * d * 2
+            nsets = _n_sets(kv_bytes)
+            sets = []
+            for i in range(nsets):
+                k1, k2, k3 = jax.random.split(jax.random.fold_in(key, b * 100000 + ctx + i), 3)
+                sets.append((rand(k1, (b, hq, d), jnp.bfloat16),
+                             rand(k2, (b, hkv, ctx, d), jnp.bfloat16),
+                             rand(k3, (b, hkv, ctx, d), jnp.bfloat16)))
+            lengths = jnp.full((b,), ctx, jnp.int32)
+
+            def record(name: str, fn: Callable[..., Any], arg_sets: list[tuple],
+                       b=b, ctx=ctx, kv_bytes=kv_bytes):
+                try:
+                    t = time_fn(fn, arg_sets, reps=max(10, 2 * len(arg_sets)))
+                    rows.append({"batch": b, "ctx": ctx, "impl": name, "us": t * 1e6,
+                                 "TBps": kv_bytes / t / 1e12})
+                    log(f"decode B={b:3d} ctx={ctx:6d} {name:30s} {t * 1e6:9.1f} us "
+                        f"{kv_bytes / t / 1e12:6.2f} TB/s")
+                except Exception as e:
+                    log(f"decode B={b} ctx={ctx} {name} FAILED: {type(e).__name__}: "
+                        f"{str(e)[:300]}")
+
+            for bk, ns, nw in ((128, 3, 4), (64, 4, 4), (256, 2, 8)):
+                f = jax.jit(lambda q, k, v, bk=bk, ns=ns, nw=nw, lengths=lengths:
+                            decode_attention(q, k, v, lengths, block_k=bk, num_stages=ns,
+                                             num_warps=nw))
+                record(f"ours contig bk{bk} s{ns} w{nw}", f, sets)
+            # JAX's gqa wants [batch, seq, kv_heads, d]: give it its own layout.
+            jsets = [(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) for q, k, v in sets]
+            record("jax gqa", jax.jit(lambda q, k, v, lengths=lengths: jax_dec.gqa(
+                q, k, v, kv_seq_len=lengths)), jsets)
+            del jsets
+            # Paged: same K/V scattered into a shuffled page pool.
+            for ps in (16, 64):
+                pps = ctx // ps
+                psets = []
+                for i, (q, k, v) in enumerate(sets):
+                    perm = jax.random.permutation(jax.random.fold_in(key, 7 + i), b * pps)
+                    bt = perm.reshape(b, pps).astype(jnp.int32)
+                    inv = jnp.argsort(perm)
+                    kp = jnp.transpose(k.reshape(b, hkv, pps, ps, d), (1, 0, 2, 3, 4)).reshape(
+                        hkv, b * pps, ps, d)[:, inv]
+                    vp = jnp.transpose(v.reshape(b, hkv, pps, ps, d), (1, 0, 2, 3, 4)).reshape(
+                        hkv, b * pps, ps, d)[:, inv]
+                    psets.append((q, kp, vp, bt))
+                if b == batches[0] and ctx == ctxs[0]:
+                    q, kp, vp, bt = psets[0]
+                    err = max_err(paged_attention(q, kp, vp, bt, lengths),
+                                  decode_attention_reference(
+                                      q.astype(jnp.float32), sets[0][1].astype(jnp.float32),
+                                      sets[0][2].astype(jnp.float32), lengths))
+                    log(f"paged ps={ps} vs contiguous reference max |err| {err:.3g}")
+                record(f"ours paged ps{ps}", jax.jit(
+                    lambda q, kp, vp, bt, lengths=lengths: paged_attention(
+                        q, kp, vp, bt, lengths)), psets)
+                ks_ = 16 if pps % 16 == 0 else 1
+                record(f"jax paged ps{ps}", jax.jit(
+                    lambda q, kp, vp, bt, lengths=lengths, ks_=ks_: jax_paged.paged_attention(
+                        q, kp, vp, bt, lengths, k_splits=ks_)), psets)
+                del psets
+            del sets
+    RESULTS["decode"] = rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench_kernels.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--skip", default="", help="comma list of: flash,decode")
+    args = p.parse_args()
+    log(f"jax {jax.__version__} on {jax.devices()}")
+    skip = set(args.skip.split(","))
+    for name, fn in (("ceiling", lambda: copy_bandwidth()), ("check", check_correctness),
+                     ("flash", lambda: bench_flash(args.quick)),
+                     ("decode", lambda: bench_decode(args.quick))):
+        if name in skip:
+            continue
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
+            RESULTS.setdefault("errors", []).append(f"{name}: {traceback.format_exc()[-800:]}")
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    log(json.dumps({k: v for k, v in RESULTS.items() if k not in ("flash", "decode")}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
