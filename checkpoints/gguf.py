@@ -78,7 +78,8 @@ def _llama3_scaling(freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict
     freqs = np.asarray(freqs, dtype=np.float64).reshape(-1)
     if np.allclose(freqs, 1.0):
         return {}
-    factor = float(freqs.max())
+    # Stored as float32: round off the representation error so the config reads e.g. 8.0.
+    factor = round(float(freqs.max()), 4)
     inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / inv_freq
     for cand in _LLAMA3_CANDIDATES:
