@@ -43,6 +43,8 @@ from pallas_kernels.decode_attention import decode_attention_reference
 
 NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 528
+# Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
+_BLOCK_KEYS = 128
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths) -> int:
@@ -169,6 +171,8 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_b
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
     pps = block_tables.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, _BLOCK_KEYS // page_size)
     # At least MIN_DOT keys per step (Triton dot) and no more pages than a sequence has.
     pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
     pages_per_block = min(pages_per_block, max(next_pow2(pps), cdiv(MIN_DOT, page_size)))
@@ -339,7 +343,7 @@ def paged_attention(
     lengths: jax.Array,
     *,
     sm_scale: float | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -357,8 +361,8 @@ def paged_attention(
         used for values (they are clamped into range before any gather).
       lengths: int [batch], valid keys per sequence (<= pages_per_seq * page_size).
       sm_scale: logit scale, default 1/sqrt(head_dim).
-      pages_per_block: pages gathered per inner step on GPU (rounded up so a step has at
-        least 16 keys).
+      pages_per_block: pages gathered per inner step on GPU; default gives 128 keys per
+        step (rounded so a step has at least 16 keys; larger steps overflow shared memory).
       num_splits: split-K factor (GPU); default about 4 programs per H100 SM.
       num_warps, num_stages: Triton launch parameters (GPU only).
       interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
