@@ -98,7 +98,12 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
 
 def _sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int],
                        add_space_prefix: bool) -> _FastTokenizer:
-    """Byte-fallback BPE equivalent to a sentencepiece BPE model (Llama style)."""
+    """Byte-fallback BPE equivalent to a sentencepiece BPE model (Llama style).
+
+    The dummy-prefix space is added by ``Tokenizer.encode`` (``space_prefix``), not here:
+    ``Metaspace(prepend_scheme="first")`` skips the prefix when the text already starts with a
+    space, which sentencepiece does not (``"  hi"`` must become three U+2581).
+    """
     vocab = {tok: i for i, tok in enumerate(tokens)}
     # Control/byte/unused pieces never take part in merges; only normal and user pieces do.
     mergeable = {tok: float(s) for tok, s, t in zip(tokens, scores, types, strict=True)
@@ -109,8 +114,8 @@ def _sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Se
                                     dropout=None))
     # Sentencepiece replaces spaces by U+2581 and adds one in front of the text (dummy prefix).
     tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
+                                                 split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -190,7 +195,8 @@ class Tokenizer:
 
     def __init__(self, backend: _FastTokenizer, *, bos_id: int | None,
                  eos_ids: Iterable[int], chat_template: str | None = None,
-                 add_bos: bool = False, sp_model: bytes | None = None):
+                 add_bos: bool = False, sp_model: bytes | None = None,
+                 space_prefix: bool = False):
         """Args:
           backend: the ``tokenizers.Tokenizer`` doing the work (its own post-processor is not
             used; BOS is added here according to ``add_bos``).
@@ -200,6 +206,8 @@ class Tokenizer:
           add_bos: whether ``encode`` prepends ``bos_id`` by default.
           sp_model: serialized sentencepiece model this tokenizer was built from (kept so that
             ``save`` also writes ``tokenizer.model``).
+          space_prefix: ``encode`` puts one space before non-empty text (sentencepiece's
+            ``add_dummy_prefix``, for tokenizers built from sentencepiece vocabularies).
         """
         self._tok = backend
         self._bos_id = bos_id
@@ -207,6 +215,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = bool(add_bos and bos_id is not None)
         self._sp_model = sp_model
+        self._space_prefix = space_prefix
 
     # ----------------------------------------------------------------------------- builders
     @classmethod
@@ -222,6 +231,7 @@ class Tokenizer:
         folder = Path(path)
         cfg = _read_json(folder / "tokenizer_config.json")
         sp_bytes = None
+        space_prefix = bool(cfg.get("jaxinfer_space_prefix", False))
         if (folder / "tokenizer.json").is_file():
             try:
                 backend = _FastTokenizer.from_file(str(folder / "tokenizer.json"))
@@ -230,7 +240,7 @@ class Tokenizer:
                                       "re-download it") from None
         elif (folder / "tokenizer.model").is_file():
             sp_bytes = (folder / "tokenizer.model").read_bytes()
-            backend = _from_sentencepiece(sp_bytes, folder / "tokenizer.model")
+            backend, space_prefix = _from_sentencepiece(sp_bytes, folder / "tokenizer.model")
         else:
             raise CheckpointError(f"{folder} has no tokenizer.json or tokenizer.model; copy the "
                                   "model's tokenizer files there")
@@ -259,7 +269,7 @@ class Tokenizer:
         else:
             add_bos = False
         return cls(backend, bos_id=bos, eos_ids=eos, chat_template=_chat_template(folder, cfg),
-                   add_bos=add_bos, sp_model=sp_bytes)
+                   add_bos=add_bos, sp_model=sp_bytes, space_prefix=space_prefix)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -281,14 +291,14 @@ class Tokenizer:
                                       "file is incomplete")
             backend = _byte_level_bpe(tokens, merges, types,
                                       metadata.get("tokenizer.ggml.pre", "default"))
-            default_add_bos = False
+            default_add_bos, space_prefix = False, False
         elif kind == "llama":
             scores = metadata.get("tokenizer.ggml.scores")
             if not scores:
                 raise CheckpointError("GGUF llama tokenizer has no tokenizer.ggml.scores; the "
                                       "file is incomplete")
-            backend = _sentencepiece_bpe(
-                tokens, scores, types, bool(metadata.get("tokenizer.ggml.add_space_prefix", True)))
+            space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+            backend = _sentencepiece_bpe(tokens, scores, types, space_prefix)
             default_add_bos = True  # llama.cpp's default for sentencepiece vocabularies
         else:
             raise CheckpointError(f"GGUF tokenizer.ggml.model={kind!r} is not supported (only "
@@ -297,7 +307,8 @@ class Tokenizer:
                                      "tokenizer.ggml.eom_token_id") if k in metadata]
         return cls(backend, bos_id=metadata.get("tokenizer.ggml.bos_token_id"), eos_ids=eos,
                    chat_template=metadata.get("tokenizer.chat_template"),
-                   add_bos=metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
+                   add_bos=metadata.get("tokenizer.ggml.add_bos_token", default_add_bos),
+                   space_prefix=space_prefix)
 
     # ----------------------------------------------------------------------------- persistence
     def save(self, directory: str | Path) -> None:
@@ -314,6 +325,7 @@ class Tokenizer:
             "eos_token": self.eos_token,
             # HF has one eos_token; models such as Llama 3 stop on several ids.
             "jaxinfer_eos_token_ids": list(self._eos_ids),
+            "jaxinfer_space_prefix": self._space_prefix,
         }
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
@@ -362,6 +374,8 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise InputError(f"encode expects a string, got {type(text).__name__}")
+        if self._space_prefix and text:
+            text = " " + text
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos is None:
             add_bos = self.add_bos and not (ids[:1] == [self._bos_id])
@@ -491,8 +505,9 @@ def _chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:
     return template
 
 
-def _from_sentencepiece(data: bytes, path: Path) -> _FastTokenizer:
-    """Convert a sentencepiece BPE model (bytes of ``tokenizer.model``) to a fast tokenizer."""
+def _from_sentencepiece(data: bytes, path: Path) -> tuple[_FastTokenizer, bool]:
+    """Convert a sentencepiece BPE model (bytes of ``tokenizer.model``) to a fast tokenizer;
+    also return whether it adds the dummy-prefix space."""
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -512,5 +527,5 @@ def _from_sentencepiece(data: bytes, path: Path) -> _FastTokenizer:
     # sentencepiece piece types: NORMAL=1, UNKNOWN=2, CONTROL=3, USER_DEFINED=4, BYTE=6,
     # UNUSED=5: the same numbering GGUF uses.
     types = [int(p.type) for p in proto.pieces]
-    return _sentencepiece_bpe(tokens, scores, types,
-                              bool(proto.normalizer_spec.add_dummy_prefix))
+    prefix = bool(proto.normalizer_spec.add_dummy_prefix)
+    return _sentencepiece_bpe(tokens, scores, types, prefix), prefix
