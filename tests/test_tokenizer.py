@@ -39,9 +39,9 @@ def gguf_tokenizers(default_gguf: Path):
     """(ours from the GGUF metadata, transformers' AutoTokenizer from the same GGUF)."""
     from transformers import AutoTokenizer
 
-    from checkpoints.gguf import _open_reader, read_gguf_metadata
+    from checkpoints.gguf import read_gguf_metadata
 
-    ours = Tokenizer.from_gguf_metadata(read_gguf_metadata(_open_reader(default_gguf)))
+    ours = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_gguf))
     ref = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
     return ours, ref
 
