@@ -1,0 +1,146 @@
+"""Every sampling option, on the sampling function directly and through ``generate``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jaxinfer
+from jaxinfer.sampling import SamplingArrays, SamplingParams, apply_repetition_penalty, sample
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+
+
+def _draw(n: int, **options) -> np.ndarray:
+    """n draws from one row with distribution PROBS, each with a different step index."""
+    logits = jnp.asarray(np.log(PROBS), jnp.float32)[None].repeat(n, axis=0)
+    s = SamplingArrays.from_params([SamplingParams(seed=11, **options)] * n)
+    tokens, _ = sample(logits, s, jnp.zeros((n, 4), bool), jnp.arange(n, dtype=jnp.int32))
+    return np.asarray(tokens)
+
+
+@pytest.mark.parametrize(
+    "options, allowed",
+    [
+        (dict(temperature=1.0, top_k=2), {0, 1}),
+        (dict(temperature=1.0, top_p=0.7), {0, 1}),  # 0.5 + 0.3 covers 0.7
+        (dict(temperature=1.0, top_p=0.5), {0}),
+        (dict(temperature=1.0, min_p=0.4), {0, 1}),  # keep p >= 0.2
+        (dict(temperature=1.0, top_k=3, top_p=0.9), {0, 1, 2}),
+        (dict(temperature=1.0), {0, 1, 2, 3}),
+    ],
+)
+def test_filters_never_emit_tokens_outside_their_set(options, allowed):
+    drawn = _draw(2000, **options)
+    assert set(drawn.tolist()) == allowed
+
+
+def test_temperature_sampling_follows_the_distribution():
+    for temperature in (1.0, 0.5):
+        drawn = _draw(4000, temperature=temperature)
+        expected = PROBS ** (1 / temperature)
+        expected /= expected.sum()
+        freq = np.bincount(drawn, minlength=4) / len(drawn)
+        assert np.abs(freq - expected).max() < 0.03, (temperature, freq, expected)
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 50)).astype(np.float32)
+    ids = rng.integers(0, 50, size=(3, 12))
+    seen = np.zeros((3, 50), bool)
+    np.put_along_axis(seen, ids, True, axis=1)
+    ours = apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen),
+                                    jnp.full((3,), 1.3))
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(ids), torch.tensor(logits))
+    np.testing.assert_allclose(np.asarray(ours), ref.numpy(), rtol=1e-6)
+
+
+def test_repetition_penalty_generation_matches_transformers(gqa_model):
+    model, torch_model = gqa_model
+    prompt = [5, 9, 9, 17, 5, 40]
+    (out,) = jaxinfer.generate(model, [prompt], max_new_tokens=16, repetition_penalty=1.5,
+                               stop_token_ids=[])
+    with torch.no_grad():
+        ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                   repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+    ref_tokens = ref[0, len(prompt):].tolist()
+    assert out.token_ids == ref_tokens[: len(out.token_ids)]
+    (plain,) = jaxinfer.generate(model, [prompt], max_new_tokens=16)
+    assert plain.token_ids != out.token_ids
+
+
+def test_top_k_one_equals_greedy(gqa_model):
+    model, _ = gqa_model
+    prompt = [3, 14, 15, 92, 65]
+    (greedy,) = jaxinfer.generate(model, [prompt], max_new_tokens=12)
+    (topk1,) = jaxinfer.generate(model, [prompt], max_new_tokens=12, temperature=1.5, top_k=1,
+                                 seed=1)
+    assert topk1.token_ids == greedy.token_ids
+
+
+def test_seeds_reproduce_and_differ(gqa_model):
+    model, _ = gqa_model
+    prompt = [3, 14, 15]
+    opts = dict(max_new_tokens=24, temperature=1.0, stop_token_ids=[])
+    a = jaxinfer.generate(model, [prompt], seed=5, **opts)[0].token_ids
+    b = jaxinfer.generate(model, [prompt], seed=5, **opts)[0].token_ids
+    c = jaxinfer.generate(model, [prompt], seed=6, **opts)[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_options_are_per_sequence_in_one_batch(gqa_model):
+    model, _ = gqa_model
+    prompts = [[3, 14, 15], [9, 26, 53, 58], [97, 93], [23, 84, 62, 64, 33]]
+    params = [
+        SamplingParams(max_new_tokens=10),
+        SamplingParams(max_new_tokens=14, temperature=0.9, top_p=0.8, seed=7),
+        SamplingParams(max_new_tokens=9, temperature=1.2, top_k=5, min_p=0.05, seed=8,
+                       repetition_penalty=1.2),
+        SamplingParams(max_new_tokens=12, temperature=0.7, seed=9, logprobs=True),
+    ]
+    together = jaxinfer.generate(model, prompts, sampling=params)
+    for prompt, p, got in zip(prompts, params, together, strict=True):
+        (alone,) = jaxinfer.generate(model, [prompt], sampling=p)
+        assert got.token_ids == alone.token_ids
+
+
+def test_logprobs_are_the_models_log_softmax(gqa_model):
+    model, _ = gqa_model
+    prompt = [3, 14, 15, 92]
+    (out,) = jaxinfer.generate(model, [prompt], max_new_tokens=6, temperature=1.0, seed=3,
+                               logprobs=True, stop_token_ids=[])
+    full = prompt + out.token_ids
+    logits = jaxinfer.compute_logits(model, full)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    expected = [logp[len(prompt) - 1 + i, t] for i, t in enumerate(out.token_ids)]
+    np.testing.assert_allclose(out.logprobs, expected, atol=1e-4)
+    (no_lp,) = jaxinfer.generate(model, [prompt], max_new_tokens=6)
+    assert no_lp.logprobs is None
+
+
+def test_stop_token_ids_and_max_new_tokens(gqa_model):
+    model, _ = gqa_model
+    prompt = [3, 14, 15, 92]
+    (free,) = jaxinfer.generate(model, [prompt], max_new_tokens=10, stop_token_ids=[])
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    (stopped,) = jaxinfer.generate(model, [prompt], max_new_tokens=10, stop_token_ids=[stop_at])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:first]
+    (short,) = jaxinfer.generate(model, [prompt], max_new_tokens=3, stop_token_ids=[])
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
+
+
+def test_timings_are_reported(gqa_model):
+    model, _ = gqa_model
+    (out,) = jaxinfer.generate(model, [[3, 4, 5]], max_new_tokens=5, stop_token_ids=[])
+    assert out.time_to_first_token > 0
+    assert out.time_per_output_token >= 0
