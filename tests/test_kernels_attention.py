@@ -1,0 +1,230 @@
+"""CPU tests of the pallas_kernels attention kernels against their jnp references.
+
+GPU (Triton) kernels run in Pallas interpret mode, TPU (Mosaic) kernels under the TPU
+interpreter. Every case draws fresh random inputs; cache slots past a length and the
+unused tail of a partly filled page hold large finite values, pages no block table
+points to hold NaN, so a kernel that reads or fails to mask them fails the comparison.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    decode_attention,
+    decode_attention_reference,
+    flash_attention,
+    flash_attention_reference,
+    paged_attention,
+    paged_attention_reference,
+)
+
+BF16_TOL = 2e-2
+F32_TOL = 1e-5
+_SEED = np.random.SeedSequence().entropy  # fresh inputs each run; printed on failure
+
+
+def _rng(*salt: int) -> np.random.Generator:
+    return np.random.default_rng([_SEED % (2**63), *salt])
+
+
+def _tol(dtype) -> float:
+    return BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
+
+
+def _assert_close(out, ref, dtype, rows_mask=None) -> None:
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert not np.isnan(out).any(), f"NaN in kernel output (seed {_SEED})"
+    if rows_mask is not None:
+        out, ref = out[rows_mask], ref[rows_mask]
+    err = float(np.abs(out - ref).max())
+    assert err < _tol(dtype), f"max |err| {err} >= {_tol(dtype)} (seed {_SEED})"
+
+
+def _f32(*xs):
+    return [x.astype(jnp.float32) for x in xs]
+
+
+# --------------------------------------------------------------------------- flash
+
+FLASH_CASES = [
+    # backend, dtype, batch, q_len, kv_len, q_heads, kv_heads, head_dim, causal, ragged
+    ("gpu", jnp.float32, 2, 37, 37, 4, 4, 64, True, True),
+    ("gpu", jnp.bfloat16, 2, 64, 64, 8, 2, 128, True, False),
+    ("gpu", jnp.float32, 3, 20, 45, 8, 1, 64, False, True),
+    ("gpu", jnp.bfloat16, 1, 1, 1, 8, 1, 64, True, False),
+    ("tpu", jnp.float32, 2, 24, 24, 4, 1, 64, True, True),
+    ("tpu", jnp.bfloat16, 2, 16, 40, 8, 2, 128, False, True),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,b,sq,sk,hq,hkv,d,causal,ragged", FLASH_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-sq{c[3]}-sk{c[4]}-g{c[5] // c[6]}" for c in FLASH_CASES],
+)
+def test_flash_attention(backend, dtype, b, sq, sk, hq, hkv, d, causal, ragged):
+    rng = _rng(1, b, sq, sk, hq, d)
+    q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), dtype)
+    k = rng.standard_normal((b, sk, hkv, d))
+    v = rng.standard_normal((b, sk, hkv, d))
+    lengths = None
+    if ragged:
+        lens = rng.integers(1, sk + 1, size=b)
+        lens[0] = 1
+        lens[-1] = sk
+        for i, n in enumerate(lens):  # keys past the length: large finite, must be masked
+            k[i, n:] = 1e4
+            v[i, n:] = 1e4
+        lengths = jnp.asarray(lens, jnp.int32)
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    out = flash_attention(
+        q, k, v, causal=causal, lengths=lengths, block_q=16, block_k=16,
+        interpret=True, backend=backend,
+    )
+    ref = flash_attention_reference(*_f32(q, k, v), causal=causal, lengths=lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+
+
+# --------------------------------------------------------------------------- decode
+
+DECODE_CASES = [
+    # backend, dtype, batch, q_heads, kv_heads, head_dim, max_len, num_splits, fill
+    ("gpu", jnp.float32, 3, 4, 4, 64, 50, None, np.nan),
+    ("gpu", jnp.bfloat16, 2, 8, 2, 128, 200, 3, 1e4),
+    ("gpu", jnp.float32, 4, 8, 1, 64, 33, 2, np.nan),
+    ("tpu", jnp.float32, 3, 8, 2, 64, 48, None, np.nan),
+    ("tpu", jnp.bfloat16, 2, 8, 1, 128, 64, None, 1e4),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,b,hq,hkv,d,max_len,num_splits,fill", DECODE_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-L{c[6]}-g{c[3] // c[4]}" for c in DECODE_CASES],
+)
+def test_decode_attention(backend, dtype, b, hq, hkv, d, max_len, num_splits, fill):
+    rng = _rng(2, b, hq, hkv, max_len)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+    k = rng.standard_normal((b, hkv, max_len, d))
+    v = rng.standard_normal((b, hkv, max_len, d))
+    lens = rng.integers(1, max_len + 1, size=b)
+    lens[0] = 1
+    lens[-1] = max_len - 1 if b > 2 else max_len
+    for i, n in enumerate(lens):
+        k[i, :, n:] = fill
+        v[i, :, n:] = fill
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    lengths = jnp.asarray(lens, jnp.int32)
+    out = decode_attention(
+        q, k, v, lengths, block_k=16, num_splits=num_splits, interpret=True, backend=backend
+    )
+    ref = decode_attention_reference(*_f32(q, k, v), lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+
+
+def test_decode_zero_length_is_zero_not_nan():
+    q = jnp.ones((2, 4, 64), jnp.float32)
+    k = jnp.full((2, 1, 32, 64), jnp.nan, jnp.float32)
+    out = decode_attention(q, k, k, jnp.zeros((2,), jnp.int32), block_k=16, interpret=True)
+    assert not np.isnan(np.asarray(out)).any()
+    assert np.abs(np.asarray(out)).max() == 0.0
+
+
+# --------------------------------------------------------------------------- paged
+
+
+def _make_paged(rng, b, hkv, d, page_size, pages_per_seq, dtype):
+    """Shuffled page pool: used pages random with a large-finite tail, unused pages NaN."""
+    num_pages = b * pages_per_seq + 5
+    perm = rng.permutation(num_pages)
+    k = np.full((hkv, num_pages, page_size, d), np.nan)
+    v = np.full((hkv, num_pages, page_size, d), np.nan)
+    lens = rng.integers(1, pages_per_seq * page_size + 1, size=b)
+    lens[0] = 1
+    lens[-1] = pages_per_seq * page_size - 3
+    table = np.empty((b, pages_per_seq), np.int32)
+    nxt = 0
+    for i, n in enumerate(lens):
+        for j in range(pages_per_seq):
+            if j * page_size < n:
+                p = perm[nxt]
+                nxt += 1
+                k[:, p] = rng.standard_normal((hkv, page_size, d))
+                v[:, p] = rng.standard_normal((hkv, page_size, d))
+                tail = n - j * page_size
+                if tail < page_size:
+                    k[:, p, tail:] = 1e4
+                    v[:, p, tail:] = 1e4
+            else:
+                p = perm[-1 - (j % 5)]  # table slots past the length point at NaN pages
+            table[i, j] = p
+    return (jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table),
+            jnp.asarray(lens, jnp.int32))
+
+
+PAGED_CASES = [
+    # backend, dtype, batch, q_heads, kv_heads, head_dim, page_size, pages_per_seq, splits
+    ("gpu", jnp.float32, 3, 8, 2, 64, 8, 7, None),
+    ("gpu", jnp.bfloat16, 2, 8, 1, 128, 16, 5, 2),
+    ("gpu", jnp.float32, 4, 4, 4, 64, 4, 9, 3),
+    ("tpu", jnp.float32, 3, 8, 2, 64, 8, 5, None),
+    ("tpu", jnp.bfloat16, 2, 8, 1, 128, 16, 3, None),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,b,hq,hkv,d,page_size,pps,num_splits", PAGED_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-ps{c[6]}-g{c[3] // c[4]}" for c in PAGED_CASES],
+)
+def test_paged_attention(backend, dtype, b, hq, hkv, d, page_size, pps, num_splits):
+    rng = _rng(3, b, hq, hkv, page_size, pps)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+    k, v, table, lengths = _make_paged(rng, b, hkv, d, page_size, pps, dtype)
+    out = paged_attention(
+        q, k, v, table, lengths, pages_per_block=2, num_splits=num_splits, interpret=True,
+        backend=backend,
+    )
+    ref = paged_attention_reference(*_f32(q, k, v), table, lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+def _raises(fn, match):
+    with pytest.raises(ValueError, match=match) as info:
+        fn()
+    assert "\n" not in str(info.value)
+
+
+def test_bad_arguments_raise_one_line_value_error():
+    q = jnp.zeros((2, 8, 6, 64), jnp.float32)
+    k = jnp.zeros((2, 8, 4, 64), jnp.float32)
+    _raises(lambda: flash_attention(q, k, k), "divisible")
+    _raises(lambda: flash_attention(q, k[:, :, :2, :32], k[:, :, :2, :32]), "head_dim")
+    _raises(lambda: flash_attention(q[..., :48], k[:, :, :2, :48], k[:, :, :2, :48]),
+            "unsupported head_dim")
+    _raises(lambda: flash_attention(q, k[:, :, :2], k[:, :4, :2]), "shape")
+    _raises(lambda: flash_attention(q[:, :, :4], k, k, backend="cuda"), "backend")
+    qd = jnp.zeros((2, 8, 64), jnp.float32)
+    cache = jnp.zeros((2, 2, 32, 64), jnp.float32)
+    _raises(lambda: decode_attention(qd, cache, cache, jnp.ones((3,), jnp.int32)), "lengths")
+    cache4 = jnp.zeros((2, 4, 32, 64), jnp.float32)
+    _raises(lambda: decode_attention(qd[:, :6], cache4, cache4, jnp.ones((2,), jnp.int32)),
+            "divisible")
+    _raises(lambda: decode_attention(qd, cache[:1], cache[:1], jnp.ones((2,), jnp.int32)),
+            "batch")
+    pages = jnp.zeros((2, 10, 16, 64), jnp.float32)
+    table = jnp.zeros((2, 4), jnp.int32)
+    _raises(lambda: paged_attention(qd, pages, pages[:1], table, jnp.ones((2,), jnp.int32)),
+            "k_pages")
+    _raises(lambda: paged_attention(qd, pages, pages, table[:1], jnp.ones((2,), jnp.int32)),
+            "block_tables")
+    odd = jnp.zeros((2, 10, 12, 64), jnp.float32)
+    _raises(lambda: paged_attention(qd, odd, odd, table, jnp.ones((2,), jnp.int32)),
+            "power of two")
