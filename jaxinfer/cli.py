@@ -50,9 +50,12 @@ def _parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> None:
     from jaxinfer.generate import stream
     from jaxinfer.loading import load_model
+    from jaxinfer.sampling import SamplingParams
 
+    options = sampling_kwargs(args)
+    SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
     model = load_model(args.model, dtype=args.dtype, backend=args.backend)
-    for piece in stream(model, args.prompt, chat=args.chat, **sampling_kwargs(args)):
+    for piece in stream(model, args.prompt, chat=args.chat, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

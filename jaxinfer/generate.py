@@ -362,8 +362,9 @@ def stream(
 
 def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     """Float32 logits ``[len(token_ids), vocab]`` of one sequence through the prefill path."""
-    (ids,) = _normalize_prompts(token_ids)
-    ids = _encode(model, ids, chat=False)
+    if isinstance(token_ids, str):
+        raise InputError("compute_logits takes token ids; encode text with model.tokenizer")
+    ids = _encode(model, token_ids, chat=False)
     cfg = model.config
     if len(ids) > cfg.max_position_embeddings:
         raise InputError(f"{len(ids)} tokens exceed the model's context of "

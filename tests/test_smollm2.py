@@ -1,0 +1,109 @@
+"""End to end on the default model (SmolLM2-135M-Instruct GGUF) against HF transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import jaxinfer
+
+CHATS = ["What is the capital of France?", "Write a Python function that adds two numbers."]
+
+
+@pytest.fixture(scope="module")
+def hf_gguf(default_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(gguf_file=default_gguf.name)
+    tok = AutoTokenizer.from_pretrained(default_gguf.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, torch_dtype=torch.float32,
+                                                 **kwargs).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def ours_f32(default_gguf):
+    return jaxinfer.load_model(default_gguf, dtype="float32", backend="reference")
+
+
+def test_default_model_by_name_is_cached_and_bf16(default_gguf):
+    model = jaxinfer.load_model("smollm2-135m-instruct")
+    assert model.config.num_layers == 30 and model.config.num_kv_heads == 3
+    assert model.config.tie_word_embeddings
+    assert model.params["embed"].dtype == jax_bf16()
+    (out,) = jaxinfer.generate(model, CHATS[0], chat=True, max_new_tokens=24)
+    assert "Paris" in out.text
+
+
+def jax_bf16():
+    import jax.numpy as jnp
+
+    return jnp.bfloat16
+
+
+def test_logits_match_transformers(ours_f32, hf_gguf):
+    tok, hf = hf_gguf
+    ids = tok.apply_chat_template([{"role": "user", "content": CHATS[1]}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ours = jaxinfer.compute_logits(ours_f32, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - ref).max() < 1e-4 * np.abs(ref).max()
+
+
+def test_greedy_chat_tokens_match_transformers(ours_f32, hf_gguf):
+    tok, hf = hf_gguf
+    outs = jaxinfer.generate(ours_f32, CHATS, chat=True, max_new_tokens=32)
+    for prompt, out in zip(CHATS, outs, strict=True):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        if out.finish_reason == "stop":
+            assert ref[: len(out.token_ids) + 1][:-1] == out.token_ids
+            assert ref[len(out.token_ids)] in ours_f32.tokenizer.eos_ids
+        else:
+            assert ref == out.token_ids
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stop_strings_and_streaming(ours_f32):
+    (full,) = jaxinfer.generate(ours_f32, CHATS[1], chat=True, max_new_tokens=40)
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    (cut,) = jaxinfer.generate(ours_f32, CHATS[1], chat=True, max_new_tokens=40, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert stop not in cut.text
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    pieces = list(jaxinfer.stream(ours_f32, CHATS[1], chat=True, max_new_tokens=40))
+    assert len(pieces) > 1 and "".join(pieces) == full.text
+    streamed_cut = "".join(jaxinfer.stream(ours_f32, CHATS[1], chat=True, max_new_tokens=40,
+                                           stop=[stop]))
+    assert streamed_cut == cut.text
+
+
+def test_cli_generate_answers_a_chat_question():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", CHATS[0], "--chat",
+         "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_cli_reports_bad_input_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", "hi", "--top-p", "2"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "top_p" in proc.stderr
