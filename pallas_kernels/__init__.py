@@ -3,6 +3,7 @@
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
 __all__ = [
     "decode_attention",
@@ -11,4 +12,6 @@ __all__ = [
     "flash_attention_reference",
     "paged_attention",
     "paged_attention_reference",
+    "ragged_attention",
+    "ragged_attention_reference",
 ]

@@ -19,6 +19,8 @@ from pallas_kernels import (
     flash_attention_reference,
     paged_attention,
     paged_attention_reference,
+    ragged_attention,
+    ragged_attention_reference,
 )
 
 BF16_TOL = 2e-2
@@ -137,7 +139,7 @@ def test_decode_zero_length_is_zero_not_nan():
 # --------------------------------------------------------------------------- paged
 
 
-def _make_paged(rng, b, hkv, d, page_size, pages_per_seq, dtype):
+def _make_paged(rng, b, hkv, d, page_size, pages_per_seq, dtype, min_lens=None):
     """Shuffled page pool: used pages random with a large-finite tail, unused pages NaN."""
     num_pages = b * pages_per_seq + 5
     perm = rng.permutation(num_pages)
@@ -146,6 +148,8 @@ def _make_paged(rng, b, hkv, d, page_size, pages_per_seq, dtype):
     lens = rng.integers(1, pages_per_seq * page_size + 1, size=b)
     lens[0] = 1
     lens[-1] = pages_per_seq * page_size - 3
+    if min_lens is not None:
+        lens = np.maximum(lens, np.asarray(min_lens))
     table = np.empty((b, pages_per_seq), np.int32)
     nxt = 0
     for i, n in enumerate(lens):
@@ -189,6 +193,35 @@ def test_paged_attention(backend, dtype, b, hq, hkv, d, page_size, pps, num_spli
         backend=backend,
     )
     ref = paged_attention_reference(*_f32(q, k, v), table, lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+
+
+# --------------------------------------------------------------------------- ragged
+
+RAGGED_CASES = [
+    # dtype, q_heads, kv_heads, head_dim, page_size, pages_per_seq, query counts
+    (jnp.float32, 8, 2, 64, 8, 6, (1, 7, 1, 20)),
+    (jnp.bfloat16, 8, 1, 128, 16, 4, (3, 1, 30)),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,d,page_size,pps,q_lens", RAGGED_CASES,
+    ids=[f"{jnp.dtype(c[0]).name}-ps{c[4]}-g{c[1] // c[2]}" for c in RAGGED_CASES],
+)
+def test_ragged_attention(dtype, hq, hkv, d, page_size, pps, q_lens):
+    rng = _rng(4, hq, hkv, page_size, pps)
+    n = len(q_lens)
+    # Each sequence's keys include its new tokens: kv_len >= q_len.
+    k, v, table, kv_lens = _make_paged(rng, n, hkv, d, page_size, pps, dtype, min_lens=q_lens)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    tokens = int(cu[-1]) + 2  # two padding tokens past the last sequence
+    q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
+    out = ragged_attention(
+        q, k, v, table, kv_lens, cu, max_q_len=max(q_lens), block_q=4, interpret=True
+    )
+    ref = ragged_attention_reference(*_f32(q, k, v), table, kv_lens, cu)
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype)
 
