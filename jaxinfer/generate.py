@@ -9,6 +9,7 @@ requests compiles a bounded number of programs.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -23,7 +24,8 @@ from jaxinfer.kv_cache import KVCache
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 from jaxinfer.steps import decode_loop, prefill, prefill_all_logits, start_state
 
-Prompt = str | Sequence[int]
+Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
+Prompt = str | Sequence[int] | Messages
 _MIN_PROMPT_BUCKET = 16
 _MIN_CACHE_BUCKET = 64
 _STOP_STRING_CHUNK = 16  # decode steps between host-side stop-string checks
@@ -70,15 +72,34 @@ def _pow2_at_least(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+def _is_messages(prompt: Any) -> bool:
+    return (isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0
+            and all(isinstance(m, dict) for m in prompt))
+
+
+def encode_chat(model: Model, messages: Messages) -> list[int]:
+    """Token ids of a whole conversation rendered with the model's chat template.
+
+    The template ends with the assistant's generation prompt, so the ids are ready to be
+    continued by ``generate``/``stream``; multi-turn chat appends each reply as an
+    ``{"role": "assistant", ...}`` message and the next user turn, then re-encodes.
+    """
+    if model.tokenizer is None:
+        raise InputError("this model has no tokenizer; chat messages need one")
+    text = model.tokenizer.apply_chat_template(list(messages))
+    return model.tokenizer.encode(text, add_bos=False)
+
+
 def _encode(model: Model, prompt: Prompt, chat: bool) -> list[int]:
+    if _is_messages(prompt):
+        return encode_chat(model, prompt)
     if isinstance(prompt, str):
         if not prompt:
             raise InputError("prompt is empty; pass a non-empty string or token ids")
         if model.tokenizer is None:
             raise InputError("this model has no tokenizer; pass prompts as lists of token ids")
         if chat:
-            text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return model.tokenizer.encode(text, add_bos=False)
+            return encode_chat(model, [{"role": "user", "content": prompt}])
         return model.tokenizer.encode(prompt, add_bos=True)
     ids = list(prompt)
     if not ids:
@@ -91,7 +112,7 @@ def _encode(model: Model, prompt: Prompt, chat: bool) -> list[int]:
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or _is_messages(prompts):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -141,6 +162,23 @@ def _make_requests(
     return requests
 
 
+_COMPILED: set[tuple[Any, ...]] = set()
+
+
+def _announce_compile(what: str, key: tuple[Any, ...], detail: str) -> None:
+    """Say on stderr, once per shape bucket, that XLA is about to compile a new program.
+
+    The first call with a new (batch, length) bucket blocks for seconds while XLA compiles;
+    without a word the user cannot tell that from a hang. ``key`` holds everything that makes
+    jit recompile (model config, backend, dtype, shapes); later calls are silent.
+    """
+    full = (what, *key)
+    if full not in _COMPILED:
+        _COMPILED.add(full)
+        print(f"jaxinfer: compiling {what} for {detail} (once per shape) …", file=sys.stderr,
+              flush=True)
+
+
 def _find_stop(text: str, stops: Sequence[str]) -> int:
     """Index where the earliest stop string starts in ``text``, or -1."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -169,7 +207,7 @@ def _run_batch(
     strings, which are checked on the host every few steps.
     """
     cfg = model.config
-    backend = resolve_backend(model.backend)
+    backend = resolve_backend(model.backend, cfg.head_dim)
     n = len(requests)
     batch = _pow2_at_least(n, 1)
     longest = max(len(r.prompt_ids) for r in requests)
@@ -192,6 +230,11 @@ def _run_batch(
         max_new[i] = r.sampling.max_new_tokens
     sps = [r.sampling for r in requests] + [SamplingParams(seed=0)] * (batch - n)
 
+    static = (cfg, backend, jnp.dtype(model.dtype).name)
+    _announce_compile("prefill", (*static, batch, prompt_len, cache_len),
+                      f"batch {batch}, prompt bucket {prompt_len}, cache {cache_len}")
+    _announce_compile("decode loop", (*static, batch, cache_len, out_len, num_stop),
+                      f"batch {batch}, cache {cache_len}, up to {out_len} new tokens")
     t_start = time.perf_counter()
     cache = KVCache.create(cfg, batch, cache_len, model.dtype)
     cache, logits = prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -295,7 +338,8 @@ def generate(
 
     Args:
       model: from ``jaxinfer.load_model``.
-      prompts: a string, a list of token ids, or a list of either.
+      prompts: a string, a list of token ids, a chat (list of ``{"role", "content"}`` dicts,
+        rendered with the model's chat template), or a list of any of these.
       chat: wrap string prompts in the model's chat template as a user turn.
       sampling: one ``SamplingParams`` for all prompts or one per prompt; alternatively pass
         its fields as keywords (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
@@ -341,6 +385,8 @@ def stream(
 ) -> Iterator[str]:
     """Yield text pieces of one completion as they are decoded.
 
+    ``prompt`` is a string, token ids, or a whole chat (list of ``{"role", "content"}``
+    dicts) for multi-turn use: append each reply as an assistant message and call again.
     Pieces are only emitted once they are final text (a multi-byte character split over
     several tokens arrives whole), and stop strings are never emitted.
     """
@@ -375,5 +421,6 @@ def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     cache = KVCache.create(cfg, 1, length, model.dtype)
     _, logits = prefill_all_logits(model.params, cache, jnp.asarray(tokens),
                                    jnp.asarray([len(ids)], jnp.int32), config=cfg,
-                                   backend=resolve_backend(model.backend), dtype=model.dtype)
+                                   backend=resolve_backend(model.backend, cfg.head_dim),
+                                   dtype=model.dtype)
     return np.asarray(logits[0, : len(ids)], np.float32)
