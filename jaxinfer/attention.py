@@ -19,18 +19,29 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.errors import InputError
+from pallas_kernels._common import SUPPORTED_HEAD_DIMS
+
 Backend = Literal["reference", "pallas", "auto"]
 Mode = Literal["prefill", "decode"]
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
 
-def resolve_backend(backend: Backend) -> Literal["reference", "pallas"]:
-    """Map ``"auto"`` to the best backend for the default JAX platform."""
+def resolve_backend(backend: Backend, head_dim: int) -> Literal["reference", "pallas"]:
+    """Map ``"auto"`` to the best backend for the default JAX platform and head size.
+
+    ``"auto"`` picks the Pallas kernels on GPU when they support ``head_dim``; an explicit
+    ``"pallas"`` with an unsupported head size is an error rather than a silent fallback.
+    """
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        use = jax.default_backend() == "gpu" and head_dim in SUPPORTED_HEAD_DIMS
+        return "pallas" if use else "reference"
     if backend not in ("reference", "pallas"):
-        raise ValueError(f"unknown attention backend {backend!r}; use 'reference', 'pallas' "
+        raise InputError(f"unknown attention backend {backend!r}; use 'reference', 'pallas' "
                          "or 'auto'")
+    if backend == "pallas" and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise InputError(f"the pallas attention backend supports head_dim {SUPPORTED_HEAD_DIMS}, "
+                         f"not {head_dim}; use backend='reference'")
     return backend
 
 
@@ -58,9 +69,12 @@ def attention(
     if backend == "pallas":
         import pallas_kernels
 
+        # Off-GPU the Triton kernels run in Pallas interpret mode (slow, but exact): tests use it.
+        interpret = jax.default_backend() != "gpu"
         if mode == "prefill":
-            return pallas_kernels.flash_attention(q, k, v, causal=True, lengths=lengths)
-        return pallas_kernels.decode_attention(q, k, v, lengths)
+            return pallas_kernels.flash_attention(q, k, v, causal=True, lengths=lengths,
+                                                  interpret=interpret)
+        return pallas_kernels.decode_attention(q, k, v, lengths, interpret=interpret)
     if mode == "prefill":
         return _prefill_reference(q, k, v, lengths)
     return _decode_reference(q, k, v, lengths)

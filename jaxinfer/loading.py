@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.attention import resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.generate import Model
@@ -87,11 +88,10 @@ def load_model(
         restoring a converted folder (other formats are placed with ``jax.device_put``).
     """
     jdtype = _parse_dtype(dtype)
-    if backend not in ("auto", "reference", "pallas"):
-        raise InputError(f"backend {backend!r} is not one of 'auto', 'reference', 'pallas'")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     config, params, tokenizer = _load_raw(name_or_path, shardings)
+    resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
     params = jax.tree.map(lambda a: _place(a, jdtype), params)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,3 +179,19 @@ def test_config_rejects_unsupported_fields():
     cfg = jaxinfer.LlamaConfig.from_hf_dict({**base, "model_type": "mistral",
                                              "sliding_window": None})
     assert cfg.num_kv_heads == 2
+
+
+def test_pallas_backend_gives_the_same_tokens():
+    cfg = jaxinfer.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=160,
+                               num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64,
+                               max_position_embeddings=256)
+    params = init_params(cfg, jax.random.PRNGKey(4), jnp.float32)
+    model = jaxinfer.Model(cfg, params, None, dtype=jnp.float32, backend="reference")
+    pallas = dataclasses.replace(model, backend="pallas")
+    prompts = [[3, 14, 15, 92, 65, 35], list(range(3, 40)), [7]]
+    params = [jaxinfer.SamplingParams(max_new_tokens=n) for n in (5, 3, 6)]
+    ref = jaxinfer.generate(model, prompts, sampling=params)
+    got = jaxinfer.generate(pallas, prompts, sampling=params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    np.testing.assert_allclose(jaxinfer.compute_logits(pallas, prompts[1]),
+                               jaxinfer.compute_logits(model, prompts[1]), atol=1e-4)
