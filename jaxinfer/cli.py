@@ -1,10 +1,11 @@
-"""Command line: ``jaxinfer generate``, ``jaxinfer convert``."""
+"""Command line: ``jaxinfer generate``, ``jaxinfer chat``, ``jaxinfer convert``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 from jaxinfer.errors import JaxinferError
 
@@ -41,6 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     add_sampling_args(g)
+    ch = sub.add_parser("chat", help="interactive multi-turn chat, replies streamed",
+                        description="Chat with a model using its chat template. The whole "
+                        "conversation is sent every turn. Commands: /reset clears the history, "
+                        "/exit (or Ctrl-D) quits; Ctrl-C interrupts a reply.")
+    ch.add_argument("--model", default="smollm2-135m-instruct")
+    ch.add_argument("--system", default=None, help="system message opening the conversation")
+    ch.add_argument("--dtype", default="bfloat16")
+    ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_sampling_args(ch)
     c = sub.add_parser("convert", help="convert a GGUF/HF checkpoint to a jaxinfer folder")
     c.add_argument("src")
     c.add_argument("dst")
@@ -61,6 +71,97 @@ def _generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+CHAT_PROMPT = "you> "
+CHAT_HELP = "commands: /reset clears the conversation, /exit or Ctrl-D quits"
+
+
+def chat_session(
+    model: Any,
+    options: dict[str, Any],
+    read_line: Callable[[str], str],
+    out: TextIO,
+    system: str | None = None,
+) -> None:
+    """Run the chat loop until ``/exit`` or end of input.
+
+    Args:
+      model: a loaded ``jaxinfer.Model`` with a chat template.
+      options: sampling keywords for ``stream``; a ``seed`` is offset by the turn number so
+        that a seeded chat is reproducible without repeating the same random draws each turn.
+      read_line: ``input``-like; raises ``EOFError`` at the end of input.
+      out: where replies stream to.
+      system: optional system message kept at the head of the conversation.
+    """
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.generate import stream
+
+    opening = [{"role": "system", "content": system}] if system else []
+    history: list[dict[str, str]] = list(opening)
+    turn = 0
+    while True:
+        try:
+            line = read_line(CHAT_PROMPT).strip()
+        except EOFError:
+            out.write("\n")
+            return
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = list(opening)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if line.startswith("/"):
+            print(f"unknown command {line.split()[0]!r}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        turn_options = dict(options)
+        if turn_options.get("seed") is not None:
+            turn_options["seed"] = int(turn_options["seed"]) + turn
+        pieces: list[str] = []
+        try:
+            for piece in stream(model, history, **turn_options):
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            # Keep the history consistent: a half-written reply is not part of the chat.
+            history.pop()
+            out.write("\n")
+            print("(reply interrupted; that turn is discarded)", file=sys.stderr)
+            continue
+        except JaxinferError as e:
+            history.pop()
+            print(f"jaxinfer: error: {e}; /reset starts a new conversation", file=sys.stderr)
+            continue
+        out.write("\n")
+        history.append({"role": "assistant", "content": "".join(pieces)})
+        turn += 1
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from jaxinfer.loading import load_model
+    from jaxinfer.sampling import SamplingParams
+
+    options = sampling_kwargs(args)
+    SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
+    print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
+    model = load_model(args.model, dtype=args.dtype, backend=args.backend)
+    if model.tokenizer is None or not model.tokenizer.chat_template:
+        from jaxinfer.errors import InputError
+
+        raise InputError(f"{args.model} has no chat template; use 'jaxinfer generate' instead")
+    read_line = input
+    if sys.stdin.isatty():
+        try:  # line editing and history for the prompt in a real terminal
+            import readline  # noqa: F401
+        except ImportError:
+            pass
+    print(f"chatting with {args.model}; {CHAT_HELP}", file=sys.stderr, flush=True)
+    chat_session(model, options, read_line, sys.stdout, system=args.system)
+
+
 def _convert(args: argparse.Namespace) -> None:
     from jaxinfer.loading import convert
 
@@ -72,7 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxinfer`` command; user errors print one line and exit 2."""
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "convert": _convert}[args.command](args)
+        if hasattr(args, "perf_handler"):
+            args.perf_handler(args)
+            return 0
+        {"generate": _generate, "chat": _chat, "convert": _convert}[args.command](args)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2
