@@ -14,15 +14,14 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 from jaxinfer.steps import decode_loop, prefill, prefill_all_logits, start_state
+from sharding.placement import new_cache, on_mesh, put_batch, put_replicated, round_batch, to_host
 
 Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
 Prompt = str | Sequence[int] | Messages
@@ -42,6 +41,9 @@ class Model:
     name: str = ""
     backend: Literal["reference", "pallas", "auto"] = "auto"
     max_batch: int = 64
+    # jax.sharding.Mesh from sharding.make_mesh when the params are sharded (load_model(mesh=)):
+    # caches and inputs are then created on it, batch split over "data". None = one device.
+    mesh: Any = None
 
 
 @dataclasses.dataclass
@@ -209,7 +211,7 @@ def _run_batch(
     cfg = model.config
     backend = resolve_backend(model.backend, cfg.head_dim)
     n = len(requests)
-    batch = _pow2_at_least(n, 1)
+    batch = round_batch(model.mesh, _pow2_at_least(n, 1))
     longest = max(len(r.prompt_ids) for r in requests)
     needed = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
     cache_len = min(_pow2_at_least(needed, _MIN_CACHE_BUCKET), cfg.max_position_embeddings)
@@ -236,29 +238,35 @@ def _run_batch(
     _announce_compile("decode loop", (*static, batch, cache_len, out_len, num_stop),
                       f"batch {batch}, cache {cache_len}, up to {out_len} new tokens")
     t_start = time.perf_counter()
-    cache = KVCache.create(cfg, batch, cache_len, model.dtype)
-    cache, logits = prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                            config=cfg, backend=backend, dtype=model.dtype)
-    state = start_state(jnp.asarray(seen), logits, SamplingArrays.from_params(sps),
-                        jnp.asarray(max_new), jnp.asarray(stop_ids), jnp.zeros((out_len,)))
+    mesh = model.mesh
+    cache = new_cache(mesh, cfg, batch, cache_len, model.dtype)
+    with on_mesh(mesh):
+        cache, logits = prefill(model.params, cache, *put_batch(mesh, (tokens, lengths)),
+                                config=cfg, backend=backend, dtype=model.dtype)
+        sampling_arrays = put_batch(mesh, SamplingArrays.from_params(sps))
+        state = start_state(*put_batch(mesh, (seen,)), logits, sampling_arrays,
+                            *put_batch(mesh, (max_new, stop_ids)),
+                            put_replicated(mesh, np.zeros((out_len,), np.float32)))
     progress = [_Progress() for _ in requests]
     has_stop_strings = any(r.sampling.stop for r in requests)
     steps = chunk_steps or (_STOP_STRING_CHUNK if has_stop_strings else out_len)
 
     while True:
-        out_tokens, out_lp, num_gen, done = jax.device_get(
+        out_tokens, out_lp, num_gen, done = to_host(
             (state.out_tokens, state.out_logprobs, state.num_generated, state.done))
         now = time.perf_counter()
         stopped_by_string = _update_progress(model, requests, progress, out_tokens, out_lp,
                                              num_gen, done, now - t_start)
         if stopped_by_string.any():
-            state = state.replace(done=state.done | jnp.asarray(
-                np.pad(stopped_by_string, (0, batch - n))))
+            state = state.replace(done=state.done | put_batch(
+                mesh, np.pad(stopped_by_string, (0, batch - n))))
         yield progress
         if all(p.finished for p in progress):
             return
-        cache, state = decode_loop(model.params, cache, state, jnp.int32(steps), config=cfg,
-                                   backend=backend, dtype=model.dtype)
+        with on_mesh(mesh):
+            cache, state = decode_loop(model.params, cache, state,
+                                       put_replicated(mesh, np.int32(steps)), config=cfg,
+                                       backend=backend, dtype=model.dtype)
 
 
 def _update_progress(
@@ -416,11 +424,15 @@ def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
         raise InputError(f"{len(ids)} tokens exceed the model's context of "
                          f"{cfg.max_position_embeddings}; shorten the input")
     length = min(_pow2_at_least(len(ids), _MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
-    tokens = np.zeros((1, length), np.int32)
+    rows = round_batch(model.mesh, 1)  # one row per data replica; extra rows are padding
+    tokens = np.zeros((rows, length), np.int32)
     tokens[0, : len(ids)] = ids
-    cache = KVCache.create(cfg, 1, length, model.dtype)
-    _, logits = prefill_all_logits(model.params, cache, jnp.asarray(tokens),
-                                   jnp.asarray([len(ids)], jnp.int32), config=cfg,
-                                   backend=resolve_backend(model.backend, cfg.head_dim),
-                                   dtype=model.dtype)
-    return np.asarray(logits[0, : len(ids)], np.float32)
+    lengths = np.ones((rows,), np.int32)
+    lengths[0] = len(ids)
+    cache = new_cache(model.mesh, cfg, rows, length, model.dtype)
+    with on_mesh(model.mesh):
+        _, logits = prefill_all_logits(model.params, cache,
+                                       *put_batch(model.mesh, (tokens, lengths)), config=cfg,
+                                       backend=resolve_backend(model.backend, cfg.head_dim),
+                                       dtype=model.dtype)
+    return to_host(logits)[0, : len(ids)].astype(np.float32)

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import attention
 from jaxinfer.config import LlamaConfig
 from jaxinfer.kv_cache import KVCache
+from sharding.attention import mesh_attention  # = attention; Pallas runs per shard on a mesh
 
 Params = dict[str, Any]
 
@@ -158,13 +158,13 @@ def forward(
         if mode == "prefill":
             k_all = jax.lax.dynamic_update_slice(k_all, k_new[None], (i, 0, 0, 0, 0))
             v_all = jax.lax.dynamic_update_slice(v_all, v_new[None], (i, 0, 0, 0, 0))
-            attn = attention(q, k, v, cache.lengths, mode="prefill", backend=backend)
+            attn = mesh_attention(q, k, v, cache.lengths, mode="prefill", backend=backend)
         else:
             rows = jnp.arange(b)
             k_all = k_all.at[i, rows, :, cache.lengths].set(k_new[:, :, 0], mode="drop")
             v_all = v_all.at[i, rows, :, cache.lengths].set(v_new[:, :, 0], mode="drop")
-            attn = attention(q[:, 0], k_all[i], v_all[i], cache.lengths + 1, mode="decode",
-                             backend=backend)[:, None]
+            attn = mesh_attention(q[:, 0], k_all[i], v_all[i], cache.lengths + 1,
+                                  mode="decode", backend=backend)[:, None]
         h = h + _dense(attn.reshape(b, t, c.num_heads * c.head_dim), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         gated = jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])

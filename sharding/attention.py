@@ -1,0 +1,82 @@
+"""Attention on a mesh: the Pallas kernels run per shard inside ``shard_map``.
+
+XLA's GSPMD partitioner cannot split a Pallas custom call, so under a mesh it would gather
+q/k/v onto every device. Every shard already owns whole query heads and the K/V heads they
+read (see ``sharding.rules``), and attention never mixes sequences or heads, so running the
+unchanged kernel on each shard's slice is exact and needs no communication.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.attention import attention
+from sharding.mesh import DATA, MODEL
+
+
+def _context_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh set with ``jax.set_mesh`` if it has our axes, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names or MODEL not in mesh.axis_names:
+        return None
+    return mesh
+
+
+def per_shard_attention(
+    fn: Callable[..., jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    mode: Literal["prefill", "decode"],
+    mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
+) -> jax.Array:
+    """Run ``fn(q, k, v, lengths)`` on each (data, model) shard with ``shard_map``.
+
+    Args:
+      fn: attention on local shards, same signature and shapes as ``jaxinfer.attention``.
+      q: prefill ``[B, T, H, D]`` / decode ``[B, H, D]``; B split on data, H on model.
+      k, v: prefill ``[B, T, KVH, D]`` / decode ``[B, KVH, S, D]``; KVH split on model.
+      lengths: ``[B]`` int32, split on data.
+      mode: ``"prefill"`` or ``"decode"`` (selects the layouts above).
+      mesh: defaults to the context mesh (``jax.set_mesh``).
+
+    Returns:
+      Attention output shaped like ``q``, sharded like ``q``.
+    """
+    if mode == "prefill":
+        q_spec = kv_spec = P(DATA, None, MODEL, None)
+    else:
+        q_spec, kv_spec = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
+    # check_vma=False: Pallas calls carry no varying-manual-axes annotations; the kernel is a
+    # pure per-shard function so nothing needs checking.
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(DATA)),
+                           out_specs=q_spec, check_vma=False)
+    return mapped(q, k, v, lengths)
+
+
+def mesh_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    mode: Literal["prefill", "decode"],
+    backend: Literal["reference", "pallas"] = "reference",
+) -> jax.Array:
+    """``jaxinfer.attention.attention``, run per shard when a Pallas kernel meets a mesh.
+
+    Without a context mesh, or for the ``"reference"`` backend (plain jnp, which GSPMD
+    partitions on its own), this is exactly ``attention``.
+    """
+    mesh = _context_mesh() if backend == "pallas" else None
+    if mesh is None:
+        return attention(q, k, v, lengths, mode=mode, backend=backend)
+    fn = functools.partial(attention, mode=mode, backend=backend)
+    return per_shard_attention(fn, q, k, v, lengths, mode=mode)
