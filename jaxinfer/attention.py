@@ -1,11 +1,15 @@
 """The one attention entry point. Backends: ``"reference"`` (plain jnp) and ``"pallas"``.
 
-Two modes share the entry point because they have different K/V sources:
+The modes share the entry point but differ in where K/V come from:
 
 * ``"prefill"``: q ``[batch, q_len, q_heads, head_dim]`` against the chunk's own fresh
   k/v ``[batch, q_len, kv_heads, head_dim]``, causal, keys past ``lengths[b]`` ignored.
 * ``"decode"``: q ``[batch, q_heads, head_dim]`` (one new token per sequence) against the
   cache k/v ``[batch, kv_heads, max_len, head_dim]``; keys at index ``>= lengths[b]`` ignored.
+* ``"ragged"`` (the paged engine): q ``[tokens, q_heads, head_dim]`` packing prefill chunks
+  and decode tokens of many sequences, against one layer's page pool k/v ``[kv_heads,
+  num_pages, page_size, head_dim]`` through ``block_tables``; ``lengths`` are the keys per
+  sequence including its new tokens, ``cu_q_lens`` the cumulative query counts.
 
 The decode cache keeps kv_heads before the sequence axis so that the score and value
 contractions have their batch dimensions (batch, kv_heads) leading: XLA then emits a batched
@@ -23,7 +27,7 @@ from jaxinfer.errors import InputError
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS
 
 Backend = Literal["reference", "pallas", "auto"]
-Mode = Literal["prefill", "decode"]
+Mode = Literal["prefill", "decode", "ragged"]
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
 
@@ -53,6 +57,8 @@ def attention(
     *,
     mode: Mode,
     backend: Literal["reference", "pallas"] = "reference",
+    block_tables: jax.Array | None = None,
+    cu_q_lens: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with GQA, per-sequence lengths, float32 softmax.
 
@@ -60,12 +66,24 @@ def attention(
       q: prefill ``[B, T, H, D]`` or decode ``[B, H, D]``.
       k, v: prefill ``[B, T, KVH, D]`` or decode ``[B, KVH, S, D]``; ``H % KVH == 0``.
       lengths: ``[B]`` int32, number of valid keys per sequence.
-      mode: ``"prefill"`` (causal within the chunk) or ``"decode"``.
+      mode: ``"prefill"`` (causal within the chunk), ``"decode"`` or ``"ragged"`` (q
+        ``[T, H, D]``, k/v pages ``[KVH, num_pages, page_size, D]``, causal against the cache).
       backend: ``"reference"`` or ``"pallas"`` (the kernels in ``pallas_kernels``).
+      block_tables: ragged only, ``[S, pages_per_seq]`` int32 physical page of each page.
+      cu_q_lens: ragged only, ``[S + 1]`` int32 cumulative query counts.
 
     Returns:
       Same shape and dtype as ``q``.
     """
+    if mode == "ragged":
+        if block_tables is None or cu_q_lens is None:
+            raise ValueError("ragged attention needs block_tables and cu_q_lens")
+        if backend == "pallas":
+            import pallas_kernels
+
+            return pallas_kernels.ragged_attention(q, k, v, block_tables, lengths, cu_q_lens,
+                                                   interpret=jax.default_backend() != "gpu")
+        return _ragged_reference(q, k, v, lengths, block_tables, cu_q_lens)
     if backend == "pallas":
         import pallas_kernels
 
@@ -106,3 +124,28 @@ def _decode_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgs,bksd->bkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, h, d).astype(q.dtype)
+
+
+def _ragged_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                      block_tables: jax.Array, cu_q_lens: jax.Array) -> jax.Array:
+    # Each packed token gathers its own sequence's pages: [KVH, T, pages*page_size, D]. Memory
+    # grows with tokens x context, fine for the CPU/test sizes this backend serves (any
+    # head_dim, unlike the kernels).
+    t, h, d = q.shape
+    kvh = k_pages.shape[0]
+    n = block_tables.shape[0]
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, n - 1)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    pos = lengths[seq] - q_lens[seq] + tok - cu_q_lens[seq]  # absolute position of each query
+    pages = block_tables[seq]  # [T, P]
+    k = k_pages[:, pages].reshape(kvh, t, -1, d)
+    v = v_pages[:, pages].reshape(kvh, t, -1, d)
+    qg = q.reshape(t, kvh, h // kvh, d)
+    scores = jnp.einsum("tkgd,ktsd->tkgs", qg, k, preferred_element_type=jnp.float32)
+    scores *= d**-0.5
+    visible = jnp.arange(k.shape[2])[None, :] <= pos[:, None]  # causal against the cache
+    scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("tkgs,ktsd->tkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(t, h, d).astype(q.dtype)

@@ -185,3 +185,70 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
         return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
     return jnp.einsum("...d,vd->...v", h, params["embed"].astype(h.dtype),
                       preferred_element_type=jnp.float32)
+
+
+def forward_ragged(
+    params: Params,
+    config: LlamaConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    write_pages: jax.Array,
+    write_offsets: jax.Array,
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    backend: Literal["reference", "pallas"] = "reference",
+    dtype: Any = jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Decoder over a packed mix of prefill chunks and decode tokens, K/V in a page pool.
+
+    Used by ``jaxinfer.engine``: sequence s owns tokens ``[cu_q_lens[s], cu_q_lens[s+1])``.
+
+    Args:
+      tokens, positions: ``[T]`` int32, each token's id and absolute position in its sequence.
+      k_pages, v_pages: ``[L, KVH, num_pages, page_size, D]`` page pool.
+      write_pages, write_offsets: ``[T]`` int32, where each token's K/V go; padding tokens
+        use page ``num_pages`` (out of range, so the write is dropped).
+      block_tables: ``[S, pages_per_seq]`` int32; kv_lens ``[S]`` keys per sequence
+        including this step's tokens; cu_q_lens ``[S + 1]`` cumulative token counts.
+
+    Returns:
+      ``(hidden [T, hidden] after the final norm, k_pages, v_pages)``.
+    """
+    from jaxinfer.attention import attention  # local: keeps this mode's edit self-contained
+
+    c = config
+    t = tokens.shape[0]
+    inv_freq = rope_inv_freq(config)
+    h = params["embed"].astype(dtype)[tokens][None]  # [1, T, hidden]: apply_rope wants a batch
+    pos = positions[None]
+
+    def layer(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[Params, jax.Array]):
+        h, k_all, v_all = carry
+        lp, i = xs
+        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+        q = apply_rope(_dense(x, lp["wq"]).reshape(1, t, c.num_heads, c.head_dim), pos, inv_freq)
+        k = apply_rope(_dense(x, lp["wk"]).reshape(1, t, c.num_kv_heads, c.head_dim), pos,
+                       inv_freq)
+        v = _dense(x, lp["wv"]).reshape(1, t, c.num_kv_heads, c.head_dim)
+        # Scatter first, then attend: a chunk's queries see its own keys through the pages.
+        # Index (layer, :, page[T], offset[T]) puts the token axis first: updates [T, KVH, D].
+        k_all = k_all.at[i, :, write_pages, write_offsets].set(k[0].astype(k_all.dtype),
+                                                                 mode="drop")
+        v_all = v_all.at[i, :, write_pages, write_offsets].set(v[0].astype(v_all.dtype),
+                                                                 mode="drop")
+        attn = attention(q[0], k_all[i], v_all[i], kv_lens, mode="ragged", backend=backend,
+                         block_tables=block_tables, cu_q_lens=cu_q_lens)
+        h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
+        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+        gated = jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
+        h = h + _dense(gated, lp["w_down"])
+        return (h, k_all, v_all), None
+
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages),
+                                            (params["layers"], layer_ids))
+    return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), k_pages, v_pages
