@@ -1,0 +1,215 @@
+"""Continuous-batching engine on a tiny random model: every request's output must equal the
+same request generated alone by the static ``generate`` path, whatever the batch, arrival
+order, pool size, chunking or prefix sharing.
+
+Prompt lengths stay <= 16 and max_new_tokens in 9..16 so the reference ``generate`` calls
+hit a single (prompt, cache, output) shape bucket: one compilation for all of them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.engine import Engine
+from jaxinfer.errors import InputError
+from jaxinfer.generate import Model
+from jaxinfer.model import init_params
+
+PAGE = 4
+SLOTS = 8
+BUDGET = 32
+MAX_SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    cfg = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               max_position_embeddings=256)
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    return Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
+                 backend="reference", max_batch=SLOTS)
+
+
+def _engine(model: Model, num_pages: int = 64, **kw) -> Engine:
+    kw = {"page_size": PAGE, "max_tokens_per_step": BUDGET, "max_seq_len": MAX_SEQ,
+          "verbose": False, **kw}
+    return Engine(model, num_pages=num_pages, **kw)
+
+
+def _workload(seed: int, n: int) -> list[tuple[list[int], int, int]]:
+    """(prompt, max_new_tokens, arrival step) triples."""
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(3, 128, size=int(rng.integers(1, 17))).tolist(),
+             int(rng.integers(9, 17)), int(rng.integers(0, 60))) for _ in range(n)]
+
+
+def _serve(engine: Engine, work: list[tuple[list[int], int, int]], **sampling):
+    """Submit each request at its arrival step; return results and the streamed tokens."""
+    ids: dict[int, int] = {}
+    streamed: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    step = 0
+    while len(ids) < len(work) or engine.has_unfinished():
+        for i, (prompt, max_new, arrival) in enumerate(work):
+            if arrival == step:
+                ids[i] = engine.submit(prompt, max_new_tokens=max_new, **sampling)
+        for rid, new, done in engine.step():
+            assert rid not in finished
+            streamed.setdefault(rid, []).extend(new)
+            if done:
+                finished.add(rid)
+        step += 1
+    results = [engine.result(ids[i]) for i in range(len(work))]
+    return results, [streamed.get(ids[i], []) for i in range(len(work))]
+
+
+@pytest.fixture(scope="module")
+def work200() -> list[tuple[list[int], int, int]]:
+    return _workload(0, 200)
+
+
+@pytest.fixture(scope="module")
+def alone200(model, work200) -> list[jaxinfer.Completion]:
+    return [jaxinfer.generate(model, [p], max_new_tokens=m)[0] for p, m, _ in work200]
+
+
+def _assert_same(got: list[jaxinfer.Completion], want: list[jaxinfer.Completion]) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason), f"request {i}"
+        assert g.prompt_token_ids == w.prompt_token_ids
+
+
+def test_200_requests_equal_each_alone(model, work200, alone200):
+    engine = _engine(model)
+    got, streamed = _serve(engine, work200)
+    _assert_same(got, alone200)
+    assert streamed == [c.token_ids for c in got]  # the events carry exactly the outputs
+    stats = engine.stats()
+    assert stats.running == stats.waiting == 0 and stats.pages_used == 0
+    engine.blocks.check_all_free()
+    assert stats.generated_tokens >= sum(len(c.token_ids) for c in got)
+    assert stats.num_compilations <= 1  # one step program for the whole run
+
+
+def test_small_pool_preempts_and_gives_same_outputs(model, work200, alone200):
+    engine = _engine(model, num_pages=MAX_SEQ // PAGE + 4)  # one long request + a little
+    got, _ = _serve(engine, work200)
+    _assert_same(got, alone200)
+    assert engine.stats().num_preemptions > 0
+    engine.blocks.check_all_free()
+
+
+def test_sampling_options_equal_generate(model):
+    work = _workload(1, 12)
+    opts = dict(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, logprobs=True)
+    engine = _engine(model, num_pages=24)  # small: preempted requests must resume identically
+    ids = [engine.submit(p, max_new_tokens=m, seed=i, **opts) for i, (p, m, _) in enumerate(work)]
+    engine.run_until_done()
+    for i, (p, m, _) in enumerate(work):
+        got = engine.result(ids[i])
+        (want,) = jaxinfer.generate(model, [p], max_new_tokens=m, seed=i, **opts)
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+
+
+def test_prefix_sharing_uses_fewer_pages_same_outputs(model):
+    rng = np.random.default_rng(2)
+    system = rng.integers(3, 128, size=20).tolist()  # five full pages
+    prompt = rng.integers(3, 128, size=10).tolist()
+    requests = [(prompt, dict(temperature=1.0, seed=s)) for s in range(4)]  # n=4 samples
+    requests += [(system + rng.integers(3, 128, size=3).tolist(), {}) for _ in range(10)]
+
+    def run(prefix_caching: bool):
+        engine = _engine(model, prefix_caching=prefix_caching, max_seq_len=48)
+        ids = [engine.submit(p, max_new_tokens=10, **o) for p, o in requests]
+        engine.run_until_done()
+        return [engine.result(i).token_ids for i in ids], engine.stats()
+
+    shared, s_on = run(True)
+    plain, s_off = run(False)
+    assert shared == plain
+    assert s_on.prefix_cache_hit_rate > 0.3 and s_off.prefix_cache_hit_rate == 0
+    assert s_on.peak_pages_used < s_off.peak_pages_used
+    assert s_on.computed_tokens < s_off.computed_tokens  # the shared prefix was read once
+
+
+def test_fully_cached_prompt_copy_on_write(model):
+    prompt = np.random.default_rng(3).integers(3, 128, size=12).tolist()  # 3 full pages
+    engine = _engine(model)
+    first = engine.submit(prompt, max_new_tokens=9)
+    engine.run_until_done()
+    again = engine.submit(prompt, max_new_tokens=9)  # all pages cached: recomputes token 11
+    engine.run_until_done()
+    assert engine.request_metrics(again).cached_prompt_tokens == 11
+    (want,) = jaxinfer.generate(model, [prompt], max_new_tokens=9)
+    assert engine.result(first).token_ids == engine.result(again).token_ids == want.token_ids
+    engine.blocks.check_all_free()
+
+
+def test_chunked_prefill_equals_unchunked(model):
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 128, size=int(n)).tolist() for n in (40, 3, 27, 55, 9)]
+
+    def run(**kw):
+        engine = _engine(model, max_seq_len=72, **kw)
+        ids = [engine.submit(p, max_new_tokens=12) for p in prompts]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        return [engine.result(i).token_ids for i in ids], steps
+
+    chunked, chunked_steps = run(max_tokens_per_step=SLOTS, prefix_caching=False)
+    whole, _ = run(max_tokens_per_step=64, chunked_prefill=False, prefix_caching=False)
+    assert chunked == whole
+    assert chunked_steps > 55 // SLOTS  # the long prompts really were split
+
+
+def test_compile_count_fixed_in_steady_state(model):
+    engine = _engine(model)
+    engine.submit([5, 6, 7], max_new_tokens=9)
+    engine.step()
+    warm = engine.stats().num_compilations
+    for prompt, max_new, _ in _workload(5, 30):  # new lengths, batch sizes, page counts
+        engine.submit(prompt, max_new_tokens=max_new, temperature=0.5, seed=1)
+    engine.run_until_done()
+    assert engine.stats().num_compilations == warm <= 1
+
+
+def test_metrics(model):
+    engine = _engine(model)
+    ids = [engine.submit(p, max_new_tokens=m) for p, m, _ in _workload(6, 6)]
+    engine.run_until_done()
+    rid = max(ids, key=lambda i: engine.request_metrics(i).num_generated)  # avoid early eos
+    m = engine.request_metrics(rid)
+    assert m.num_generated > 1 and m.queue_time >= 0 and m.num_preemptions == 0
+    assert m.time_to_first_token >= m.queue_time and m.time_per_output_token > 0
+    completion = engine.result(rid)
+    assert len(completion.token_ids) == m.num_generated
+    assert completion.time_to_first_token == pytest.approx(m.time_to_first_token)
+    s = engine.stats()
+    assert s.tokens_per_second > 0 and s.steps >= m.num_generated
+    assert s.tokens_capacity == 64 * PAGE and s.pages_used == 0 and s.pages_cached > 0
+
+
+def test_bad_input_is_one_line_error(model):
+    engine = _engine(model, num_pages=8)
+    with pytest.raises(InputError, match="max_seq_len"):
+        engine.submit(list(range(3, 30)), max_new_tokens=16)  # can never fit
+    with pytest.raises(InputError, match="one prompt"):
+        engine.submit([[3, 4], [5, 6]])
+    with pytest.raises(InputError, match="max_new_tokens"):
+        engine.submit([3, 4], max_new_tokens=0)
+    rid = engine.submit([3, 4], max_new_tokens=9)
+    with pytest.raises(InputError, match="not finished"):
+        engine.result(rid)
+    with pytest.raises(InputError, match="max_tokens_per_step"):
+        Engine(model, num_pages=8, max_batch=8, max_tokens_per_step=4, verbose=False)
+    with pytest.raises(InputError, match="without chunked prefill"):
+        _engine(model, chunked_prefill=False, max_tokens_per_step=8).submit(list(range(3, 20)),
+                                                                       max_new_tokens=9)
