@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.kv_cache import KVCache
-from sharding.attention import mesh_attention  # = attention; Pallas runs per shard on a mesh
+from sharding.attention import gather_vocab, mesh_attention  # Pallas per shard on a mesh
 
 Params = dict[str, Any]
 
@@ -182,9 +182,12 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     """Logits ``[..., vocab]`` float32 from final hidden states ``[..., hidden]``."""
     if "lm_head" in params:
         w = params["lm_head"]
-        return jnp.einsum("...d,dv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,vd->...v", h, params["embed"].astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...d,vd->...v", h, params["embed"].astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+    return gather_vocab(logits)  # on a mesh the head is vocab-split; sampling wants whole rows
 
 
 def forward_ragged(

@@ -27,6 +27,19 @@ def _context_mesh() -> jax.sharding.AbstractMesh | None:
     return mesh
 
 
+def gather_vocab(logits: jax.Array) -> jax.Array:
+    """Constrain logits ``[B, ..., vocab]`` to batch-on-data, vocab whole, under a context mesh.
+
+    The vocab-split LM head leaves logits split over "model"; sampling sorts and scans the
+    vocab axis, which GSPMD handles slowly (and compiles slowly) when that axis is split.
+    Gathering ``B x vocab`` floats once per step is cheap next to the weights read per step.
+    No-op without a context mesh.
+    """
+    if _context_mesh() is None:
+        return logits
+    return jax.lax.with_sharding_constraint(logits, P(DATA, *([None] * (logits.ndim - 1))))
+
+
 def per_shard_attention(
     fn: Callable[..., jax.Array],
     q: jax.Array,
