@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints.hf import expected_shapes
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, ConfigError
+from jaxinfer.model import param_shapes
 
 # GGUF per-block tensor name -> (our key, whether it is a weight matrix to transpose).
 _BLOCK_TENSORS: dict[str, tuple[str, bool]] = {
@@ -277,7 +277,7 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, 
     tensors = f.tensors
     freqs = f.tensor("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
     config = LlamaConfig.from_hf_dict(gguf_config_dict(meta, set(tensors), freqs))
-    shapes = expected_shapes(config)
+    shapes = param_shapes(config)
 
     def get(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
         if name not in tensors:

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.model import param_shapes
 
 # HF per-layer tensor name suffix -> (our key, whether the torch weight is transposed).
 _LAYER_TENSORS: dict[str, tuple[str, bool]] = {
@@ -43,28 +44,9 @@ _LAYER_TENSORS: dict[str, tuple[str, bool]] = {
 _RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, Any]:
-    """The params pytree of shapes (tuples) that ``config`` implies (the loaders' contract)."""
-    d, f, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    shapes: dict[str, Any] = {
-        "embed": (v, d),
-        "layers": {
-            "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv),
-            "wo": (n, q, d), "mlp_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f),
-            "w_down": (n, f, d),
-        },
-        "final_norm": (d,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
-    return shapes
-
-
 def hf_tensor_shape(name: str, config: LlamaConfig) -> tuple[int, ...]:
     """Shape the HF (torch orientation) tensor ``name`` must have under ``config``."""
-    shapes = expected_shapes(config)
+    shapes = param_shapes(config)
     if name == "model.embed_tokens.weight":
         return shapes["embed"]
     if name == "model.norm.weight":

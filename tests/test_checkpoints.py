@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from checkpoints.gguf import _unpermute, gguf_config_dict, load_gguf
-from checkpoints.hf import expected_shapes, load_hf_checkpoint
+from checkpoints.hf import load_hf_checkpoint
 from checkpoints.orbax_io import load_converted, restore_params, save_converted, save_params
 from jaxinfer.errors import CheckpointError, ConfigError
+from jaxinfer.model import param_shapes
 
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
@@ -65,7 +66,7 @@ def test_hf_checkpoint_loads_exact_transposed_weights(tiny_hf):
     assert ("lm_head" in params) == (not hf.tie_word_embeddings)
     _assert_tree_equal(params, _expected_from_state_dict(
         _state_dict(model), hf.num_hidden_layers, hf.tie_word_embeddings))
-    shapes = expected_shapes(config)
+    shapes = param_shapes(config)
     assert params["layers"]["wq"].shape == shapes["layers"]["wq"]
 
 
