@@ -1,13 +1,14 @@
 """jaxinfer: JAX/XLA inference for Llama-family language models."""
 
 from jaxinfer.config import LlamaConfig
+from jaxinfer.engine import Engine
 from jaxinfer.errors import CheckpointError, ConfigError, InputError, JaxinferError
 from jaxinfer.generate import Completion, Model, compute_logits, generate, stream, stream_tokens
 from jaxinfer.loading import DEFAULT_MODEL, convert, load_model
 from jaxinfer.sampling import SamplingParams
 
 __all__ = [
-    "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "InputError",
+    "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "Engine", "InputError",
     "JaxinferError", "LlamaConfig", "Model", "SamplingParams", "compute_logits", "convert",
     "generate", "load_model", "stream", "stream_tokens",
 ]

@@ -354,10 +354,19 @@ def generate(
         ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``,
         ``logprobs``).
 
+    More prompts than ``model.max_batch`` are served by ``jaxinfer.Engine`` (continuous
+    batching over a paged KV cache); the tokens are the same as in static batches.
+
     Returns:
       One ``Completion`` per prompt, in order.
     """
     requests = _make_requests(model, prompts, chat, sampling, sampling_kwargs)
+    if len(requests) > model.max_batch and model.mesh is None:
+        # More prompts than one static batch: the continuous-batching engine refills a slot
+        # as soon as its request ends instead of waiting for each batch's longest request.
+        from jaxinfer.engine import generate_with_engine  # local: engine imports this module
+
+        return generate_with_engine(model, requests)
     results: list[Completion] = []
     for start in range(0, len(requests), model.max_batch):
         group = requests[start: start + model.max_batch]

@@ -213,3 +213,18 @@ def test_bad_input_is_one_line_error(model):
     with pytest.raises(InputError, match="without chunked prefill"):
         _engine(model, chunked_prefill=False, max_tokens_per_step=8).submit(list(range(3, 20)),
                                                                        max_new_tokens=9)
+
+
+def test_generate_routes_many_prompts_through_engine(model, work200, alone200, monkeypatch):
+    import jaxinfer.engine
+
+    calls = []
+    real = jaxinfer.engine.generate_with_engine
+    monkeypatch.setattr(jaxinfer.engine, "generate_with_engine",
+                        lambda m, reqs: calls.append(len(reqs)) or real(m, reqs))
+    work = work200[:20]  # more prompts than max_batch=8
+    sampling = [jaxinfer.SamplingParams(max_new_tokens=m) for _, m, _ in work]
+    got = jaxinfer.generate(model, [p for p, _, _ in work], sampling=sampling)
+    assert calls == [20]
+    _assert_same(got, alone200[:20])
+    assert isinstance(jaxinfer.Engine(model, num_pages=8, verbose=False), jaxinfer.Engine)
