@@ -141,6 +141,7 @@ class EngineStats:
     pages_free: int  # neither
     peak_pages_used: int
     tokens_capacity: int  # pages_total * page_size
+    tokens_held: int  # positions with K/V in the pool for running sequences
     prefix_cache_hit_rate: float  # cached tokens / prompt tokens looked up at admission
     num_preemptions: int
     num_compilations: int  # step-function compilations by this engine
@@ -348,6 +349,7 @@ class Engine:
             pages_total=bm.num_pages, pages_used=bm.num_used, pages_cached=bm.num_cached,
             pages_free=bm.num_free - bm.num_cached, peak_pages_used=self._peak_used,
             tokens_capacity=bm.num_pages * self.page_size,
+            tokens_held=sum(s.num_computed for s in self._running),
             prefix_cache_hit_rate=self._hit_tokens / max(1, self._lookup_tokens),
             num_preemptions=self._preemptions,
             num_compilations=_TRACES[self._trace_key] - self._traces_at_start)
