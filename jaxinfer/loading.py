@@ -73,6 +73,7 @@ def load_model(
     backend: str = "auto",
     max_batch: int = 64,
     shardings: Any = None,
+    mesh: Any = None,
 ) -> Model:
     """Load a model for ``generate``.
 
@@ -86,15 +87,29 @@ def load_model(
       max_batch: most sequences decoded together by ``generate``.
       shardings: optional pytree of ``jax.sharding.Sharding`` matching the params, used when
         restoring a converted folder (other formats are placed with ``jax.device_put``).
+      mesh: a ``(data, model)`` mesh from ``sharding.make_mesh``: weights are split with the
+        rules in ``sharding.rules`` (tensor parallel on "model", replicated on "data") and
+        ``generate``/``compute_logits`` run on the mesh. Converted folders are restored
+        straight into shards; HF/GGUF weights are converted in host memory and each device
+        receives only its shard. K/V heads are repeated when fewer than the model size, so
+        ``Model.config.num_kv_heads`` may be larger than the checkpoint's.
     """
     jdtype = _parse_dtype(dtype)
     if not isinstance(max_batch, int) or max_batch < 1:
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
+    if mesh is not None:
+        from sharding.rules import shard_params, stored_shardings
+
+        # Shardings depend on the config, which only the checkpoint knows: pass a callable.
+        shardings = lambda cfg: stored_shardings(cfg, mesh)
     config, params, tokenizer = _load_raw(name_or_path, shardings)
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
-    params = jax.tree.map(lambda a: _place(a, jdtype), params)
+    if mesh is not None:
+        config, params = shard_params(config, params, mesh, jdtype)
+    else:
+        params = jax.tree.map(lambda a: _place(a, jdtype), params)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
-                 name=str(name_or_path), backend=backend, max_batch=max_batch)
+                 name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh)
 
 
 def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
@@ -122,6 +137,8 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
         config, params, metadata = load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
     elif is_converted_dir(path):
+        if callable(shardings):  # load_model(mesh=...): shardings computed from the config
+            shardings = shardings(LlamaConfig.from_json_file(path / "config.json"))
         config, params, tokenizer = load_converted(path, shardings)
     elif (path / "config.json").is_file():
         config, params = load_hf_checkpoint(path)
