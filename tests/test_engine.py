@@ -228,3 +228,34 @@ def test_generate_routes_many_prompts_through_engine(model, work200, alone200, m
     assert calls == [20]
     _assert_same(got, alone200[:20])
     assert isinstance(jaxinfer.Engine(model, num_pages=8, verbose=False), jaxinfer.Engine)
+
+
+class _LetterTokenizer:
+    """Token id -> one letter; enough for stop strings and text on id prompts."""
+
+    eos_ids = (2,)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_and_text_equal_generate(model, work200, alone200):
+    import dataclasses
+
+    lettered = dataclasses.replace(model, tokenizer=_LetterTokenizer())
+    work = [(p, m) for (p, m, _), a in zip(work200, alone200, strict=True)
+            if len(a.token_ids) >= 4][:6]
+    engine = _engine(lettered)
+    stops = []
+    for p, m in work:
+        (full,) = jaxinfer.generate(lettered, [p], max_new_tokens=m)
+        stops.append(full.text[2:4])  # a stop string that completes mid-output
+    ids = [engine.submit(p, max_new_tokens=m, stop=s)
+           for (p, m), s in zip(work, stops, strict=True)]
+    engine.run_until_done()
+    for (p, m), s, rid in zip(work, stops, ids, strict=True):
+        got = engine.result(rid)
+        (want,) = jaxinfer.generate(lettered, [p], max_new_tokens=m, stop=s)
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            want.text, want.token_ids, want.finish_reason)
+        assert got.finish_reason == "stop" and s not in got.text
