@@ -1,0 +1,305 @@
+#!/usr/bin/env python
+"""Generate (or score) a JSONL file of prompts across a device mesh, resumably.
+
+    python scripts/batch_eval.py --model M --input prompts.jsonl --output results.jsonl \
+        [--tp N] [--dp N] [--max-new-tokens N] [--temperature T] [sampling flags as the CLI]
+
+Input records: ``{"id": ..., "prompt": "..."}`` (``--chat`` wraps it as a user turn), or
+``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}``; with ``--score`` also a
+``"completion"`` whose log-likelihood given the prompt is computed instead of generating.
+
+Output: one JSON line per input record, in input order: ``id``, ``line`` (1-based input line),
+then ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``, ``ttft_s``, ``tpot_s``
+(generation) or ``logprob``, ``token_logprobs``, ``num_tokens`` (scoring), or ``error`` for a
+bad record. Bad records (not JSON, no prompt, wrong types) are reported on stderr with their
+line number and written as error records, or stop the run before any work with
+``--on-bad-record fail``. Blank lines are not records.
+
+Resuming: the output is appended one batch at a time (flushed and fsynced), always in input
+order, so after an interruption the finished records are a prefix of the input. Running the
+same command again checks that prefix against the input, drops a torn last line, and continues
+with the next record. With ``--seed``, record ``i`` samples with seed ``seed + line``, so a
+resumed run draws the same tokens as an uninterrupted one.
+
+Multi-host: start the same command on every host with ``--coordinator HOST:PORT
+--num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
+output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a file from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from jaxinfer.cli import add_sampling_args, sampling_kwargs  # noqa: E402
+from jaxinfer.errors import InputError, JaxinferError  # noqa: E402
+
+
+@dataclasses.dataclass
+class Record:
+    """One input line: its 1-based line number, id, and prompt (or why it is bad)."""
+
+    line: int
+    id: Any
+    prompt: Any = None  # str or list of chat messages
+    completion: str | None = None
+    error: str | None = None
+
+
+def parse_records(path: Path, score: bool) -> list[Record]:
+    """Read the JSONL input; every non-blank line becomes a ``Record`` (bad ones with ``error``)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read input {path}: {e}") from None
+    records = []
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        records.append(_parse_line(n, raw, score))
+    return records
+
+
+def _parse_line(n: int, raw: str, score: bool) -> Record:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return Record(n, None, error=f"not valid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return Record(n, None, error=f"expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id", n)
+    if "messages" in obj:
+        msgs = obj["messages"]
+        ok = (isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in msgs))
+        if not ok:
+            return Record(n, rid, error="'messages' must be a non-empty list of "
+                                        "{'role': str, 'content': str}")
+        prompt: Any = msgs
+    elif "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            return Record(n, rid, error="'prompt' must be a non-empty string")
+    else:
+        return Record(n, rid, error="missing 'prompt' (or 'messages')")
+    completion = obj.get("completion")
+    if score and (not isinstance(completion, str) or not completion):
+        return Record(n, rid, error="--score needs a non-empty string 'completion'")
+    return Record(n, rid, prompt, completion)
+
+
+def resume_point(output: Path, records: Sequence[Record]) -> int:
+    """Number of records already in ``output`` (a verified prefix); truncates a torn tail."""
+    if not output.exists():
+        return 0
+    data = output.read_bytes()
+    keep, done = 0, 0
+    for raw in data.splitlines(keepends=True):
+        if not raw.endswith(b"\n"):
+            break  # torn last line from an interrupted write: dropped and redone
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            break
+        if done >= len(records) or obj.get("line") != records[done].line \
+                or obj.get("id") != records[done].id:
+            raise InputError(f"{output} does not match {len(records)} records of the input at "
+                             f"output line {done + 1}; use a new --output or delete it")
+        keep += len(raw)
+        done += 1
+    if keep < len(data):
+        with output.open("r+b") as f:
+            f.truncate(keep)
+    return done
+
+
+def _percentiles(values: Sequence[float]) -> str:
+    import numpy as np
+
+    if not values:
+        return "n/a"
+    p50, p90, p99 = np.percentile(np.asarray(values), [50, 90, 99])
+    return f"p50 {p50 * 1e3:.1f} ms  p90 {p90 * 1e3:.1f} ms  p99 {p99 * 1e3:.1f} ms"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--input", required=True, type=Path)
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="records per generate call (the whole mesh; split over --dp)")
+    p.add_argument("--on-bad-record", choices=["skip", "fail"], default="skip",
+                   help="skip: report and write an error record; fail: stop before any work")
+    p.add_argument("--score", action="store_true",
+                   help="log-likelihood of each record's 'completion' instead of generating")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    add_sampling_args(p)
+    return p
+
+
+def _score(model: Any, records: Sequence[Record], chat: bool) -> list[dict[str, Any]]:
+    """Per-record log-likelihood of the completion tokens given the prompt."""
+    import numpy as np
+
+    from jaxinfer.generate import compute_logits, encode_chat
+
+    out = []
+    for r in records:
+        if isinstance(r.prompt, list) or chat:
+            msgs = r.prompt if isinstance(r.prompt, list) else [
+                {"role": "user", "content": r.prompt}]
+            prompt_ids = encode_chat(model, msgs)
+        else:
+            prompt_ids = model.tokenizer.encode(r.prompt, add_bos=True)
+        comp_ids = model.tokenizer.encode(r.completion, add_bos=False)
+        logits = compute_logits(model, prompt_ids + comp_ids)
+        logits = logits - logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        start = len(prompt_ids)
+        tok_lp = [float(logp[start + i - 1, t]) for i, t in enumerate(comp_ids)]
+        out.append({"logprob": float(sum(tok_lp)), "token_logprobs": tok_lp,
+                    "num_tokens": len(comp_ids)})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the evaluation described by parsed ``args``; returns the exit status."""
+    options = sampling_kwargs(args)
+    base_seed = options.pop("seed")
+    from jaxinfer.sampling import SamplingParams
+
+    SamplingParams.from_kwargs(**options)  # reject bad flags before loading anything
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size={args.batch_size} must be >= 1")
+    records = parse_records(args.input, args.score)
+    bad = [r for r in records if r.error]
+    for r in bad:
+        print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
+    if bad and args.on_bad_record == "fail":
+        raise InputError(f"{len(bad)} bad record(s) in {args.input} (first at line "
+                         f"{bad[0].line}); fix them or pass --on-bad-record skip")
+
+    from sharding.multihost import initialize, is_primary
+
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    primary = is_primary()
+    done = resume_point(args.output, records) if primary else 0
+    if args.num_processes and args.num_processes > 1:
+        from jax.experimental import multihost_utils
+
+        # Every process must run the same batches: agree on process 0's resume point.
+        done = int(multihost_utils.broadcast_one_to_all(done))
+    if done:
+        print(f"batch_eval: resuming after {done} finished record(s) in {args.output}",
+              file=sys.stderr)
+
+    import jaxinfer
+    from sharding import make_mesh
+
+    mesh = make_mesh(data=args.dp, model=args.tp) if args.tp * args.dp > 1 else None
+    model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
+                                max_batch=args.batch_size, mesh=mesh)
+    todo = records[done:]
+    stats = {"requests": 0, "bad": len(bad), "tokens": 0, "ttft": [], "tpot": []}
+    bar = None
+    if primary and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(records), initial=done, unit="rec", file=sys.stderr,
+                   dynamic_ncols=True)
+    t0 = time.perf_counter()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    out_f = args.output.open("a", encoding="utf-8") if primary else None
+    try:
+        for start in range(0, len(todo), args.batch_size):
+            chunk = todo[start: start + args.batch_size]
+            good = [r for r in chunk if not r.error]
+            results: dict[int, dict[str, Any]] = {}
+            if good and args.score:
+                results = dict(zip((r.line for r in good), _score(model, good, args.chat),
+                                   strict=True))
+            elif good:
+                sps = [SamplingParams.from_kwargs(
+                    **options, seed=None if base_seed is None else base_seed + r.line)
+                    for r in good]
+                comps = jaxinfer.generate(model, [r.prompt for r in good], chat=args.chat,
+                                          sampling=sps)
+                for r, c in zip(good, comps, strict=True):
+                    results[r.line] = {
+                        "text": c.text, "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                        "prompt_tokens": len(c.prompt_token_ids),
+                        "ttft_s": c.time_to_first_token, "tpot_s": c.time_per_output_token}
+                    stats["tokens"] += len(c.token_ids)
+                    stats["ttft"].append(c.time_to_first_token)
+                    if len(c.token_ids) > 1:
+                        stats["tpot"].append(c.time_per_output_token)
+            stats["requests"] += len(good)
+            if out_f is not None:
+                for r in chunk:
+                    rec = {"id": r.id, "line": r.line}
+                    rec.update({"error": r.error} if r.error else results[r.line])
+                    out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                out_f.flush()
+                os.fsync(out_f.fileno())
+            if bar is not None:
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):.1f} tok/s")
+                bar.update(len(chunk))
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        print(f"batch_eval: interrupted; finished records are in {args.output}, run the same "
+              "command again to resume", file=sys.stderr)
+        return 130
+    finally:
+        if out_f is not None:
+            out_f.close()
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t0
+    if primary:
+        mode = "scored" if args.score else "generated"
+        print(f"requests {stats['requests']} {mode} (+{done} resumed, {stats['bad']} bad)  "
+              f"tokens {stats['tokens']}  wall {wall:.2f} s  "
+              f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
+              f"{stats['requests'] / max(wall, 1e-9):.2f} req/s")
+        if not args.score:
+            print(f"TTFT  {_percentiles(stats['ttft'])}")
+            print(f"TPOT  {_percentiles(stats['tpot'])}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; user errors print one line and exit 2."""
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except JaxinferError as e:
+        print(f"batch_eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
