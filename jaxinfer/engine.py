@@ -283,6 +283,9 @@ class Engine:
         t0 = time.perf_counter()
         plan, copies = self._schedule()
         if not plan:
+            if self._waiting and not self._running:  # unreachable given submit's checks
+                raise RuntimeError("the engine cannot admit any waiting request with an empty "
+                                   "pool; this is a scheduler bug")
             return []
         inp = self._build_inputs(plan, copies)
         self.pool, self._seen, tokens, logprobs = _engine_step(
@@ -422,7 +425,7 @@ class Engine:
         bm, ps = self.blocks, self.page_size
         if bm.pages_needed(s.rid, start, start + n, hits) <= free:
             return n
-        if not self.chunked_prefill:
+        if not self._chunks(s):
             return 0
         base = bm.pages_needed(s.rid, start, start + 1, hits)
         if base > free:
@@ -430,6 +433,11 @@ class Engine:
         mapped = len(bm.tables.get(s.rid, hits))
         pages = max(mapped, start // ps + 1) + (free - base)
         return max(0, min(n, pages * ps - start))
+
+    def _chunks(self, s: _Seq) -> bool:
+        # A preempted request's prompt + output may exceed the token budget, so its recompute
+        # is chunked even when prompts are not; otherwise it could never be readmitted.
+        return self.chunked_prefill or s.preemptions > 0
 
     def _admit(self, plan: list[tuple[_Seq, int]], budget: int) -> list[tuple[int, int]]:
         """Move waiting requests into free slots (FCFS) while budget and pages allow."""
@@ -445,7 +453,7 @@ class Engine:
                 continue
             start = min(len(hits) * ps, len(s.tokens) - 1)
             n = self._fit(s, start, len(s.tokens) - start, bm.num_free, hits)
-            n = min(n, budget) if self.chunked_prefill else n * (n <= budget)
+            n = min(n, budget) if self._chunks(s) else n * (n <= budget)
             if n == 0:
                 break
             self._waiting.popleft()

@@ -104,6 +104,17 @@ def test_small_pool_preempts_and_gives_same_outputs(model, work200, alone200):
     engine.blocks.check_all_free()
 
 
+def test_preemption_without_chunked_prefill(model, work200, alone200):
+    # Budget 16 fits any prompt (<= 16) but not a preempted request's prompt + output, whose
+    # recompute must then be chunked anyway.
+    engine = _engine(model, num_pages=MAX_SEQ // PAGE + 2, max_tokens_per_step=16,
+                     chunked_prefill=False)
+    got, _ = _serve(engine, work200[:60])
+    _assert_same(got, alone200[:60])
+    assert engine.stats().num_preemptions > 0
+    engine.blocks.check_all_free()
+
+
 def test_sampling_options_equal_generate(model):
     work = _workload(1, 12)
     opts = dict(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, logprobs=True)
