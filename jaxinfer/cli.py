@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--dtype", default="bfloat16")
     ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     add_sampling_args(ch)
+    from jaxinfer.perf_cli import add_parsers
+
+    add_parsers(sub)  # plan, bench
     c = sub.add_parser("convert", help="convert a GGUF/HF checkpoint to a jaxinfer folder")
     c.add_argument("src")
     c.add_argument("dst")

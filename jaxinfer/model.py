@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import attention as attention_lib
 from jaxinfer.config import LlamaConfig
 from jaxinfer.kv_cache import KVCache
 from sharding.attention import gather_vocab, mesh_attention  # Pallas per shard on a mesh
@@ -148,9 +149,7 @@ def forward(
         h, k_all, v_all = carry
         lp, i = xs
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q = _dense(x, lp["wq"]).reshape(b, t, c.num_heads, c.head_dim)
-        k = _dense(x, lp["wk"]).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = _dense(x, lp["wv"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k, v = _qkv(x, lp, c)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         k_new = k.astype(k_all.dtype).transpose(0, 2, 1, 3)  # [B, KVH, T, D], only new rows
@@ -163,19 +162,93 @@ def forward(
             rows = jnp.arange(b)
             k_all = k_all.at[i, rows, :, cache.lengths].set(k_new[:, :, 0], mode="drop")
             v_all = v_all.at[i, rows, :, cache.lengths].set(v_new[:, :, 0], mode="drop")
-            attn = mesh_attention(q[:, 0], k_all[i], v_all[i], cache.lengths + 1,
-                                  mode="decode", backend=backend)[:, None]
+            if backend == "pallas" and attention_lib.DECODE_LAYER_KERNEL and _no_mesh():
+                # Read layer i inside the kernel: k_all[i] would be copied for the call.
+                attn = attention_lib.decode_attention_layer(
+                    q[:, 0], k_all, v_all, i, cache.lengths + 1)[:, None]
+            else:
+                attn = mesh_attention(q[:, 0], k_all[i], v_all[i], cache.lengths + 1,
+                                      mode="decode", backend=backend)[:, None]
         h = h + _dense(attn.reshape(b, t, c.num_heads * c.head_dim), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        gated = jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
-        h = h + _dense(gated, lp["w_down"])
+        h = h + _dense(_gated_mlp(x, lp), lp["w_down"])
         return (h, k_all, v_all), None
 
-    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (h, k_all, v_all), _ = jax.lax.scan(layer, (h, cache.k, cache.v),
-                                        (params["layers"], layer_ids))
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        # Unstacked execution layout (``prepare_params(unstack=True)``): one straight-line
+        # layer per entry, each reading its own weight buffers.
+        carry = (h, cache.k, cache.v)
+        for i, lp in enumerate(layers):
+            carry, _ = layer(carry, (lp, i))
+        h, k_all, v_all = carry
+    else:
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_all, v_all), _ = jax.lax.scan(layer, (h, cache.k, cache.v), (layers, layer_ids))
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     return h, cache.replace(k=k_all, v=v_all)
+
+
+def _qkv(x: jax.Array, lp: Params, c: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
+    b, t = x.shape[:2]
+    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if "wqkv" in lp:
+        qkv = _dense(x, lp["wqkv"])
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q, k, v = _dense(x, lp["wq"]), _dense(x, lp["wk"]), _dense(x, lp["wv"])
+    return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
+            v.reshape(b, t, c.num_kv_heads, c.head_dim))
+
+
+def _gated_mlp(x: jax.Array, lp: Params) -> jax.Array:
+    """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``."""
+    if "w_gate_up" in lp:
+        gu = _dense(x, lp["w_gate_up"])
+        f = gu.shape[-1] // 2
+        return jax.nn.silu(gu[..., :f]) * gu[..., f:]
+    return jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
+
+
+def _no_mesh() -> bool:
+    """True outside ``jax.set_mesh`` (the layer-indexed kernel is not run per shard)."""
+    return jax.sharding.get_abstract_mesh().empty
+
+
+def prepare_params(params: Params, *, fuse: bool = False, unstack: bool = False) -> Params:
+    """An execution layout of ``params`` for ``forward``, built once outside the jitted steps.
+
+    The stored layout (``param_shapes``) stays the contract for checkpoints and sharding;
+    this derives from it, and ``forward`` accepts either.
+
+    Args:
+      fuse: concatenate ``wq|wk|wv`` into ``wqkv`` and ``w_gate|w_up`` into ``w_gate_up``
+        along the output axis, so each layer runs two fewer matmuls (fewer launches; larger
+        matmuls keep more of the GPU busy at batch 1).
+      unstack: split the stacked ``[L, ...]`` layer arrays into a list of per-layer dicts, so
+        ``forward`` unrolls the layer loop and no weight is sliced out of a stacked buffer.
+
+    The input arrays are not modified; with either option the result holds new buffers (the
+    caller may drop the original to free its memory). Single-device only: the tensor-parallel
+    rules in ``sharding.rules`` name the stored keys, and a fused ``wqkv`` split evenly over
+    devices would not put whole Q/K/V heads on each.
+    """
+    if not fuse and not unstack:
+        return params
+    layers = dict(params["layers"])
+    if fuse:
+        layers["wqkv"] = jnp.concatenate([layers.pop("wq"), layers.pop("wk"),
+                                          layers.pop("wv")], axis=-1)
+        layers["w_gate_up"] = jnp.concatenate([layers.pop("w_gate"), layers.pop("w_up")],
+                                              axis=-1)
+    out = dict(params)
+    if unstack:
+        n = next(iter(layers.values())).shape[0]
+        out["layers"] = [{k: v[i] for k, v in layers.items()} for i in range(n)]
+    else:
+        out["layers"] = layers
+    return out
 
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:

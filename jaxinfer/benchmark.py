@@ -1,0 +1,525 @@
+"""Benchmark harness: decode and prefill timings next to the roofline of the same machine.
+
+What one run measures, in order:
+
+1. The two ceilings, on this device, now: a streaming read (a sum over a large bf16 array),
+   a device copy (read + write counted) and a large bf16 matmul. Achieved bandwidth of
+   decode is reported against the higher of read/copy, MFU against the matmul rate.
+2. For every implementation (``--impl``, e.g. ``reference`` or ``pallas+fused``) and model:
+   * decode: for each (batch, context) a cache of random K/V holding ``context`` positions
+     per sequence, then ``--decode-steps`` steps inside one ``steps.decode_loop`` call (the
+     on-device loop: no host dispatch per token). ms/step = call time / steps, median of
+     ``--repeats`` calls after a warm-up call. MBU counts the weights plus the live K/V
+     (``roofline.decode_step_bytes``).
+   * prefill: TTFT of one ``steps.prefill`` call per prompt length (random token ids), and
+     MFU = ``roofline.prefill_flops`` / time / measured matmul rate.
+   * compile: wall time of each program's first call minus its median run time.
+   * the decode program's compiled HLO: launches per step (kernels in the loop bodies
+     times their trip counts) and the largest buffers written inside the layer loop (a
+     cache- or weight-sized copy shows up there).
+3. JSON to ``--out`` (default ``bench/results/<device>/bench_<model>_<time>.json``) and a
+   short table on stdout.
+
+Weights are random bf16 of the exact shapes (``model.init_params``), never zeros; inputs
+are random too. Run on a GPU with ``PYTHONPATH=. python3 scripts/bench.py ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import roofline
+from jaxinfer.config import LlamaConfig
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.model import Params, init_params, prepare_params
+from jaxinfer.presets import resolve_config
+
+_OPTIONS = ("fused", "unrolled")
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr (stdout keeps the table)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """One implementation to time: an attention backend plus execution-layout options.
+
+    Written ``backend[+option...]``: ``reference``, ``pallas``, ``pallas+fused``,
+    ``pallas+fused+unrolled`` (see ``model.prepare_params``).
+    """
+
+    backend: str
+    fused: bool = False
+    unrolled: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Impl:
+        """Parse ``backend[+option...]``."""
+        backend, *opts = text.split("+")
+        if backend not in ("reference", "pallas"):
+            raise ValueError(f"impl {text!r}: backend must be 'reference' or 'pallas'")
+        bad = [o for o in opts if o not in _OPTIONS]
+        if bad:
+            raise ValueError(f"impl {text!r}: unknown option {bad[0]!r}; known: {_OPTIONS}")
+        return cls(backend, fused="fused" in opts, unrolled="unrolled" in opts)
+
+    @property
+    def name(self) -> str:
+        """The ``backend[+option...]`` spelling."""
+        opts = [o for o in _OPTIONS if getattr(self, o)]
+        return "+".join([self.backend, *opts])
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    """Median wall seconds of ``fn()`` (which must block until its result is ready)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def measure_ceilings(read_bytes: int, matmul_n: int, repeats: int) -> dict[str, float]:
+    """Streaming read, device copy and bf16 matmul rates of the default device.
+
+    Inputs are random (a matmul on zeros can run faster than on real data). The read is a
+    float32-accumulated sum, so every byte is read once and almost nothing written.
+    """
+    n = read_bytes // 2
+    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    copy = jax.jit(lambda a: a * 2)
+    jax.block_until_ready((total(x), copy(x)))
+    t_read, _ = median_time(lambda: total(x).block_until_ready(), repeats)
+    t_copy, _ = median_time(lambda: copy(x).block_until_ready(), repeats)
+    x = None  # free the large array before the matmul inputs
+    ka, kb = jax.random.split(jax.random.PRNGKey(1))
+    a = jax.random.normal(ka, (matmul_n, matmul_n), jnp.bfloat16)
+    b = jax.random.normal(kb, (matmul_n, matmul_n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    mm(a, b).block_until_ready()
+    t_mm, _ = median_time(lambda: mm(a, b).block_until_ready(), repeats)
+    return {
+        "read_bw": 2 * n / t_read,
+        "copy_bw": 2 * 2 * n / t_copy,
+        "matmul_flops": 2 * matmul_n**3 / t_mm,
+        "read_bytes": 2 * n,
+        "matmul_n": matmul_n,
+    }
+
+
+# --------------------------------------------------------------------------- HLO census
+
+_LAUNCH_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while",
+                "conditional", "call", "after-all", "partition-id", "replica-id",
+                "opt-barrier", "add-dependency", "domain"}
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
+_COMP = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_WHILE = re.compile(r"while\(.*body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1,
+                "u8": 1, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def hlo_census(hlo_text: str, top: int = 8) -> dict[str, Any]:
+    """Count kernel launches per iteration of each loop in compiled HLO text.
+
+    A launch is any instruction of a non-fused computation that is not pure bookkeeping
+    (tuples, parameters, bitcasts, control flow). ``per_outer_iteration`` multiplies each
+    nested loop body by its known trip count (the layer scan inside the decode loop), so it
+    estimates kernels per decode step. ``largest`` lists the biggest buffers written by
+    launches inside loops: a per-layer weight or cache copy is visible there.
+    """
+    comps: dict[str, list[tuple[str, str, int]]] = {}
+    whiles: dict[str, list[tuple[str, int]]] = {}
+    entry = ""
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and not line.startswith((" ", "\t")):  # headers start at column 0
+            current = m.group(2)
+            comps[current] = []
+            whiles[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        ins = _INSTR.match(line)
+        if not ins:
+            continue
+        name, shape, op = ins.groups()
+        if op == "while":
+            w = _WHILE.search(line)
+            trip = _TRIP.search(line)
+            if w:
+                whiles[current].append((w.group(1), int(trip.group(1)) if trip else 1))
+        if op in _LAUNCH_FREE:
+            continue
+        if "fused_computation" in current or current.startswith("fused"):
+            continue
+        comps[current].append((name, op, _shape_bytes(shape)))
+
+    def launches(comp: str, depth: int = 0) -> int:
+        if depth > 8 or comp not in comps:
+            return 0
+        return len(comps[comp]) + sum(t * launches(b, depth + 1) for b, t in whiles[comp])
+
+    bodies = {b: t for ws in whiles.values() for b, t in ws}
+    outer = [b for b, _ in whiles.get(entry, [])]
+    loops = {b: {"trip_count": t, "launches_per_iteration": len(comps.get(b, [])),
+                 "ops": _op_counts(comps.get(b, []))} for b, t in bodies.items()}
+    big = sorted(((nbytes, f"{op} {name}") for b in bodies for name, op, nbytes in
+                  comps.get(b, [])), reverse=True)[:top]
+    return {
+        "entry_launches": len(comps.get(entry, [])),
+        "loops": loops,
+        "launches_per_outer_iteration": {b: launches(b) for b in outer},
+        "largest_in_loops": [{"bytes": n, "what": w} for n, w in big],
+    }
+
+
+def _op_counts(instrs: list[tuple[str, str, int]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _, op, _ in instrs:
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+# --------------------------------------------------------------------------- model runs
+
+
+def random_cache(config: LlamaConfig, batch: int, max_len: int, context: int,
+                 key: jax.Array) -> KVCache:
+    """A cache whose first ``context`` positions per sequence hold random K/V."""
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+    fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16), out_shardings=None)
+    kk, kv = jax.random.split(key)
+    return KVCache(k=fill(kk), v=fill(kv), lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def greedy_state(config: LlamaConfig, batch: int, out_len: int, key: jax.Array) -> Any:
+    """A decode state of random input tokens, greedy sampling, never done."""
+    from jaxinfer.sampling import SamplingArrays, SamplingParams
+    from jaxinfer.steps import DecodeState
+
+    return DecodeState(
+        tokens=jax.random.randint(key, (batch,), 0, config.vocab_size, jnp.int32),
+        num_generated=jnp.ones((batch,), jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        out_tokens=jnp.full((batch, out_len), -1, jnp.int32),
+        out_logprobs=jnp.zeros((batch, out_len), jnp.float32),
+        seen=jnp.zeros((batch, config.vocab_size), bool),
+        max_new_tokens=jnp.full((batch,), 2**30, jnp.int32),
+        stop_ids=jnp.full((batch, 1), -1, jnp.int32),
+        sampling=SamplingArrays.from_params([SamplingParams(seed=0)] * batch),
+    )
+
+
+def bench_decode(params: Params, config: LlamaConfig, impl: Impl, batch: int, context: int,
+                 steps_per_call: int, repeats: int, ceilings: dict[str, float],
+                 census: bool) -> dict[str, Any]:
+    """Time ``steps_per_call`` decode steps inside one ``decode_loop`` call."""
+    from jaxinfer import steps
+
+    max_len = context + steps_per_call + 1
+    key = jax.random.PRNGKey(batch * 7919 + context)
+    cache = random_cache(config, batch, max_len, context, key)
+    state = greedy_state(config, batch, steps_per_call + 1, key)
+    n = jnp.int32(steps_per_call)
+    kwargs = dict(config=config, backend=impl.backend, dtype=jnp.bfloat16)
+    row: dict[str, Any] = {"impl": impl.name, "batch": batch, "context": context,
+                           "steps_per_call": steps_per_call}
+    if census:
+        compiled = steps.decode_loop.lower(params, cache, state, n, **kwargs).compile()
+        row["hlo"] = hlo_census(compiled.as_text())
+        row["_hlo_text"] = compiled.as_text()
+    lengths0 = cache.lengths
+    holder = {"cache": cache, "state": state}
+
+    def call() -> None:
+        # Every call starts from the same context (lengths reset); the K/V written by the
+        # previous call sit past it and are overwritten, so each call does identical work.
+        c = holder["cache"].replace(lengths=lengths0 + 0)
+        c, s = steps.decode_loop(params, c, holder["state"], n, **kwargs)
+        jax.block_until_ready(s.tokens)
+        holder["cache"], holder["state"] = c, s
+
+    t0 = time.perf_counter()
+    call()
+    first = time.perf_counter() - t0
+    med, times = median_time(call, repeats)
+    step_s = med / steps_per_call
+    nbytes = roofline.decode_step_bytes(config, batch, context)
+    flops = roofline.decode_step_flops(config, batch, context)
+    bw = max(ceilings["read_bw"], ceilings["copy_bw"])
+    floor = max(nbytes / bw, flops / ceilings["matmul_flops"])
+    row.update({
+        "ms_per_step": step_s * 1e3,
+        "tokens_per_s": batch / step_s,
+        "bytes_per_step": nbytes,
+        "flops_per_step": flops,
+        "achieved_TBps": nbytes / step_s / 1e12,
+        "mbu": nbytes / step_s / bw,
+        "floor_ms": floor * 1e3,
+        "compile_s": max(first - med, 0.0),
+        "call_times_s": times,
+    })
+    return row
+
+
+def bench_prefill(params: Params, config: LlamaConfig, impl: Impl, prompt_len: int,
+                  batch: int, repeats: int, ceilings: dict[str, float]) -> dict[str, Any]:
+    """Time one ``steps.prefill`` call on random prompts of ``prompt_len`` tokens."""
+    from jaxinfer import steps
+
+    key = jax.random.PRNGKey(prompt_len)
+    tokens = jax.random.randint(key, (batch, prompt_len), 0, config.vocab_size, jnp.int32)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    holder = {"cache": KVCache.create(config, batch, prompt_len)}
+    kwargs = dict(config=config, backend=impl.backend, dtype=jnp.bfloat16)
+
+    def call() -> None:
+        cache, logits = steps.prefill(params, holder["cache"], tokens, lengths, **kwargs)
+        jax.block_until_ready(logits)
+        holder["cache"] = cache
+
+    t0 = time.perf_counter()
+    call()
+    first = time.perf_counter() - t0
+    med, times = median_time(call, repeats)
+    flops = roofline.prefill_flops(config, batch, prompt_len)
+    return {
+        "impl": impl.name, "batch": batch, "prompt_len": prompt_len,
+        "ttft_ms": med * 1e3,
+        "flops": flops,
+        "achieved_TFLOPs": flops / med / 1e12,
+        "mfu": flops / med / ceilings["matmul_flops"],
+        "floor_ms": roofline.prefill_flops(config, batch, prompt_len)
+        / ceilings["matmul_flops"] * 1e3,
+        "compile_s": max(first - med, 0.0),
+        "call_times_s": times,
+    }
+
+
+def _model_tag(model: str) -> str:
+    """A file-name-safe tag: the preset name, or the config file's folder name."""
+    path = Path(model)
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
+def _fits(config: LlamaConfig, batch: int, context: int, budget: float | None) -> bool:
+    if budget is None:
+        return True
+    need = roofline.param_bytes(config) + batch * roofline.kv_bytes_per_seq(config, context)
+    return need <= budget
+
+
+def device_name() -> str:
+    """A short folder name for the default device: ``h100``, ``cpu``, ..."""
+    d = jax.devices()[0]
+    kind = getattr(d, "device_kind", d.platform).lower()
+    for known in ("h100", "h200", "a100", "a10", "v5e", "v5p", "v5 lite", "v4"):
+        if known in kind:
+            return known.replace(" ", "")
+    return d.platform
+
+
+def run_bench(
+    model: str,
+    impls: Sequence[str],
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    prompt_lens: Sequence[int],
+    *,
+    decode_steps: int = 64,
+    repeats: int = 5,
+    ceiling_bytes: int = 2 << 30,
+    matmul_n: int = 8192,
+    census: bool = True,
+    hlo_dir: Path | None = None,
+    memory_budget: float | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run the whole benchmark for one model; return the result dict (see module doc)."""
+    config = resolve_config(model)
+    parsed = [Impl.parse(i) for i in impls]
+    result: dict[str, Any] = {
+        "model": model, "device": str(jax.devices()[0]), "device_name": device_name(),
+        "jax": jax.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": config.to_hf_dict(), "num_params": config.num_params(),
+        "decode_steps_per_call": decode_steps, "repeats": repeats,
+        "decode": [], "prefill": [], "errors": [],
+    }
+    log(f"[bench] ceilings on {result['device']}")
+    ceilings = measure_ceilings(ceiling_bytes, matmul_n, repeats)
+    result["ceilings"] = ceilings
+    log(f"[bench] read {ceilings['read_bw'] / 1e12:.2f} TB/s, copy "
+        f"{ceilings['copy_bw'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops'] / 1e12:.0f} "
+        "TFLOP/s")
+    t0 = time.perf_counter()
+    base = init_params(config, jax.random.PRNGKey(seed), jnp.bfloat16)
+    jax.block_until_ready(base)
+    result["init_params_s"] = time.perf_counter() - t0
+    for impl in parsed:
+        try:
+            params = prepare_params(base, fuse=impl.fused, unstack=impl.unrolled)
+        except Exception as e:  # report and go on with the other implementations
+            result["errors"].append({"impl": impl.name, "what": "prepare", "error": repr(e)})
+            continue
+        for b in batches:
+            for s in contexts:
+                if not _fits(config, b, s + decode_steps + 1, memory_budget):
+                    log(f"[bench] skip decode {impl.name} B={b} ctx={s}: does not fit")
+                    continue
+                log(f"[bench] decode {impl.name} B={b} ctx={s}")
+                try:
+                    row = bench_decode(params, config, impl, b, s, decode_steps, repeats,
+                                       ceilings, census and b == batches[0] and s == contexts[0])
+                except Exception as e:  # noqa: BLE001 - one failing case must not end the run
+                    traceback.print_exc()
+                    result["errors"].append({"impl": impl.name, "batch": b, "context": s,
+                                             "error": repr(e)[:2000]})
+                    continue
+                hlo_text = row.pop("_hlo_text", None)
+                if hlo_text is not None and hlo_dir is not None:
+                    hlo_dir.mkdir(parents=True, exist_ok=True)
+                    name = f"decode_{_model_tag(model)}_{impl.name}.hlo.txt"
+                    (hlo_dir / name).write_text(hlo_text)
+                log(f"[bench]   {row['ms_per_step']:.3f} ms/step, {row['tokens_per_s']:.0f} "
+                    f"tok/s, MBU {row['mbu']:.0%}")
+                result["decode"].append(row)
+        for t in prompt_lens:
+            if not _fits(config, 1, t, memory_budget):
+                continue
+            log(f"[bench] prefill {impl.name} T={t}")
+            try:
+                row = bench_prefill(params, config, impl, t, 1, repeats, ceilings)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                result["errors"].append({"impl": impl.name, "prompt_len": t,
+                                         "error": repr(e)[:2000]})
+                continue
+            log(f"[bench]   TTFT {row['ttft_ms']:.1f} ms, MFU {row['mfu']:.0%}")
+            result["prefill"].append(row)
+        del params
+        jax.clear_caches()  # each implementation compiles its own programs
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The short stdout table of one result dict."""
+    c = result["ceilings"]
+    lines = [
+        f"{result['model']} on {result['device']} (jax {result['jax']}): read "
+        f"{c['read_bw'] / 1e12:.2f} TB/s, copy {c['copy_bw'] / 1e12:.2f} TB/s, matmul "
+        f"{c['matmul_flops'] / 1e12:.0f} TFLOP/s",
+        f"{'impl':<24} {'B':>4} {'ctx':>6} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} "
+        f"{'TB/s':>6} {'MBU':>5} {'floor':>7} {'compile':>8}",
+    ]
+    for r in result["decode"]:
+        lines.append(
+            f"{r['impl']:<24} {r['batch']:>4} {r['context']:>6} {r['ms_per_step']:>8.3f} "
+            f"{r['tokens_per_s']:>8.0f} {r['bytes_per_step'] / 1e9:>8.2f} "
+            f"{r['achieved_TBps']:>6.2f} {r['mbu']:>5.0%} {r['floor_ms']:>7.3f} "
+            f"{r['compile_s']:>7.1f}s")
+    if result["prefill"]:
+        lines.append(f"{'impl':<24} {'B':>4} {'prompt':>6} {'TTFT ms':>8} {'TFLOP/s':>8} "
+                     f"{'MFU':>5} {'floor':>7} {'compile':>8}")
+        for r in result["prefill"]:
+            lines.append(
+                f"{r['impl']:<24} {r['batch']:>4} {r['prompt_len']:>6} {r['ttft_ms']:>8.2f} "
+                f"{r['achieved_TFLOPs']:>8.1f} {r['mfu']:>5.0%} {r['floor_ms']:>7.2f} "
+                f"{r['compile_s']:>7.1f}s")
+    for e in result["errors"]:
+        lines.append(f"ERROR {e}")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The harness's flags (shared by ``scripts/bench.py`` and ``jaxinfer bench``)."""
+    p.add_argument("--model", default="llama-3.2-1b",
+                   help="preset name(s), comma-separated, or a config.json path")
+    p.add_argument("--impl", default="pallas",
+                   help="comma-separated backend[+fused][+unrolled], e.g. reference,pallas")
+    p.add_argument("--batch", type=_int_list, default=[1])
+    p.add_argument("--context", type=_int_list, default=[1024])
+    p.add_argument("--prompt-lens", type=_int_list, default=[128, 2048, 8192])
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ceiling-mb", type=int, default=2048, help="read/copy ceiling array size")
+    p.add_argument("--matmul-n", type=int, default=8192, help="matmul ceiling size n^3")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="skip cases whose weights + cache exceed this many GB")
+    p.add_argument("--no-census", action="store_true", help="skip the compiled-HLO census")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/)")
+    p.add_argument("--hlo-dir", default=None, help="write the decode programs' HLO here")
+
+
+def run_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run ``run_bench`` for every model in ``args.model``; write JSON, print tables."""
+    results = []
+    for model in [m for m in args.model.split(",") if m]:
+        res = run_bench(
+            model, [i for i in args.impl.split(",") if i], args.batch, args.context,
+            args.prompt_lens, decode_steps=args.decode_steps, repeats=args.repeats,
+            ceiling_bytes=args.ceiling_mb << 20, matmul_n=args.matmul_n,
+            census=not args.no_census, hlo_dir=Path(args.hlo_dir) if args.hlo_dir else None,
+            memory_budget=None if args.memory_gb is None else args.memory_gb * 1e9)
+        out = Path(args.out) if args.out else Path("bench/results") / res["device_name"] / (
+            f"bench_{_model_tag(model)}_{time.strftime('%Y%m%d_%H%M%S')}.json")
+        if len(args.model.split(",")) > 1 and args.out:
+            out = out.with_name(f"{out.stem}_{_model_tag(model)}{out.suffix}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1, default=_json_default))
+        print(format_table(res), flush=True)
+        print(f"wrote {out}", flush=True)
+        results.append(res)
+    return results
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python scripts/bench.py``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_bench_args(p)
+    run_from_args(p.parse_args(argv))
+    return 0

@@ -1,0 +1,71 @@
+"""The ``jaxinfer plan`` and ``jaxinfer bench`` subcommands (kept apart from ``cli.py``).
+
+``cli.py`` calls ``add_parsers`` on its subparser set; each parser carries its handler in
+``args.perf_handler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from jaxinfer.errors import InputError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return values
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``plan`` and ``bench`` on an ``argparse`` subparsers object."""
+    p = sub.add_parser("plan", help="roofline plan: memory, latency, throughput per batch size")
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help="preset name (see jaxinfer.presets) or a config.json path")
+    p.add_argument("--batch", type=_int_list, default=None,
+                   help="batch sizes, e.g. 1,8,64 (default: powers of two past the memory limit)")
+    p.add_argument("--context", type=int, default=4096, help="cached positions per sequence")
+    p.add_argument("--device", default="h100", help="device preset or 'custom'")
+    p.add_argument("--bandwidth", type=float, default=None, help="override, TB/s")
+    p.add_argument("--flops", type=float, default=None, help="override, dense TFLOP/s")
+    p.add_argument("--memory", type=float, default=None, help="override, GB")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/cache element")
+    p.set_defaults(perf_handler=run_plan)
+
+    from jaxinfer.benchmark import add_bench_args
+
+    b = sub.add_parser("bench", help="benchmark decode/prefill against the measured roofline")
+    add_bench_args(b)
+    b.set_defaults(perf_handler=run_bench)
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    """Print the roofline plan for ``args``."""
+    from jaxinfer import roofline
+    from jaxinfer.presets import resolve_config
+
+    config = resolve_config(args.model)
+    device = roofline.device_spec(
+        args.device,
+        bandwidth=None if args.bandwidth is None else args.bandwidth * 1e12,
+        flops=None if args.flops is None else args.flops * 1e12,
+        memory=None if args.memory is None else args.memory * 1e9)
+    if args.dtype_bytes not in (1, 2, 4):
+        raise InputError(f"--dtype-bytes {args.dtype_bytes} must be 1, 2 or 4")
+    batches = args.batch or roofline.default_batches(
+        roofline.max_batch(config, device, args.context, args.dtype_bytes))
+    rows = roofline.plan(config, device, batches, args.context, args.dtype_bytes)
+    print(roofline.format_plan(args.model, config, device, rows, args.dtype_bytes))
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    """Run the benchmark harness with ``args``."""
+    from jaxinfer.benchmark import run_from_args
+
+    run_from_args(args)

@@ -1,0 +1,289 @@
+"""Roofline planner: memory, bytes, FLOPs and the time floor of decode and prefill.
+
+The two numbers of every phase are the bytes it must move through device memory and the
+floating-point operations it must do; over the device's bandwidth and matmul rate they give
+two times, and the larger is the floor (the phase is *memory-bound* or *compute-bound*).
+
+Formulas (``bytes`` = bytes per element of weights and cache, 2 for bf16):
+
+* KV cache per sequence of ``S`` positions: ``S * kv_heads * layers * head_dim * 2 * bytes``
+  (the 2 is K and V).
+* Device memory for a batch: ``B * KV(S) + params * bytes`` (activations are small beside
+  these in decode and are ignored).
+* Bytes read by one decode step: every weight matrix once (the embedding table only when it
+  doubles as the LM head: an untied table is gathered ``B`` rows at a time) plus the live
+  part of every sequence's cache, ``B * KV(S)``. This is "weights + KV actually read", the
+  numerator of MBU.
+* FLOPs of one decode step: ``2 * B * matmul_params`` (every weight is one multiply-add per
+  token) plus attention, ``4 * B * S * layers * heads * head_dim`` (scores and values).
+* Prefill of ``T`` tokens: ``2 * B * T * layer_params`` plus causal attention
+  ``2 * B * T^2 * layers * heads * head_dim`` (half of the full square) plus the LM head
+  on one token per sequence; bytes: the weights once plus the K/V written.
+* Decode latency = max(bytes / bandwidth, FLOPs / rate); throughput = ``B / latency``.
+  Arithmetic intensity = FLOPs / bytes; above the device's ridge point (rate / bandwidth)
+  a phase is compute-bound.
+
+The benchmark harness (``scripts/bench.py``) uses the same functions with the *measured*
+ceilings in place of the datasheet ones to report MBU and MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+from jaxinfer.config import LlamaConfig
+from jaxinfer.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Datasheet ceilings of one accelerator (dense bf16 matmul rate, no sparsity)."""
+
+    name: str
+    bandwidth: float  # device-memory bytes per second
+    flops: float  # dense bf16 FLOP per second
+    memory: float  # device-memory bytes
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte above which a phase is compute-bound on this device."""
+        return self.flops / self.bandwidth
+
+
+# Datasheet values (decimal units: 1 TB/s = 1e12 B/s, 1 GB = 1e9 B).
+DEVICES: dict[str, DeviceSpec] = {
+    "a100-40gb": DeviceSpec("A100 40GB SXM", 1.555e12, 312e12, 40e9),
+    "a100-80gb": DeviceSpec("A100 80GB SXM", 2.039e12, 312e12, 80e9),
+    "h100": DeviceSpec("H100 80GB SXM", 3.35e12, 989e12, 80e9),
+    "h200": DeviceSpec("H200 141GB SXM", 4.8e12, 989e12, 141e9),
+    "a10": DeviceSpec("A10 24GB", 0.6e12, 125e12, 24e9),
+    "tpu-v5e": DeviceSpec("TPU v5e", 0.819e12, 197e12, 16e9),
+    "tpu-v5p": DeviceSpec("TPU v5p", 2.765e12, 459e12, 95e9),
+}
+
+
+def device_spec(name: str, *, bandwidth: float | None = None, flops: float | None = None,
+                memory: float | None = None) -> DeviceSpec:
+    """A preset from ``DEVICES`` (or ``"custom"``), with any of its values overridden."""
+    key = name.lower()
+    if key == "custom":
+        if bandwidth is None or flops is None or memory is None:
+            raise InputError("device 'custom' needs --bandwidth, --flops and --memory")
+        return DeviceSpec("custom", bandwidth, flops, memory)
+    if key not in DEVICES:
+        raise InputError(f"unknown device {name!r}; known: {', '.join(DEVICES)} or 'custom'")
+    base = DEVICES[key]
+    return dataclasses.replace(
+        base,
+        bandwidth=base.bandwidth if bandwidth is None else bandwidth,
+        flops=base.flops if flops is None else flops,
+        memory=base.memory if memory is None else memory,
+    )
+
+
+# --------------------------------------------------------------------------- model counts
+
+
+def kv_bytes_per_seq(config: LlamaConfig, context: int, dtype_bytes: int = 2) -> int:
+    """K and V bytes of one sequence holding ``context`` positions (all layers)."""
+    c = config
+    return context * c.num_kv_heads * c.num_layers * c.head_dim * 2 * dtype_bytes
+
+
+def param_bytes(config: LlamaConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of all parameters (tied embeddings counted once)."""
+    return config.num_params() * dtype_bytes
+
+
+def layer_matmul_params(config: LlamaConfig) -> int:
+    """Weights of the per-layer matrices (Q, K, V, O, gate, up, down), all layers."""
+    c = config
+    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    o = c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * (qkv + o + mlp)
+
+
+def weight_bytes_per_step(config: LlamaConfig, dtype_bytes: int = 2) -> int:
+    """Weight bytes one decode step reads: all but an untied embedding table.
+
+    An untied table is only gathered (B rows, negligible); a tied one is read in full as
+    the LM head.
+    """
+    untied_embed = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    return (config.num_params() - untied_embed) * dtype_bytes
+
+
+def _attention_flops_per_key(config: LlamaConfig) -> int:
+    # QK^T and PV: 2 FLOPs each per (query head, key, dim), every layer.
+    c = config
+    return 4 * c.num_layers * c.num_heads * c.head_dim
+
+
+# --------------------------------------------------------------------------- phases
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseEstimate:
+    """The two numbers of one phase and the floor they give on a device."""
+
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def time_s(self) -> float:
+        """The floor: the larger of the compute and memory times."""
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte."""
+        return self.flops / self.bytes
+
+    @property
+    def bound(self) -> Literal["compute", "memory"]:
+        """Which ceiling sets the floor."""
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def _estimate(flops: float, nbytes: float, device: DeviceSpec) -> PhaseEstimate:
+    return PhaseEstimate(flops=flops, bytes=nbytes, compute_s=flops / device.flops,
+                         memory_s=nbytes / device.bandwidth)
+
+
+def decode_step_flops(config: LlamaConfig, batch: int, context: int) -> int:
+    """FLOPs of one decode step: ``batch`` new tokens attending to ``context`` keys each."""
+    c = config
+    matmul = layer_matmul_params(c) + c.vocab_size * c.hidden_size  # + LM head
+    return 2 * batch * matmul + batch * context * _attention_flops_per_key(c)
+
+
+def decode_step_bytes(config: LlamaConfig, batch: int, context: int,
+                      dtype_bytes: int = 2) -> int:
+    """Bytes one decode step must read: weights once plus each sequence's live K/V."""
+    return (weight_bytes_per_step(config, dtype_bytes)
+            + batch * kv_bytes_per_seq(config, context, dtype_bytes))
+
+
+def decode_step(config: LlamaConfig, device: DeviceSpec, batch: int, context: int,
+                dtype_bytes: int = 2) -> PhaseEstimate:
+    """The floor of one decode step at ``batch`` sequences of ``context`` cached positions."""
+    return _estimate(decode_step_flops(config, batch, context),
+                     decode_step_bytes(config, batch, context, dtype_bytes), device)
+
+
+def prefill_flops(config: LlamaConfig, batch: int, prompt_len: int) -> int:
+    """FLOPs to prefill ``batch`` prompts of ``prompt_len`` tokens (causal attention)."""
+    c = config
+    t = prompt_len
+    layers = 2 * batch * t * layer_matmul_params(c)
+    attention = batch * (t * t // 2) * _attention_flops_per_key(c)  # half the square
+    head = 2 * batch * c.vocab_size * c.hidden_size  # logits of the last token only
+    return layers + attention + head
+
+
+def prefill_bytes(config: LlamaConfig, batch: int, prompt_len: int, dtype_bytes: int = 2) -> int:
+    """Bytes prefill must move: weights read once plus the K/V it writes."""
+    return (weight_bytes_per_step(config, dtype_bytes)
+            + batch * kv_bytes_per_seq(config, prompt_len, dtype_bytes))
+
+
+def prefill(config: LlamaConfig, device: DeviceSpec, batch: int, prompt_len: int,
+            dtype_bytes: int = 2) -> PhaseEstimate:
+    """The floor of prefilling ``batch`` prompts of ``prompt_len`` tokens (the TTFT floor)."""
+    return _estimate(prefill_flops(config, batch, prompt_len),
+                     prefill_bytes(config, batch, prompt_len, dtype_bytes), device)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One batch size of a plan."""
+
+    batch: int
+    context: int
+    kv_bytes: int  # whole batch
+    memory_bytes: int  # kv_bytes + params
+    fits: bool
+    decode: PhaseEstimate
+    prefill: PhaseEstimate
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput at the floor: ``batch`` tokens per step."""
+        return self.batch / self.decode.time_s
+
+
+def max_batch(config: LlamaConfig, device: DeviceSpec, context: int,
+              dtype_bytes: int = 2) -> int:
+    """Largest batch whose weights plus KV cache fit in device memory (0 if none)."""
+    free = device.memory - param_bytes(config, dtype_bytes)
+    if free <= 0:
+        return 0
+    return int(free // kv_bytes_per_seq(config, context, dtype_bytes))
+
+
+def plan(config: LlamaConfig, device: DeviceSpec, batches: Sequence[int], context: int,
+         dtype_bytes: int = 2) -> list[PlanRow]:
+    """Memory, decode and prefill floors for each batch size at ``context`` positions."""
+    if context < 1:
+        raise InputError(f"context={context} must be >= 1")
+    rows = []
+    for b in batches:
+        if b < 1:
+            raise InputError(f"batch={b} must be >= 1")
+        kv = b * kv_bytes_per_seq(config, context, dtype_bytes)
+        mem = kv + param_bytes(config, dtype_bytes)
+        rows.append(PlanRow(batch=b, context=context, kv_bytes=kv, memory_bytes=mem,
+                            fits=mem <= device.memory,
+                            decode=decode_step(config, device, b, context, dtype_bytes),
+                            prefill=prefill(config, device, b, context, dtype_bytes)))
+    return rows
+
+
+def default_batches(limit: int) -> list[int]:
+    """Powers of two from 1 to just past ``limit`` (so the table shows where memory ends)."""
+    out = [1]
+    while out[-1] <= max(limit, 1) and out[-1] < 4096:
+        out.append(out[-1] * 2)
+    return out
+
+
+def format_plan(name: str, config: LlamaConfig, device: DeviceSpec, rows: list[PlanRow],
+                dtype_bytes: int = 2) -> str:
+    """The plan as a short text report (what ``jaxinfer plan`` prints)."""
+    context = rows[0].context
+    kv1 = kv_bytes_per_seq(config, context, dtype_bytes)
+    best = max_batch(config, device, context, dtype_bytes)
+    lines = [
+        f"model {name}: {config.num_params() / 1e9:.3f} B params = "
+        f"{param_bytes(config, dtype_bytes) / 1e9:.2f} GB; KV cache "
+        f"{kv_bytes_per_seq(config, 1, dtype_bytes) / 1e3:.1f} kB/token, "
+        f"{kv1 / 1e9:.3f} GB per sequence of {context} tokens",
+        f"device {device.name}: {device.bandwidth / 1e12:.2f} TB/s, "
+        f"{device.flops / 1e12:.0f} TFLOP/s, {device.memory / 1e9:.0f} GB; ridge "
+        f"{device.ridge:.0f} FLOP/byte",
+        "",
+        f"{'batch':>6} {'KV GB':>8} {'mem GB':>8} {'fits':>5} {'step GB':>8} {'step ms':>8} "
+        f"{'tok/s':>9} {'FLOP/B':>7} {'decode':>7} {'TTFT ms':>9} {'prefill':>8}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.batch:>6} {r.kv_bytes / 1e9:>8.2f} {r.memory_bytes / 1e9:>8.2f} "
+            f"{'yes' if r.fits else 'NO':>5} {r.decode.bytes / 1e9:>8.2f} "
+            f"{r.decode.time_s * 1e3:>8.3f} {r.tokens_per_s:>9.0f} {r.decode.intensity:>7.1f} "
+            f"{r.decode.bound:>7} {r.prefill.time_s * 1e3:>9.1f} {r.prefill.bound:>8}")
+    lines.append("")
+    if best == 0:
+        lines.append(f"the weights alone do not fit in {device.memory / 1e9:.0f} GB")
+    else:
+        lines.append(f"largest batch that fits at context {context}: {best}")
+    lines.append("step = one decode step reading weights + live KV; TTFT = prefill of "
+                 f"batch x {context}-token prompts; floors, not measurements")
+    return "\n".join(lines)
