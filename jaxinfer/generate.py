@@ -21,7 +21,15 @@ from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 from jaxinfer.steps import decode_loop, prefill, prefill_all_logits, start_state
-from sharding.placement import new_cache, on_mesh, put_batch, put_replicated, round_batch, to_host
+from sharding.placement import (
+    new_cache,
+    on_mesh,
+    put_batch,
+    put_batch_from_primary,
+    put_replicated,
+    round_batch,
+    to_host,
+)
 
 Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
 Prompt = str | Sequence[int] | Messages
@@ -243,7 +251,8 @@ def _run_batch(
     with on_mesh(mesh):
         cache, logits = prefill(model.params, cache, *put_batch(mesh, (tokens, lengths)),
                                 config=cfg, backend=backend, dtype=model.dtype)
-        sampling_arrays = put_batch(mesh, SamplingArrays.from_params(sps))
+        # Unseeded requests draw keys on the host; multi-host runs must share one draw.
+        sampling_arrays = put_batch_from_primary(mesh, SamplingArrays.from_params(sps))
         state = start_state(*put_batch(mesh, (seen,)), logits, sampling_arrays,
                             *put_batch(mesh, (max_new, stop_ids)),
                             put_replicated(mesh, np.zeros((out_len,), np.float32)))

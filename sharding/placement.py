@@ -53,6 +53,19 @@ def put_batch(mesh: Mesh | None, tree: Any) -> Any:
             mesh, P(DATA, *([None] * (np.ndim(a) - 1))))), tree)
 
 
+def put_batch_from_primary(mesh: Mesh | None, tree: Any) -> Any:
+    """``put_batch`` of process 0's values: for host data that may differ between processes.
+
+    Sampling keys of requests without a seed are drawn at random on each host; every process
+    must feed the same global array, so multi-process runs take process 0's draw.
+    """
+    if mesh is not None and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tree = multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, tree))
+    return put_batch(mesh, tree)
+
+
 def put_replicated(mesh: Mesh | None, tree: Any) -> Any:
     """Place host arrays whole on every device of ``mesh`` (``jnp.asarray`` if no mesh)."""
     if mesh is None:
