@@ -32,6 +32,23 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    """``--tp``/``--dp``: split the model over devices (see ``sharding.make_mesh``)."""
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel devices per model replica (default 1)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel replicas, the batch is split over them (default 1)")
+
+
+def mesh_from_args(args: argparse.Namespace) -> Any:
+    """The ``(dp, tp)`` mesh named by ``add_mesh_args`` flags, or None for one device."""
+    if args.tp == 1 and args.dp == 1:
+        return None
+    from sharding import make_mesh
+
+    return make_mesh(data=args.dp, model=args.tp)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -41,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_mesh_args(g)
     add_sampling_args(g)
     ch = sub.add_parser("chat", help="interactive multi-turn chat, replies streamed",
                         description="Chat with a model using its chat template. The whole "
@@ -50,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="system message opening the conversation")
     ch.add_argument("--dtype", default="bfloat16")
     ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_mesh_args(ch)
     add_sampling_args(ch)
     from jaxinfer.perf_cli import add_parsers
 
@@ -67,7 +86,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     options = sampling_kwargs(args)
     SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
-    model = load_model(args.model, dtype=args.dtype, backend=args.backend)
+    model = load_model(args.model, dtype=args.dtype, backend=args.backend,
+                       mesh=mesh_from_args(args))
     for piece in stream(model, args.prompt, chat=args.chat, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -150,7 +170,8 @@ def _chat(args: argparse.Namespace) -> None:
     options = sampling_kwargs(args)
     SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
     print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
-    model = load_model(args.model, dtype=args.dtype, backend=args.backend)
+    model = load_model(args.model, dtype=args.dtype, backend=args.backend,
+                       mesh=mesh_from_args(args))
     if model.tokenizer is None or not model.tokenizer.chat_template:
         from jaxinfer.errors import InputError
 

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from jaxinfer.cli import add_sampling_args, sampling_kwargs  # noqa: E402
+from jaxinfer.cli import add_mesh_args, add_sampling_args, mesh_from_args, sampling_kwargs  # noqa: E402,E501
 from jaxinfer.errors import InputError, JaxinferError  # noqa: E402
 
 
@@ -139,8 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--input", required=True, type=Path)
     p.add_argument("--output", required=True, type=Path)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    add_mesh_args(p)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template")
@@ -215,11 +214,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
 
     import jaxinfer
-    from sharding import make_mesh
 
-    mesh = make_mesh(data=args.dp, model=args.tp) if args.tp * args.dp > 1 else None
     model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
-                                max_batch=args.batch_size, mesh=mesh)
+                                max_batch=args.batch_size, mesh=mesh_from_args(args))
     todo = records[done:]
     stats = {"requests": 0, "bad": len(bad), "tokens": 0, "ttft": [], "tpot": []}
     bar = None
