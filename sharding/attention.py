@@ -37,7 +37,11 @@ def gather_vocab(logits: jax.Array) -> jax.Array:
     """
     if _context_mesh() is None:
         return logits
-    return jax.lax.with_sharding_constraint(logits, P(DATA, *([None] * (logits.ndim - 1))))
+    lead = [None] * (logits.ndim - 2)
+    # Pin the matmul output to vocab-split first: with only the final constraint GSPMD may
+    # instead all-gather the [hidden, vocab] head weight on every step (1 GiB for 70B).
+    logits = jax.lax.with_sharding_constraint(logits, P(DATA, *lead, MODEL))
+    return jax.lax.with_sharding_constraint(logits, P(DATA, *lead, None))
 
 
 def per_shard_attention(
