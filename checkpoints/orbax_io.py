@@ -78,7 +78,8 @@ def restore_params(path: str | Path, shardings: Any = None) -> dict[str, Any]:
 
     Args:
       path: the checkpoint directory.
-      shardings: ``None`` (every leaf on ``jax.devices()[0]``), one ``jax.sharding.Sharding``
+      shardings: ``None`` (every leaf on this process's first device), one
+        ``jax.sharding.Sharding``
         for all leaves, or a pytree of shardings with the same structure as params; each leaf is
         read straight into its sharding (no full host copy per device).
 
@@ -98,7 +99,7 @@ def restore_params(path: str | Path, shardings: Any = None) -> dict[str, Any]:
         manifest = json.loads(mpath.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{mpath} is corrupt ({e}); run 'jaxinfer convert' again") from None
-    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target: dict[str, Any] = {}
     for name, info in manifest.items():
         if shardings is None:
