@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
+from jaxinfer.model import params_layout
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 from jaxinfer.steps import decode_loop, prefill, prefill_all_logits, start_state
 from sharding.placement import (
@@ -40,7 +41,13 @@ _STOP_STRING_CHUNK = 16  # decode steps between host-side stop-string checks
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: config, parameter pytree, tokenizer and compute settings."""
+    """A loaded model: config, parameter pytree, tokenizer and compute settings.
+
+    ``params`` are in an execution layout (``jaxinfer.model.LAYOUTS``): the stored, stacked
+    layout of ``model.param_shapes``, or one made by ``model.prepare_params`` (e.g. the
+    ``"fast"`` layout that ``load_model`` picks on a single GPU). Every entry point
+    (``generate``, ``stream``, ``compute_logits``, ``Engine``) runs either.
+    """
 
     config: Any  # LlamaConfig
     params: dict[str, Any]
@@ -52,6 +59,11 @@ class Model:
     # jax.sharding.Mesh from sharding.make_mesh when the params are sharded (load_model(mesh=)):
     # caches and inputs are then created on it, batch split over "data". None = one device.
     mesh: Any = None
+
+    @property
+    def layout(self) -> str:
+        """The execution layout of ``params``: ``"stacked"``, ``"fast"`` or ``"custom"``."""
+        return params_layout(self.params)
 
 
 @dataclasses.dataclass
@@ -240,7 +252,7 @@ def _run_batch(
         max_new[i] = r.sampling.max_new_tokens
     sps = [r.sampling for r in requests] + [SamplingParams(seed=0)] * (batch - n)
 
-    static = (cfg, backend, jnp.dtype(model.dtype).name)
+    static = (cfg, backend, jnp.dtype(model.dtype).name, model.layout)
     _announce_compile("prefill", (*static, batch, prompt_len, cache_len),
                       f"batch {batch}, prompt bucket {prompt_len}, cache {cache_len}")
     _announce_compile("decode loop", (*static, batch, cache_len, out_len, num_stop),

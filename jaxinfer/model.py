@@ -12,6 +12,10 @@ loop is one ``lax.scan`` and compile time does not grow with depth)::
     lm_head     [hidden, vocab]           (absent when embeddings are tied)
 
 Q/K weights use HF's non-interleaved ("rotate half") RoPE convention.
+
+This stored layout is what checkpoints and the sharding rules use. ``prepare_params`` derives
+execution layouts from it (fused matmuls, per-layer buffers; ``LAYOUTS`` names the choices
+``load_model(layout=...)`` offers); ``forward`` and ``forward_ragged`` run any of them.
 """
 
 from __future__ import annotations
@@ -216,11 +220,83 @@ def _no_mesh() -> bool:
     return jax.sharding.get_abstract_mesh().empty
 
 
-def prepare_params(params: Params, *, fuse: bool = False, unstack: bool = False) -> Params:
+LAYOUTS = ("auto", "stacked", "fast")
+"""Execution layouts ``load_model(layout=...)`` accepts.
+
+* ``"stacked"``: the stored layout (``param_shapes``): layers stacked on a leading axis and run
+  by one ``lax.scan``, so compile time does not grow with depth. Needed on a mesh (the
+  partition rules in ``sharding.rules`` name the stored keys).
+* ``"fast"``: ``prepare_params(fuse=True, unstack=True)``: fused QKV and gate|up matmuls and
+  one weight buffer per layer, run by an unrolled layer loop. On a GPU, XLA copies each
+  layer's weights out of a stacked buffer before every matmul inside the scan; the fast
+  layout reads each weight once (H100, bench/NOTES.md: 8B decode 61 -> 172 tok/s, 1B 325 ->
+  643). Its compile time grows with depth (H100, 8B: ~10 s for ``generate``'s prefill and
+  decode programs, vs ~7 s stacked; bench/NOTES.md run 3).
+* ``"auto"``: ``"fast"`` on a single GPU device, ``"stacked"`` everywhere else (CPU, TPU,
+  meshes).
+"""
+
+
+def resolve_layout(layout: str, *, mesh: Any = None) -> Literal["stacked", "fast"]:
+    """``"stacked"`` or ``"fast"`` for ``layout`` (one of ``LAYOUTS``) and where it will run.
+
+    Raises ``InputError`` for an unknown name, or for ``"fast"`` with a mesh.
+    """
+    from jaxinfer.errors import InputError  # local: errors is a leaf module, kept import-light
+
+    if layout not in LAYOUTS:
+        raise InputError(f"layout {layout!r} is not known; use one of {', '.join(LAYOUTS)}")
+    if layout == "auto":
+        return "fast" if mesh is None and jax.default_backend() == "gpu" else "stacked"
+    if layout == "fast" and mesh is not None:
+        raise InputError("layout='fast' runs on one device only (the sharding rules name the "
+                         "stored, stacked weights); use layout='stacked' or 'auto' with a mesh")
+    return layout
+
+
+def params_layout(params: Params) -> str:
+    """Which execution layout ``params`` are in: ``"stacked"``, ``"fast"``, or ``"custom"``
+    for the other ``prepare_params`` combinations (fused only, or unstacked only)."""
+    layers = params["layers"]
+    unstacked = isinstance(layers, list | tuple)
+    fused = "wqkv" in (layers[0] if unstacked else layers)
+    if unstacked == fused:
+        return "fast" if fused else "stacked"
+    return "custom"
+
+
+_FUSED = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
+
+
+@jax.jit
+def _take_layer(stacked: jax.Array, i: jax.Array) -> jax.Array:
+    # The index is traced, so one program per weight shape serves every layer.
+    return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False)
+
+
+@jax.jit
+def _concat_columns(*parts: jax.Array) -> jax.Array:
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _delete(a: Any) -> None:
+    """Free a device buffer now (numpy arrays are left to the garbage collector)."""
+    if isinstance(a, jax.Array) and not a.is_deleted():
+        a.delete()
+
+
+def prepare_params(
+    params: Params,
+    *,
+    fuse: bool = False,
+    unstack: bool = False,
+    place: Any = None,
+    donate: bool = False,
+) -> Params:
     """An execution layout of ``params`` for ``forward``, built once outside the jitted steps.
 
     The stored layout (``param_shapes``) stays the contract for checkpoints and sharding;
-    this derives from it, and ``forward`` accepts either.
+    this derives from it, and ``forward`` and ``forward_ragged`` accept either.
 
     Args:
       fuse: concatenate ``wq|wk|wv`` into ``wqkv`` and ``w_gate|w_up`` into ``w_gate_up``
@@ -228,27 +304,75 @@ def prepare_params(params: Params, *, fuse: bool = False, unstack: bool = False)
         matmuls keep more of the GPU busy at batch 1).
       unstack: split the stacked ``[L, ...]`` layer arrays into a list of per-layer dicts, so
         ``forward`` unrolls the layer loop and no weight is sliced out of a stacked buffer.
+      place: optional ``array -> jax.Array`` applied to every leaf of the result (e.g. cast
+        and put on the device). With host (numpy) params, each layer's slice is placed as it
+        is made, so the device never holds the stacked copy.
+      donate: delete each input ``jax.Array`` as soon as its data has been copied out. Peak
+        device memory is then the result plus one stacked weight kind (its largest, e.g.
+        ``w_down``: a quarter of the 8B model's layer weights) instead of two whole models.
+        Only for params the caller owns: the input pytree is unusable afterwards.
 
-    The input arrays are not modified; with either option the result holds new buffers (the
-    caller may drop the original to free its memory). Single-device only: the tensor-parallel
-    rules in ``sharding.rules`` name the stored keys, and a fused ``wqkv`` split evenly over
-    devices would not put whole Q/K/V heads on each.
+    Without ``donate`` the input arrays are not modified; with either option the result holds
+    new buffers. Single-device only: the tensor-parallel rules in ``sharding.rules`` name the
+    stored keys, and a fused ``wqkv`` split evenly over devices would not put whole Q/K/V
+    heads on each.
     """
-    if not fuse and not unstack:
-        return params
+    place = place or (lambda a: a)
+    out = {k: place(v) for k, v in params.items() if k != "layers"}
+    if donate:
+        for k, v in params.items():
+            if k != "layers" and out[k] is not v:
+                _delete(v)
     layers = dict(params["layers"])
+    if not unstack:
+        if fuse:
+            for name, parts in _FUSED:
+                pieces = [layers.pop(p) for p in parts]
+                layers[name] = jnp.concatenate(pieces, axis=-1)
+                if donate:
+                    for piece in pieces:
+                        _delete(piece)
+        placed = {k: place(v) for k, v in layers.items()}
+        if donate:
+            for k, v in layers.items():
+                if placed[k] is not v:
+                    _delete(v)
+        out["layers"] = placed
+        return out
+
+    # One weight kind at a time, so that with ``donate`` at most one stacked kind is
+    # duplicated on the device at any moment (a stacked buffer cannot be freed in parts).
+    n = next(iter(layers.values())).shape[0]
+    per_layer: list[Params] = [{} for _ in range(n)]
+    for key in list(layers):
+        stacked = layers.pop(key)
+        for i in range(n):
+            piece = (_take_layer(stacked, jnp.int32(i)) if isinstance(stacked, jax.Array)
+                     else stacked[i])
+            per_layer[i][key] = place(piece)
+        if donate:
+            _delete(stacked)
     if fuse:
-        layers["wqkv"] = jnp.concatenate([layers.pop("wq"), layers.pop("wk"),
-                                          layers.pop("wv")], axis=-1)
-        layers["w_gate_up"] = jnp.concatenate([layers.pop("w_gate"), layers.pop("w_up")],
-                                              axis=-1)
-    out = dict(params)
-    if unstack:
-        n = next(iter(layers.values())).shape[0]
-        out["layers"] = [{k: v[i] for k, v in layers.items()} for i in range(n)]
-    else:
-        out["layers"] = layers
+        for lp in per_layer:
+            for name, parts in _FUSED:
+                pieces = [lp.pop(p) for p in parts]
+                lp[name] = (_concat_columns(*pieces) if isinstance(pieces[0], jax.Array)
+                            else np.concatenate(pieces, axis=-1))
+                for piece in pieces:  # per-layer slices made above: always ours to free
+                    _delete(piece)
+    out["layers"] = per_layer
     return out
+
+
+def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = None,
+                 donate: bool = False) -> Params:
+    """``params`` (stored layout) in the execution layout ``layout`` resolves to.
+
+    ``layout`` is one of ``LAYOUTS`` (see there); ``place`` and ``donate`` as in
+    ``prepare_params``. ``"stacked"`` only places the leaves.
+    """
+    fast = resolve_layout(layout, mesh=mesh) == "fast"
+    return prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate)
 
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
@@ -306,10 +430,9 @@ def forward_ragged(
         h, k_all, v_all = carry
         lp, i = xs
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q = apply_rope(_dense(x, lp["wq"]).reshape(1, t, c.num_heads, c.head_dim), pos, inv_freq)
-        k = apply_rope(_dense(x, lp["wk"]).reshape(1, t, c.num_kv_heads, c.head_dim), pos,
-                       inv_freq)
-        v = _dense(x, lp["wv"]).reshape(1, t, c.num_kv_heads, c.head_dim)
+        q, k, v = _qkv(x, lp, c)
+        q = apply_rope(q, pos, inv_freq)
+        k = apply_rope(k, pos, inv_freq)
         # Scatter first, then attend: a chunk's queries see its own keys through the pages.
         # Index (layer, :, page[T], offset[T]) puts the token axis first: updates [T, KVH, D].
         k_all = k_all.at[i, :, write_pages, write_offsets].set(k[0].astype(k_all.dtype),
@@ -320,11 +443,18 @@ def forward_ragged(
                          block_tables=block_tables, cu_q_lens=cu_q_lens)
         h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        gated = jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
-        h = h + _dense(gated, lp["w_down"])
+        h = h + _dense(_gated_mlp(x, lp), lp["w_down"])
         return (h, k_all, v_all), None
 
-    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages),
-                                            (params["layers"], layer_ids))
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        # Prepared layout (``prepare_params(unstack=True)``): unrolled, as in ``forward``.
+        carry = (h, k_pages, v_pages)
+        for i, lp in enumerate(layers):
+            carry, _ = layer(carry, (lp, i))
+        h, k_pages, v_pages = carry
+    else:
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages),
+                                                (layers, layer_ids))
     return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), k_pages, v_pages
