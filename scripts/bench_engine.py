@@ -10,14 +10,20 @@ tokens allocatable, averaged over steps) and KV waste (allocated-but-unused slot
 
     python scripts/bench_engine.py --preset 8b --requests 1000 --rate 0     # H100, offline
     python scripts/bench_engine.py --preset 8b --requests 1000 --rate 20    # Poisson arrivals
+    python scripts/bench_engine.py --preset 1b --requests 256 --rate 0,10 --json out.json
     python scripts/bench_engine.py --preset tiny --requests 64              # CPU smoke run
+
+Several comma-separated rates run in one process (the step program and the static buckets
+compile once); every rate uses the same prompts and output lengths, only arrivals differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import sys
 import time
 
 import jax
@@ -33,6 +39,11 @@ PRESETS = {
                                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                                rope_theta=500000.0, max_position_embeddings=8192,
                                eos_token_ids=(128001,)),
+    # Llama-3.2-1B shapes (tied embeddings).
+    "1b": jaxinfer.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                               rope_theta=500000.0, max_position_embeddings=8192,
+                               tie_word_embeddings=True, eos_token_ids=(128001,)),
     "tiny": jaxinfer.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                  max_position_embeddings=512),
@@ -57,8 +68,9 @@ def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, in
     eos = set(cfg.eos_token_ids)
     vocab = [t for t in range(3, min(cfg.vocab_size, 30000)) if t not in eos]
     prompts = [rng.choice(vocab, size=p).tolist() for p in lengths(*prompt_range)]
+    outputs = lengths(*output_range)  # before the arrivals: the same for every rate
     arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist() if rate > 0 else [0.0] * n
-    return Workload(prompts, lengths(*output_range), arrivals)
+    return Workload(prompts, outputs, arrivals)
 
 
 def percentiles(xs: list[float]) -> str:
@@ -101,7 +113,10 @@ def run_engine(model: Model, w: Workload, args: argparse.Namespace) -> dict:
         tpot=[m.time_per_output_token for m in metrics if m.time_per_output_token],
         kv_util=float(np.mean(util)), kv_waste=float(np.mean(waste)),
         preemptions=s.num_preemptions, compilations=s.num_compilations,
-        hit_rate=s.prefix_cache_hit_rate)
+        hit_rate=s.prefix_cache_hit_rate, kv_pages_total=s.pages_total,
+        kv_peak_pages_used=s.peak_pages_used,
+        kv_peak_tokens_allocated=s.peak_pages_used * args.page_size,
+        kv_tokens_capacity=s.tokens_capacity)
 
 
 def run_static(model: Model, w: Workload, args: argparse.Namespace) -> dict:
@@ -109,7 +124,7 @@ def run_static(model: Model, w: Workload, args: argparse.Namespace) -> dict:
     has arrived and the previous batch is done (what ``generate`` does per call)."""
     b = args.max_batch
     jaxinfer.generate(model, [w.prompts[0][:8]], max_new_tokens=2)
-    ttft, tpot, waste = [], [], []
+    ttft, tpot, waste, slot_counts = [], [], [], []
     tokens = 0
     t0 = time.perf_counter()
     for start in range(0, len(w.prompts), b):
@@ -132,8 +147,10 @@ def run_static(model: Model, w: Workload, args: argparse.Namespace) -> dict:
         slots = (1 << (len(idx) - 1).bit_length()) * max(64, 1 << (need - 1).bit_length())
         held = sum(len(w.prompts[i]) + w.outputs[i] for i in idx)
         waste.append(1 - held / slots)
+        slot_counts.append(slots)
     return dict(system="static generate", elapsed=time.perf_counter() - t0, tokens=tokens,
-                ttft=ttft, tpot=tpot, kv_util=float("nan"), kv_waste=float(np.mean(waste)))
+                ttft=ttft, tpot=tpot, kv_util=float("nan"), kv_waste=float(np.mean(waste)),
+                kv_peak_tokens_allocated=max(slot_counts))
 
 
 def report(r: dict, n: int) -> None:
@@ -142,16 +159,29 @@ def report(r: dict, n: int) -> None:
     print(f"  TTFT {percentiles(r['ttft'])}   TPOT {percentiles(r['tpot'])}")
     print(f"  KV utilisation {r['kv_util']:.1%}, KV waste (allocated, unused) "
           f"{r['kv_waste']:.1%}")
-    extra = {k: r[k] for k in ("preemptions", "compilations", "hit_rate") if k in r}
+    extra = {k: r[k] for k in ("preemptions", "compilations", "hit_rate", "kv_pages_total",
+                                "kv_peak_pages_used", "kv_peak_tokens_allocated") if k in r}
     if extra:
         print(f"  {json.dumps(extra)}")
+
+
+def summary(r: dict, n: int) -> dict:
+    """JSON-ready figures of one run (percentiles in ms instead of the raw lists)."""
+    out = {k: v for k, v in r.items() if k not in ("ttft", "tpot")}
+    out.update(output_tok_per_s=r["tokens"] / r["elapsed"], req_per_s=n / r["elapsed"])
+    for name in ("ttft", "tpot"):
+        a = np.asarray(r[name]) * 1e3
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = float(np.percentile(a, q)) if a.size else None
+    return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--rate", type=float, default=0.0, help="requests/s; 0 = all at once")
+    ap.add_argument("--rate", default="0", help="requests/s; 0 = all at once; a comma-"
+                    "separated list runs each in turn (same lengths, compiled once)")
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=2048)
     ap.add_argument("--output-min", type=int, default=16)
@@ -165,6 +195,7 @@ def main() -> None:
     ap.add_argument("--static-passes", type=int, default=2,
                     help="time the last pass: the first compiles every shape bucket it meets")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the figures here (after each rate)")
     args = ap.parse_args()
     if args.preset == "tiny":  # CPU smoke run: small everything unless overridden
         args.prompt_max, args.prompt_min = min(args.prompt_max, 64), min(args.prompt_min, 4)
@@ -174,20 +205,36 @@ def main() -> None:
     if args.kv_bytes is not None:
         args.kv_bytes = int(args.kv_bytes)
     cfg = PRESETS[args.preset]
-    dtype = jnp.bfloat16 if args.preset == "8b" else jnp.float32
+    dtype = jnp.float32 if args.preset == "tiny" else jnp.bfloat16
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
     model = Model(config=cfg, params=params, tokenizer=None, dtype=dtype,
                   backend=args.backend, max_batch=args.max_batch)
-    w = make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
-                      (args.output_min, args.output_max), args.rate, args.seed)
-    print(f"{args.preset}: {args.requests} requests, prompts {args.prompt_min}-"
-          f"{args.prompt_max}, outputs {args.output_min}-{args.output_max}, rate "
-          f"{args.rate or 'offline'}, {jax.devices()[0].device_kind}")
-    report(run_engine(model, w, args), args.requests)
-    if not args.skip_static:
-        for _ in range(args.static_passes):
-            static = run_static(model, w, args)
-        report(static, args.requests)
+    record: dict = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=jax.devices()[0].device_kind, jax=jax.__version__,
+        command="python " + " ".join(sys.argv), preset=args.preset, dtype=str(dtype.dtype),
+        args={k: v for k, v in vars(args).items() if k != "json"}, runs=[])
+    static_passes = args.static_passes
+    for rate in (float(x) for x in args.rate.split(",")):
+        w = make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
+                          (args.output_min, args.output_max), rate, args.seed)
+        print(f"\n== {args.preset}: {args.requests} requests, prompts {args.prompt_min}-"
+              f"{args.prompt_max}, outputs {args.output_min}-{args.output_max}, rate "
+              f"{rate or 'offline'}, {jax.devices()[0].device_kind}", flush=True)
+        eng = run_engine(model, w, args)
+        report(eng, args.requests)
+        run = dict(rate=rate, engine=summary(eng, args.requests))
+        if not args.skip_static:
+            for _ in range(static_passes):
+                static = run_static(model, w, args)
+            static_passes = 1  # the same buckets are compiled now
+            report(static, args.requests)
+            run["static"] = summary(static, args.requests)
+        record["runs"].append(run)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
