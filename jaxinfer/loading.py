@@ -134,6 +134,13 @@ def load_model(
     if mesh is not None:
         config, params = shard_params(config, params, mesh, jdtype)
     else:
+        if layout != "stacked" and any(isinstance(a, jax.Array) and len(a.devices()) > 1
+                                       for a in jax.tree.leaves(params)):
+            # Restored onto several devices through `shardings`: the fast layout is for one.
+            if layout == "fast":
+                raise InputError("layout='fast' runs on one device only, but the shardings "
+                                 "place the weights on several; use layout='stacked'")
+            layout = "stacked"
         # The loaded arrays are ours alone, so the layout may consume them (donate=True).
         params = apply_layout(params, layout, place=lambda a: _place(a, jdtype), donate=True)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
