@@ -78,12 +78,14 @@ def attention(
     if mode == "ragged":
         if block_tables is None or cu_q_lens is None:
             raise ValueError("ragged attention needs block_tables and cu_q_lens")
-        if backend == "pallas":
-            import pallas_kernels
+        import pallas_kernels
 
+        if backend == "pallas":
             return pallas_kernels.ragged_attention(q, k, v, block_tables, lengths, cu_q_lens,
                                                    interpret=jax.default_backend() != "gpu")
-        return _ragged_reference(q, k, v, lengths, block_tables, cu_q_lens)
+        # Any head_dim here (the kernels' restriction does not apply to the reference).
+        return pallas_kernels.ragged_attention_reference(q, k, v, block_tables, lengths,
+                                                         cu_q_lens)
     if backend == "pallas":
         import pallas_kernels
 
@@ -277,28 +279,3 @@ def decode_attention_layer(
     out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group],
                          axis=2)
     return out.reshape(b, hq, d).astype(q.dtype)
-
-
-def _ragged_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-                      block_tables: jax.Array, cu_q_lens: jax.Array) -> jax.Array:
-    # Each packed token gathers its own sequence's pages: [KVH, T, pages*page_size, D]. Memory
-    # grows with tokens x context, fine for the CPU/test sizes this backend serves (any
-    # head_dim, unlike the kernels).
-    t, h, d = q.shape
-    kvh = k_pages.shape[0]
-    n = block_tables.shape[0]
-    tok = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, n - 1)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    pos = lengths[seq] - q_lens[seq] + tok - cu_q_lens[seq]  # absolute position of each query
-    pages = block_tables[seq]  # [T, P]
-    k = k_pages[:, pages].reshape(kvh, t, -1, d)
-    v = v_pages[:, pages].reshape(kvh, t, -1, d)
-    qg = q.reshape(t, kvh, h // kvh, d)
-    scores = jnp.einsum("tkgd,ktsd->tkgs", qg, k, preferred_element_type=jnp.float32)
-    scores *= d**-0.5
-    visible = jnp.arange(k.shape[2])[None, :] <= pos[:, None]  # causal against the cache
-    scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("tkgs,ktsd->tkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(t, h, d).astype(q.dtype)

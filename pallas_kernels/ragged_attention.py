@@ -41,7 +41,12 @@ from pallas_kernels.paged_attention import gather_pages
 NEG_INF = float("-inf")
 
 
-def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> int:
+def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, kernel: bool) -> int:
+    """Shape checks for both paths; dtype and head_dim limits only for the kernel (`kernel`).
+
+    The reference computes in float32 whatever its inputs, so it takes any head_dim and
+    q/pages of different dtypes (the jaxinfer reference backend relies on both).
+    """
     check(q.ndim == 3, f"q must be [tokens, q_heads, head_dim], got shape {q.shape}")
     check(
         k_pages.ndim == 4,
@@ -53,9 +58,11 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens) -> int:
         q.shape[2] == k_pages.shape[3],
         f"head_dim mismatch: q {q.shape[2]} vs pages {k_pages.shape[3]}",
     )
-    check(q.dtype == k_pages.dtype == v_pages.dtype, "q, k_pages and v_pages must share a dtype")
-    check_dtype("q", q)
-    check_head_dim(q.shape[2])
+    if kernel:
+        check(q.dtype == k_pages.dtype == v_pages.dtype,
+              "q, k_pages and v_pages must share a dtype")
+        check_dtype("q", q)
+        check_head_dim(q.shape[2])
     check(block_tables.ndim == 2, f"block_tables must be 2-D, got {block_tables.shape}")
     n = block_tables.shape[0]
     check(kv_lens.shape == (n,), f"kv_lens must have shape ({n},), got {kv_lens.shape}")
@@ -95,10 +102,12 @@ def ragged_attention_reference(
       cu_q_lens: int [num_seqs + 1], cumulative query counts (cu_q_lens[0] == 0).
       sm_scale: logit scale, default 1/sqrt(head_dim).
 
+    Unlike the kernel, any head_dim and mixed input dtypes are accepted.
+
     Returns:
       [tokens, q_heads, head_dim] in q's dtype; tokens past cu_q_lens[-1] give 0.
     """
-    group = _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    group = _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, kernel=False)
     t, hq, d = q.shape
     hkv = k_pages.shape[0]
     scale = default_scale(sm_scale, d)
@@ -273,7 +282,7 @@ def ragged_attention(
     Returns:
       [tokens, q_heads, head_dim] in q's dtype; tokens past cu_q_lens[-1] give zeros.
     """
-    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens)
+    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, kernel=True)
     page_size = k_pages.shape[2]
     check(page_size == next_pow2(page_size), f"page_size must be a power of two, got {page_size}")
     max_q_len = q.shape[0] if max_q_len is None else int(max_q_len)
