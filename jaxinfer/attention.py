@@ -137,57 +137,6 @@ def _decode_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
 DECODE_LAYER_KERNEL = True
 
 
-def _layer_decode_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                         scale: float, block_k: int, max_len: int, num_splits: int) -> None:
-    """Flash-Decoding program for one (sequence, kv head, split) of layer ``layer_ref[0]``.
-
-    ``k_ref``/``v_ref`` are ``[layers, max_len, head_dim]`` views of the whole cache (no
-    data is loaded until the indexed reads below), so the layer is chosen by address
-    arithmetic instead of a copy. The math is ``pallas_kernels.decode_attention``'s.
-    """
-    from jax import lax
-    from jax.experimental import pallas as pl
-
-    layer = layer_ref[0]
-    split = pl.program_id(2)
-    q = q_ref[...]
-    rows = q.shape[0]
-    seq_len = jnp.minimum(len_ref[0], max_len)
-    n_blocks = (seq_len + block_k - 1) // block_k
-    per_split = (n_blocks + num_splits - 1) // num_splits
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, n_blocks)
-    neg_inf = float("-inf")
-
-    def body(j, carry):
-        acc, m, l_sum = carry
-        nominal = j * block_k
-        start = jnp.minimum(nominal, max_len - block_k)  # last block slides back in range
-        k = k_ref[layer, pl.ds(start, block_k), :]
-        v = v_ref[layer, pl.ds(start, block_k), :]
-        kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale
-        s = jnp.where((kpos >= nominal) & (kpos < seq_len), s, neg_inf)
-        vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where((vpos >= nominal) & (vpos < seq_len), v, jnp.zeros_like(v))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == neg_inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc, m_new, l_sum
-
-    acc, m, l_sum = lax.fori_loop(lo, hi, body, (
-        jnp.zeros(q.shape, jnp.float32), jnp.full((rows,), neg_inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32)))
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l_sum
-
-
 def decode_attention_layer(
     q: jax.Array,
     k_all: jax.Array,
@@ -214,68 +163,18 @@ def decode_attention_layer(
     Returns:
       ``[B, H, D]`` like ``q``.
 
-    Passing ``k_all[layer]`` to a Pallas kernel makes XLA copy that layer's cache into a
-    fresh buffer for the custom call (``B * KVH * S * D`` elements, twice, every layer and
-    step: at batch 8 and 8k context that is more bytes than the attention itself reads).
-    Here the kernel gets the whole cache and the layer as a scalar input instead.
+    A thin dispatch to ``pallas_kernels.decode_attention_layer`` (whose docstring says
+    why passing ``k_all[layer]`` to a kernel costs a copy of the layer's cache).
     """
-    import functools
+    import pallas_kernels
+    from pallas_kernels._common import MIN_DOT
 
-    from jax.experimental import pallas as pl
-
-    from pallas_kernels._common import (
-        LOG2E,
-        MIN_DOT,
-        combine_splits,
-        gpu_params,
-        next_pow2,
-        prev_pow2,
-    )
-    from pallas_kernels.decode_attention import default_num_splits
-
-    num_layers, b, hkv, max_len, d = k_all.shape
-    hq = q.shape[1]
+    max_len, d = k_all.shape[-2:]
     if backend != "pallas" or max_len < MIN_DOT:
         # Tiny caches (tests) would need padding, i.e. a copy: use the plain path there.
         return attention(q, k_all[layer], v_all[layer], lengths, mode="decode",
                          backend=backend)
-    group = hq // hkv
-    block_k = max(MIN_DOT, min(block_k, prev_pow2(max_len)))
-    if num_splits is None:
-        num_splits = default_num_splits(b, hkv, max_len, block_k)
-    gp = max(MIN_DOT, next_pow2(group))
-    qg = q.reshape(b, hkv, group, d)
-    if gp != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    kernel = functools.partial(_layer_decode_kernel, scale=d**-0.5 * LOG2E, block_k=block_k,
-                               max_len=max_len, num_splits=num_splits)
-    cache_spec = pl.BlockSpec((num_layers, None, None, max_len, d),
-                              lambda bi, h, s: (0, bi, h, 0, 0))
-    acc, m, l_sum = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda bi, h, s: (0,)),
-            pl.BlockSpec((1,), lambda bi, h, s: (bi,)),
-            pl.BlockSpec((None, None, gp, d), lambda bi, h, s: (bi, h, 0, 0)),
-            cache_spec,
-            cache_spec,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-        ],
-        compiler_params=gpu_params(num_warps, num_stages),
-        interpret=jax.default_backend() != "gpu",
-        name="jaxinfer_decode_layer_splitk",
-    )(layer_arr, lengths.astype(jnp.int32), qg, k_all, v_all)
-    out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group],
-                         axis=2)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    return pallas_kernels.decode_attention_layer(
+        q, k_all, v_all, layer, lengths, sm_scale=d**-0.5, block_k=block_k,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=jax.default_backend() != "gpu")

@@ -1,12 +1,19 @@
 """Pallas attention kernels for jaxinfer (GPU Triton + TPU Mosaic), each with a jnp reference."""
 
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from pallas_kernels.decode_attention import (
+    decode_attention,
+    decode_attention_layer,
+    decode_attention_layer_reference,
+    decode_attention_reference,
+)
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
 __all__ = [
     "decode_attention",
+    "decode_attention_layer",
+    "decode_attention_layer_reference",
     "decode_attention_reference",
     "flash_attention",
     "flash_attention_reference",

@@ -10,11 +10,15 @@ each K/V block is read once per kv head). Partial results (acc, max, sum) are me
 small combine step. TPU: one program per (sequence, kv head) walks key blocks along an
 "arbitrary" grid axis with the online softmax kept in VMEM scratch; blocks past the length
 are neither fetched nor computed.
+
+`decode_attention_layer` is the GPU kernel reading one layer of a whole
+[layers, batch, kv_heads, max_len, head_dim] cache in place (layer index as an input).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +50,7 @@ NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 528
 
 
-def _validate(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array) -> int:
+def _validate(q: jax.Array, k_cache: Any, v_cache: Any, lengths: jax.Array) -> int:
     check(q.ndim == 3, f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
     check(
         k_cache.ndim == 4,
@@ -111,10 +115,21 @@ def decode_attention_reference(
 # --------------------------------------------------------------------------- GPU (Triton)
 
 
-def _decode_gpu_kernel(
-    len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float, block_k: int,
-    max_len: int, num_splits: int,
-) -> None:
+def _decode_gpu_kernel(*refs, scale: float, block_k: int, max_len: int, num_splits: int,
+                       layered: bool) -> None:
+    """Flash-Decoding program for one (sequence, kv head, split).
+
+    refs: ``[layer_ref,] len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref``. With
+    ``layered`` the K/V refs are ``[layers, max_len, head_dim]`` views of the whole cache
+    and ``layer_ref[0]`` picks the layer by address arithmetic (nothing is loaded until the
+    indexed reads); otherwise they are ``[max_len, head_dim]``.
+    """
+    if layered:
+        layer_ref, *refs = refs
+        layer = (layer_ref[0],)
+    else:
+        layer = ()
+    len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     q = q_ref[...]  # [group_pad, d]
     rows = q.shape[0]
@@ -132,8 +147,8 @@ def _decode_gpu_kernel(
         # The last block may overhang max_len (not a block multiple): slide it back to end
         # at max_len and mask the keys that the previous block already covered.
         start = jnp.minimum(nominal, max_len - block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        k = k_ref[(*layer, pl.ds(start, block_k), slice(None))]
+        v = v_ref[(*layer, pl.ds(start, block_k), slice(None))]
         kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         valid = (kpos >= nominal) & (kpos < seq_len)
         s = lax.dot_general(
@@ -173,14 +188,18 @@ def default_num_splits(batch: int, kv_heads: int, max_len: int, block_k: int) ->
     return max(1, min(want, cdiv(max_len, block_k)))
 
 
-def _decode_gpu(q, k_cache, v_cache, lengths, *, scale, block_k, num_splits, num_warps,
-                num_stages, interpret):
+def _decode_gpu(q, k_cache, v_cache, lengths, layer=None, *, scale, block_k, num_splits,
+                num_warps, num_stages, interpret):
+    """Split-K decode on GPU. ``layer`` given: the caches are whole ``[L, B, KVH, S, D]``
+    caches and the kernel reads that layer in place (no per-layer copy for the call)."""
+    layered = layer is not None
     b, hq, d = q.shape
-    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    hkv, max_len = k_cache.shape[-3], k_cache.shape[-2]
     group = hq // hkv
     if max_len < MIN_DOT:
         # Tiny caches only (tests): pad to the smallest dot size; the pad is masked.
-        pad = ((0, 0), (0, 0), (0, MIN_DOT - max_len), (0, 0))
+        pad = [(0, 0)] * k_cache.ndim
+        pad[-2] = (0, MIN_DOT - max_len)
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
         max_len = MIN_DOT
     block_k = max(MIN_DOT, min(block_k, prev_pow2(max_len)))
@@ -193,16 +212,26 @@ def _decode_gpu(q, k_cache, v_cache, lengths, *, scale, block_k, num_splits, num
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     kernel = functools.partial(
         _decode_gpu_kernel, scale=scale * LOG2E, block_k=block_k, max_len=max_len,
-        num_splits=num_splits,
+        num_splits=num_splits, layered=layered,
     )
+    if layered:
+        # Every layer of this (sequence, kv head): the kernel indexes the layer itself.
+        layer_in = [jnp.asarray(layer, jnp.int32).reshape(1)]
+        layer_spec = [pl.BlockSpec((1,), lambda bi, h, s: (0,))]
+        cache_spec = pl.BlockSpec((k_cache.shape[0], None, None, max_len, d),
+                                  lambda bi, h, s: (0, bi, h, 0, 0))
+    else:
+        layer_in, layer_spec = [], []
+        cache_spec = pl.BlockSpec((None, None, max_len, d), lambda bi, h, s: (bi, h, 0, 0))
     acc, m, l_sum = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
         in_specs=[
+            *layer_spec,
             pl.BlockSpec((1,), lambda bi, h, s: (bi,)),
             pl.BlockSpec((None, None, gp, d), lambda bi, h, s: (bi, h, 0, 0)),
-            pl.BlockSpec((None, None, max_len, d), lambda bi, h, s: (bi, h, 0, 0)),
-            pl.BlockSpec((None, None, max_len, d), lambda bi, h, s: (bi, h, 0, 0)),
+            cache_spec,
+            cache_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
@@ -216,8 +245,8 @@ def _decode_gpu(q, k_cache, v_cache, lengths, *, scale, block_k, num_splits, num
         ],
         compiler_params=gpu_params(num_warps, num_stages),
         interpret=interpret,
-        name="jaxinfer_decode_splitk",
-    )(lengths, qg, k_cache, v_cache)
+        name="jaxinfer_decode_layer_splitk" if layered else "jaxinfer_decode_splitk",
+    )(*layer_in, lengths, qg, k_cache, v_cache)
     out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group], axis=2)
     return out.reshape(b, hq, d).astype(q.dtype)
 
@@ -383,4 +412,84 @@ def decode_attention(
         q, k_cache, v_cache, lengths, sm_scale=sm_scale, block_k=block_k,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret, backend=backend,
+    )
+
+
+
+def _validate_layered(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: Any,
+                      lengths: jax.Array) -> int:
+    check(
+        k_all.ndim == 5,
+        f"k_all must be [layers, batch, kv_heads, max_len, head_dim], got shape {k_all.shape}",
+    )
+    check(k_all.shape == v_all.shape, f"k_all {k_all.shape} != v_all {v_all.shape}")
+    check(jnp.ndim(layer) == 0, f"layer must be a scalar, got shape {jnp.shape(layer)}")
+    one = jax.ShapeDtypeStruct(k_all.shape[1:], k_all.dtype)  # one layer, without slicing
+    return _validate(q, one, jax.ShapeDtypeStruct(v_all.shape[1:], v_all.dtype), lengths)
+
+
+def decode_attention_layer_reference(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    layer: jax.Array | int,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """`decode_attention_reference` on layer ``layer`` of whole caches ``[L, B, KVH, S, D]``."""
+    _validate_layered(q, k_all, v_all, layer, lengths)
+    return decode_attention_reference(q, k_all[layer], v_all[layer], lengths, sm_scale=sm_scale)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
+)
+def _decode_attention_layer_jit(q, k_all, v_all, layer, lengths, *, sm_scale, block_k,
+                                num_splits, num_warps, num_stages, interpret):
+    return _decode_gpu(
+        q, k_all, v_all, lengths.astype(jnp.int32), layer,
+        scale=default_scale(sm_scale, q.shape[-1]), block_k=block_k, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+def decode_attention_layer(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    layer: jax.Array | int,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    block_k: int = 128,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:
+    """`decode_attention` (GPU) of one layer, read in place from the whole cache.
+
+    Passing ``k_cache[layer]`` to a Pallas kernel makes XLA copy that layer's cache into a
+    fresh buffer for the custom call (``B * KVH * S * D`` elements, twice, every layer and
+    step: at batch 8 and 8k context more bytes than the attention itself reads). Here the
+    kernel gets the whole cache and the layer as a scalar input instead; same kernel body
+    and combine as `decode_attention`.
+
+    Args:
+      q: [batch, q_heads, head_dim], one new token per sequence.
+      k_all, v_all: [layers, batch, kv_heads, max_len, head_dim], q's dtype.
+      layer: scalar int, the layer to read (may be traced, e.g. inside a layer scan).
+      lengths: int [batch], valid keys per sequence; slots >= lengths[b] never contribute.
+      sm_scale, block_k, num_splits, num_warps, num_stages, interpret: as `decode_attention`.
+
+    Returns:
+      [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
+    """
+    _validate_layered(q, k_all, v_all, layer, lengths)
+    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
+    return _decode_attention_layer_jit(
+        q, k_all, v_all, layer, lengths, sm_scale=sm_scale, block_k=block_k,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )

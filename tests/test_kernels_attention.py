@@ -14,6 +14,8 @@ import pytest
 
 from pallas_kernels import (
     decode_attention,
+    decode_attention_layer,
+    decode_attention_layer_reference,
     decode_attention_reference,
     flash_attention,
     flash_attention_reference,
@@ -126,6 +128,44 @@ def test_decode_attention(backend, dtype, b, hq, hkv, d, max_len, num_splits, fi
     ref = decode_attention_reference(*_f32(q, k, v), lengths)
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype)
+
+
+LAYER_CASES = [
+    # dtype, layers, batch, q_heads, kv_heads, head_dim, max_len, num_splits, fill
+    (jnp.float32, 3, 3, 4, 4, 64, 50, None, np.nan),
+    (jnp.bfloat16, 2, 2, 8, 2, 128, 200, 3, 1e4),
+    (jnp.float32, 4, 4, 8, 1, 64, 12, 2, np.nan),  # max_len < 16: the padded path
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,layers,b,hq,hkv,d,max_len,num_splits,fill", LAYER_CASES,
+    ids=[f"{jnp.dtype(c[0]).name}-L{c[6]}-g{c[3] // c[4]}" for c in LAYER_CASES],
+)
+def test_decode_attention_layer(dtype, layers, b, hq, hkv, d, max_len, num_splits, fill):
+    rng = _rng(6, layers, b, hq, hkv, max_len)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+    k = rng.standard_normal((layers, b, hkv, max_len, d))
+    v = rng.standard_normal((layers, b, hkv, max_len, d))
+    lens = rng.integers(1, max_len + 1, size=b)
+    lens[0] = 1
+    lens[-1] = max_len - 1 if b > 2 else max_len
+    for i, n in enumerate(lens):  # every layer's stale rows, so a wrong layer index shows too
+        k[:, i, :, n:] = fill
+        v[:, i, :, n:] = fill
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    lengths = jnp.asarray(lens, jnp.int32)
+    for layer in (0, layers - 1):
+        out = decode_attention_layer(q, k, v, jnp.int32(layer), lengths, block_k=16,
+                                     num_splits=num_splits, interpret=True)
+        ref = decode_attention_layer_reference(*_f32(q, k, v), layer, lengths)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        _assert_close(out, ref, dtype)
+        # The same kernel body as decode_attention on the slice, so the same numbers.
+        sliced = decode_attention(q, k[layer], v[layer], lengths, block_k=16,
+                                  num_splits=num_splits, interpret=True)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(sliced, np.float32))
 
 
 def test_decode_zero_length_is_zero_not_nan():
@@ -279,6 +319,10 @@ def test_bad_arguments_raise_one_line_value_error():
             "divisible")
     _raises(lambda: decode_attention(qd, cache[:1], cache[:1], jnp.ones((2,), jnp.int32)),
             "batch")
+    _raises(lambda: decode_attention_layer(qd, cache, cache, 0, jnp.ones((2,), jnp.int32)),
+            "k_all")
+    _raises(lambda: decode_attention_layer(qd, cache[None], cache[None], 0,
+                                           jnp.ones((3,), jnp.int32)), "lengths")
     pages = jnp.zeros((2, 10, 16, 64), jnp.float32)
     table = jnp.zeros((2, 4), jnp.int32)
     _raises(lambda: paged_attention(qd, pages, pages[:1], table, jnp.ones((2,), jnp.int32)),
