@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
@@ -81,6 +82,31 @@ def tpu_interpret(interpret: bool) -> Any:
 
 def tpu_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
     return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def online_softmax_step(
+    acc: jax.Array, m: jax.Array, l_sum: jax.Array, s: jax.Array, v: jax.Array, *,
+    masked: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One key block of the online softmax in the log2 domain (all kernels' inner step).
+
+    `s` [rows, keys] are logits already scaled by scale*log2(e), masked keys at -inf; `v`
+    [keys, d] with masked rows zeroed. `m`/`l_sum` are the running max and denominator,
+    shaped [rows] (GPU loop carries) or [rows, 1] (TPU VMEM scratch); `acc` [rows, d] is
+    float32. `masked=False` (every key of the block visible to every row) skips the guard
+    for rows that have seen only masked keys (exp2(-inf - -inf) would be NaN).
+    Returns the new (acc, m, l_sum).
+    """
+    col = m.ndim == 2  # [rows, 1] state broadcasts as is; [rows] needs a trailing axis
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=col))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - (m_safe if col else m_safe[:, None]))
+    l_sum = alpha * l_sum + jnp.sum(p, axis=1, keepdims=col)
+    acc = acc * (alpha if col else alpha[:, None]) + lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+    )
+    return acc, m_new, l_sum
 
 
 def online_softmax_finish(acc: jax.Array, l_sum: jax.Array) -> jax.Array:

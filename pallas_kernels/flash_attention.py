@@ -29,6 +29,7 @@ from pallas_kernels._common import (
     gpu_params,
     next_pow2,
     online_softmax_finish,
+    online_softmax_step,
     tpu_interpret,
     tpu_params,
 )
@@ -141,20 +142,7 @@ def _flash_gpu_kernel(
             # Keys past the length may hold anything; 0 * NaN would leak into acc.
             vrow = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
             v = jnp.where(vrow < seq_len, v, jnp.zeros_like(v))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        if masked:
-            # A row that has seen only masked keys keeps m = -inf; exp2(-inf - -inf) is NaN.
-            m_new_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        else:
-            m_new_safe = m_new
-        alpha = jnp.exp2(m - m_new_safe)
-        p = jnp.exp2(s - m_new_safe[:, None])
-        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
-        return acc, m_new, l_sum
+        return online_softmax_step(acc, m, l_sum, s, v, masked=masked)
 
     carry = (
         jnp.zeros(q.shape, jnp.float32),
@@ -249,17 +237,9 @@ def _flash_tpu_kernel(
         s = jnp.where(valid, s, NEG_INF)
         vrow = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(vrow < seq_len, v, jnp.zeros_like(v))
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m_prev - m_safe)
-        p = jnp.exp2(s - m_safe)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = acc_sc[...] * alpha + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
+            acc_sc[...], m_sc[...], l_sc[...], s, v
         )
-        m_sc[...] = m_new
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _finish():

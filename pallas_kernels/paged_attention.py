@@ -36,6 +36,7 @@ from pallas_kernels._common import (
     gpu_params,
     next_pow2,
     online_softmax_finish,
+    online_softmax_step,
     tpu_interpret,
     tpu_params,
 )
@@ -141,16 +142,7 @@ def _paged_gpu_kernel(
         s = jnp.where(kpos < seq_len, s, NEG_INF)
         vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
-        return acc, m_new, l_sum
+        return online_softmax_step(acc, m, l_sum, s, v)
 
     acc, m, l_sum = lax.fori_loop(
         lo, hi, body,
@@ -250,17 +242,9 @@ def _paged_tpu_kernel(
         s = jnp.where(kpos < seq_len, s, NEG_INF)
         vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m_prev - m_safe)
-        p = jnp.exp2(s - m_safe)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = acc_sc[...] * alpha + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
+            acc_sc[...], m_sc[...], l_sc[...], s, v
         )
-        m_sc[...] = m_new
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _finish():

@@ -35,6 +35,7 @@ from pallas_kernels._common import (
     gpu_params,
     next_pow2,
     online_softmax_finish,
+    online_softmax_step,
 )
 from pallas_kernels.paged_attention import gather_pages
 
@@ -165,16 +166,7 @@ def _ragged_gpu_kernel(
         s = jnp.where(valid, s, NEG_INF)
         vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(vpos < kv_len, v, jnp.zeros_like(v))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_sum = alpha * l_sum + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
-        return acc, m_new, l_sum
+        return online_softmax_step(acc, m, l_sum, s, v)
 
     acc, _, l_sum = lax.fori_loop(
         0, n_blocks, body,
