@@ -68,3 +68,19 @@ def default_gguf() -> Path:
     if env:
         return Path(env)
     return fetch_default_gguf(cache_dir() / "downloads")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(default_gguf: Path):
+    """(tokenizer, float32 model) that transformers loads from the default GGUF: the oracle.
+
+    Loading dequantizes 272 tensors (~30 s on 2 cores), so every test file shares one copy.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(gguf_file=default_gguf.name)
+    tok = AutoTokenizer.from_pretrained(default_gguf.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, dtype=torch.float32,
+                                                 **kwargs).eval()
+    return tok, model

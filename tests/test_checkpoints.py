@@ -213,11 +213,9 @@ def test_smollm2_gguf_metadata(smollm2_import):
                [params["embed"], params["final_norm"], *params["layers"].values()])
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_import, default_gguf):
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_gguf_matches_transformers(smollm2_import, hf_smollm2):
     config, params, _ = smollm2_import
-    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    model = hf_smollm2[1]
     sd = _state_dict(model)
     assert model.config.rms_norm_eps == pytest.approx(config.rms_norm_eps)
     _assert_tree_equal(params, _expected_from_state_dict(sd, 30, True), atol=1e-6)

@@ -16,17 +16,6 @@ CHATS = ["What is the capital of France?", "Write a Python function that adds tw
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(default_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = dict(gguf_file=default_gguf.name)
-    tok = AutoTokenizer.from_pretrained(default_gguf.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, torch_dtype=torch.float32,
-                                                 **kwargs).eval()
-    return tok, model
-
-
-@pytest.fixture(scope="module")
 def ours_f32(default_gguf):
     return jaxinfer.load_model(default_gguf, dtype="float32", backend="reference")
 
@@ -46,8 +35,8 @@ def jax_bf16():
     return jnp.bfloat16
 
 
-def test_logits_match_transformers(ours_f32, hf_gguf):
-    tok, hf = hf_gguf
+def test_logits_match_transformers(ours_f32, hf_smollm2):
+    tok, hf = hf_smollm2
     ids = tok.apply_chat_template([{"role": "user", "content": CHATS[1]}],
                                   add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -57,8 +46,8 @@ def test_logits_match_transformers(ours_f32, hf_gguf):
     assert np.abs(ours - ref).max() < 1e-4 * np.abs(ref).max()
 
 
-def test_greedy_chat_tokens_match_transformers(ours_f32, hf_gguf):
-    tok, hf = hf_gguf
+def test_greedy_chat_tokens_match_transformers(ours_f32, hf_smollm2):
+    tok, hf = hf_smollm2
     outs = jaxinfer.generate(ours_f32, CHATS, chat=True, max_new_tokens=32)
     for prompt, out in zip(CHATS, outs, strict=True):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}],

@@ -35,15 +35,11 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_tokenizers(default_gguf: Path):
+def gguf_tokenizers(default_gguf: Path, hf_smollm2):
     """(ours from the GGUF metadata, transformers' AutoTokenizer from the same GGUF)."""
-    from transformers import AutoTokenizer
-
     from checkpoints.gguf import read_gguf_metadata
 
-    ours = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_gguf))
-    ref = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    return ours, ref
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_gguf)), hf_smollm2[0]
 
 
 @pytest.mark.parametrize("text", TEXTS)

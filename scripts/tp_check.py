@@ -1,8 +1,8 @@
-"""Tensor parallel tp=2 vs tp=1 on random Llama weights: greedy tokens, float32 logits, decode tok/s.
+"""Tensor parallel tp=2 vs tp=1 on random Llama weights: greedy tokens, float32 logits, tok/s.
 
-    PYTHONPATH=. python bench/results/h200x2/tp_check.py --preset 1b --json out.json   # 2 GPUs
+    PYTHONPATH=. python scripts/tp_check.py --preset 1b --json out.json   # 2 GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
-        python bench/results/h200x2/tp_check.py --preset tiny                            # CPU
+        python scripts/tp_check.py --preset tiny                            # CPU
 
 float32: batch-4 greedy tokens and ``compute_logits`` of one prompt, tp=1 vs tp=2.
 bfloat16: decode tok/s at batch 1 and 64 (second call of each shape; the first compiles) and
@@ -12,7 +12,12 @@ left after ``--budget-s`` seconds; the JSON is rewritten after every item.
 """
 from __future__ import annotations
 
-import argparse, datetime, json, sys, time, traceback
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +48,7 @@ ap.add_argument("--json", default=None)
 args = ap.parse_args()
 T0 = time.perf_counter()
 cfg = PRESETS[args.preset]
-rec: dict = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+rec: dict = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                  device=f"{len(jax.devices())} x {jax.devices()[0].device_kind}",
                  jax=jax.__version__, command="python " + " ".join(sys.argv), preset=args.preset,
                  items=[])
@@ -108,10 +113,11 @@ def run(dtype, backend):
                  wall_s=wall, output_tokens=n)
         if (batch, 1) in res and (batch, 2) in res:
             a, b = res[(batch, 1)], res[(batch, 2)]
-            first = [next((i for i, (x, y) in enumerate(zip(r, s)) if x != y),
+            first = [next((i for i, (x, y) in enumerate(zip(r, s, strict=False)) if x != y),
                           None if len(r) == len(s) else min(len(r), len(s)))
-                     for r, s in zip(a, b)]
-            save(what="bf16 greedy tp1 vs tp2", batch=batch, rows_identical=sum(f is None for f in first),
+                     for r, s in zip(a, b, strict=True)]
+            save(what="bf16 greedy tp1 vs tp2", batch=batch,
+                 rows_identical=sum(f is None for f in first),
                  rows=len(first), first_divergence=[f for f in first if f is not None][:16])
 
 
