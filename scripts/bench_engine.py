@@ -210,7 +210,7 @@ def main() -> None:
     model = Model(config=cfg, params=params, tokenizer=None, dtype=dtype,
                   backend=args.backend, max_batch=args.max_batch)
     record: dict = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=jax.devices()[0].device_kind, jax=jax.__version__,
         command="python " + " ".join(sys.argv), preset=args.preset, dtype=str(dtype.dtype),
         args={k: v for k, v in vars(args).items() if k != "json"}, runs=[])
