@@ -52,6 +52,9 @@ from jaxinfer.generate import (
 from jaxinfer.model import Params, forward_ragged, lm_head
 from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
 from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
+from sharding.mesh import mesh_sizes
+from sharding.placement import on_mesh, put_replicated, to_host
+from sharding.rules import engine_pool_sharding, engine_pool_spec
 
 Event = tuple[int, list[int], bool]  # (request_id, new_token_ids, finished)
 
@@ -97,6 +100,9 @@ def _engine_step(
     # Copies first: a copied page is then written by this very step.
     k = pool.k.at[:, :, inp.copy_dst].set(pool.k[:, :, inp.copy_src], mode="drop")
     v = pool.v.at[:, :, inp.copy_dst].set(pool.v[:, :, inp.copy_src], mode="drop")
+    if not jax.sharding.get_abstract_mesh().empty:  # on a mesh: keep the pool's heads split
+        k = jax.lax.with_sharding_constraint(k, engine_pool_spec())
+        v = jax.lax.with_sharding_constraint(v, engine_pool_spec())
     h, k, v = forward_ragged(params, config, inp.tokens, inp.positions, k, v, inp.write_pages,
                              inp.write_offsets, inp.block_tables, inp.kv_lens, inp.cu_q_lens,
                              backend=backend, dtype=dtype)
@@ -104,6 +110,10 @@ def _engine_step(
     tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index)
     rows = jnp.arange(tokens.shape[0])
     seen = seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples)
+    if not jax.sharding.get_abstract_mesh().empty:  # same shardings out as in: no recompile
+        k = jax.lax.with_sharding_constraint(k, engine_pool_spec())
+        v = jax.lax.with_sharding_constraint(v, engine_pool_spec())
+        seen = jax.lax.with_sharding_constraint(seen, jax.sharding.PartitionSpec())
     return PagePool(k=k, v=v), seen, tokens, logprobs
 
 
@@ -183,6 +193,12 @@ class Engine:
         prompt is read in one step and must fit the token budget.
       prefix_caching: share and cache full pages of equal prefixes.
       verbose: print the pool size on stderr.
+
+    On a mesh (``load_model(mesh=...)``, stacked layout) the pool ``[L, kv_heads, pages,
+    page_size, D]`` is split by K/V heads on ``model`` and replicated over ``data`` (one pool
+    shared by all slots, see ``sharding.rules.engine_pool_spec``); the step inputs are
+    replicated and the ragged attention runs per shard in ``shard_map``. ``kv_cache_bytes``
+    is then per device. Outputs equal the single-device engine's.
     """
 
     def __init__(
@@ -210,9 +226,15 @@ class Engine:
         if max_tokens_per_step < self.max_batch:
             raise InputError(f"max_tokens_per_step={max_tokens_per_step} must be >= max_batch="
                              f"{self.max_batch} so every running sequence can decode each step")
+        self.mesh = model.mesh
+        _, model_size = mesh_sizes(self.mesh)
+        if self.mesh is not None and model.layout != "stacked":
+            raise InputError(f"the engine on a mesh {dict(self.mesh.shape)} needs the stacked "
+                             f"layout, not {model.layout!r}; load_model(mesh=...) gives it")
+        pool_sharding = None if self.mesh is None else engine_pool_sharding(self.mesh, cfg)
         if num_pages is None:
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
-                                         memory_fraction)
+                                         memory_fraction, model_shards=model_size)
         self.page_size = page_size
         self.max_tokens = max_tokens_per_step
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
@@ -221,12 +243,15 @@ class Engine:
         self.chunked_prefill = chunked_prefill
         self.backend = resolve_backend(model.backend, cfg.head_dim)
         self.blocks = BlockManager(num_pages, page_size, prefix_caching)
-        self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype)
-        self._seen = jnp.zeros((self.max_batch, cfg.vocab_size), bool)
+        self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype,
+                                    sharding=pool_sharding)
+        self._seen = put_replicated(self.mesh, np.zeros((self.max_batch, cfg.vocab_size), bool))
         if verbose:
-            mib = num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
+            mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
+                   / model_size)  # per device
             print(f"jaxinfer engine: KV pool of {num_pages} pages x {page_size} tokens = "
-                  f"{num_pages * page_size} tokens ({mib:.1f} MiB), {self.max_batch} slots",
+                  f"{num_pages * page_size} tokens ({mib:.1f} MiB"
+                  f"{' per device' if model_size > 1 else ''}), {self.max_batch} slots",
                   file=sys.stderr, flush=True)
 
         self._next_id = 0
@@ -287,11 +312,12 @@ class Engine:
                 raise RuntimeError("the engine cannot admit any waiting request with an empty "
                                    "pool; this is a scheduler bug")
             return []
-        inp = self._build_inputs(plan, copies)
-        self.pool, self._seen, tokens, logprobs = _engine_step(
-            self.model.params, self.pool, self._seen, inp, config=self.model.config,
-            backend=self.backend, dtype=self.model.dtype)
-        tokens, logprobs = jax.device_get((tokens, logprobs))
+        inp = put_replicated(self.mesh, self._build_inputs(plan, copies))
+        with on_mesh(self.mesh):
+            self.pool, self._seen, tokens, logprobs = _engine_step(
+                self.model.params, self.pool, self._seen, inp, config=self.model.config,
+                backend=self.backend, dtype=self.model.dtype)
+        tokens, logprobs = to_host((tokens, logprobs))
         now = time.perf_counter()
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         events = self._advance(plan, tokens, logprobs, now)
@@ -482,7 +508,9 @@ class Engine:
             ids = np.full(self.pages_per_seq * self.page_size, self.model.config.vocab_size,
                           np.int32)
             ids[: len(s.tokens)] = s.tokens
-            self._seen = _reset_seen(self._seen, jnp.int32(b), jnp.asarray(ids))
+            with on_mesh(self.mesh):
+                self._seen = _reset_seen(self._seen, *put_replicated(self.mesh,
+                                                                     (np.int32(b), ids)))
 
     def _preempt(self, s: _Seq) -> None:
         """Release ``s``'s pages and slot; it recomputes its tokens when readmitted."""

@@ -382,7 +382,7 @@ def generate(
       One ``Completion`` per prompt, in order.
     """
     requests = _make_requests(model, prompts, chat, sampling, sampling_kwargs)
-    if len(requests) > model.max_batch and model.mesh is None:
+    if len(requests) > model.max_batch:
         # More prompts than one static batch: the continuous-batching engine refills a slot
         # as soon as its request ends instead of waiting for each batch's longest request.
         from jaxinfer.engine import generate_with_engine  # local: engine imports this module

@@ -30,7 +30,11 @@ import numpy as np
 from jaxinfer import attention as attention_lib
 from jaxinfer.config import LlamaConfig
 from jaxinfer.kv_cache import KVCache
-from sharding.attention import gather_vocab, mesh_attention  # Pallas per shard on a mesh
+from sharding.attention import (  # Pallas per shard on a mesh
+    gather_vocab,
+    mesh_attention,
+    mesh_ragged_attention,
+)
 
 Params = dict[str, Any]
 
@@ -418,8 +422,6 @@ def forward_ragged(
     Returns:
       ``(hidden [T, hidden] after the final norm, k_pages, v_pages)``.
     """
-    from jaxinfer.attention import attention  # local: keeps this mode's edit self-contained
-
     c = config
     t = tokens.shape[0]
     inv_freq = rope_inv_freq(config)
@@ -439,8 +441,9 @@ def forward_ragged(
                                                                  mode="drop")
         v_all = v_all.at[i, :, write_pages, write_offsets].set(v[0].astype(v_all.dtype),
                                                                  mode="drop")
-        attn = attention(q[0], k_all[i], v_all[i], kv_lens, mode="ragged", backend=backend,
-                         block_tables=block_tables, cu_q_lens=cu_q_lens)
+        # Per model shard under a mesh (shard_map); plain ``attention`` on one device.
+        attn = mesh_ragged_attention(q[0], k_all[i], v_all[i], kv_lens, block_tables,
+                                     cu_q_lens, backend=backend)
         h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         h = h + _dense(_gated_mlp(x, lp), lp["w_down"])

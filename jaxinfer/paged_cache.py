@@ -55,10 +55,14 @@ class PagePool:
 
     @classmethod
     def create(cls, config: LlamaConfig, num_pages: int, page_size: int,
-               dtype: jnp.dtype = jnp.bfloat16) -> PagePool:
-        """Allocate a zeroed pool."""
+               dtype: jnp.dtype = jnp.bfloat16, sharding: jax.sharding.Sharding | None = None
+               ) -> PagePool:
+        """Allocate a zeroed pool, directly in shards when ``sharding`` is given (a mesh)."""
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        if sharding is None:
+            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return cls(k=make(), v=make())
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: jnp.dtype = jnp.bfloat16) -> int:
@@ -73,13 +77,17 @@ def pages_for_budget(
     dtype: jnp.dtype,
     kv_cache_bytes: int | None = None,
     memory_fraction: float = 0.9,
+    model_shards: int = 1,
 ) -> int:
     """How many pages fit ``kv_cache_bytes``, or ``memory_fraction`` of free device memory.
+
+    With ``model_shards`` > 1 (a mesh's model size) each device holds that fraction of every
+    page's K/V heads, and ``kv_cache_bytes`` is per device.
 
     Raises ``InputError`` when no budget is given and the device reports no memory statistics
     (CPU), or when the budget holds less than one page.
     """
-    per_page = PagePool.bytes_per_page(config, page_size, dtype)
+    per_page = PagePool.bytes_per_page(config, page_size, dtype) // model_shards
     if kv_cache_bytes is None:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:

@@ -97,3 +97,45 @@ def mesh_attention(
         return attention(q, k, v, lengths, mode=mode, backend=backend)
     fn = functools.partial(attention, mode=mode, backend=backend)
     return per_shard_attention(fn, q, k, v, lengths, mode=mode)
+
+
+def mesh_ragged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    backend: Literal["reference", "pallas"] = "reference",
+    mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
+) -> jax.Array:
+    """Ragged paged attention (the engine's), per ``model`` shard inside ``shard_map``.
+
+    Args:
+      q: ``[T, H, D]`` packed tokens, H split on model.
+      k_pages, v_pages: one layer's pool ``[KVH, num_pages, page_size, D]``, KVH split on
+        model, pages whole (the engine's pool is not split on data, see
+        ``sharding.rules.engine_pool_spec``).
+      kv_lens, block_tables, cu_q_lens: replicated scheduler inputs.
+      mesh: defaults to the context mesh; without one this is plain ``attention``.
+
+    Both backends run per shard under a mesh: every shard attends with its own heads over
+    the same block tables, so the result is exact and needs no communication, and GSPMD
+    never sees the page gather (or the Pallas custom call it cannot split).
+    """
+    fn = functools.partial(_ragged, backend=backend)
+    mesh = mesh if mesh is not None else _context_mesh()
+    if mesh is None:
+        return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
+    q_spec, kv_spec = P(None, MODEL, None), P(MODEL, None, None, None)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()),
+                           out_specs=q_spec, check_vma=False)
+    return mapped(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
+
+
+def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
+            block_tables: jax.Array, cu_q_lens: jax.Array, *,
+            backend: Literal["reference", "pallas"]) -> jax.Array:
+    return attention(q, k, v, kv_lens, mode="ragged", backend=backend,
+                     block_tables=block_tables, cu_q_lens=cu_q_lens)

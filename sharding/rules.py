@@ -201,6 +201,31 @@ def paged_cache_spec() -> P:
     return P(None, MODEL, DATA, None, None)
 
 
+def engine_pool_spec() -> P:
+    """Spec of the engine's page pool ``[L, kv_heads, num_pages, page_size, D]``.
+
+    Heads on model; replicated over data. Unlike ``paged_cache_spec`` (one disjoint pool per
+    data replica), the ``Engine`` keeps one pool whose pages any slot may map (prefix sharing,
+    preemption), so on a data>1 mesh every data replica runs the same step on the same pool:
+    correct, but data adds no throughput there (run one engine per replica for that).
+    """
+    return P(None, MODEL, None, None, None)
+
+
+def engine_pool_sharding(mesh: Mesh, config: LlamaConfig) -> NamedSharding:
+    """``NamedSharding`` of the engine's pool on ``mesh`` (``engine_pool_spec``).
+
+    Raises ``InputError`` naming the mesh when the K/V heads do not divide the model size
+    (they do after ``shard_params``).
+    """
+    data, model = mesh_sizes(mesh)
+    if config.num_kv_heads % model:
+        raise InputError(f"the engine cannot shard {config.num_kv_heads} K/V heads over the "
+                         f"data={data} x model={model} mesh; load the model with "
+                         "load_model(mesh=...) so K/V heads are repeated to fit")
+    return NamedSharding(mesh, engine_pool_spec())
+
+
 def create_cache(config: LlamaConfig, batch_size: int, max_len: int, dtype: Any, mesh: Mesh
                  ) -> KVCache:
     """An empty ``KVCache`` allocated directly in shards (no device holds the whole cache).

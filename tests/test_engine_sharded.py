@@ -1,0 +1,114 @@
+"""The continuous-batching engine on a mesh gives the single-device engine's tokens.
+
+8 forced CPU devices in a subprocess (as in ``tests/test_sharding.py``): a tiny random GQA
+model (8 query heads, 2 K/V heads, so model=4 and model=8 repeat K/V heads) serves ~20
+requests with staggered arrivals, chunked prefill and a pool small enough to preempt, on
+meshes (1, 8), (1, 4) and (2, 4); every request's tokens must equal the single-device
+engine's, and ``generate`` with more prompts than ``max_batch`` on the (2, 4) mesh (routed
+through the engine) must equal single-device ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+MESHES = [(1, 8), (1, 4), (2, 4)]
+PAGE, SLOTS, BUDGET, MAX_SEQ = 4, 4, 12, 40
+
+
+def test_engine_on_meshes_matches_single_device():
+    from test_sharding import run_with_devices
+
+    res = run_with_devices([__file__, "worker"])
+    ref = res["ref_tokens"]
+    assert res["ref_preemptions"] > 0  # the workload exercises preemption
+    for mesh, r in res["meshes"].items():
+        for i, (got, want) in enumerate(zip(r["tokens"], ref, strict=True)):
+            assert got == want, f"mesh {mesh}, request {i}: {got} != {want}"
+        assert r["preemptions"] > 0, mesh
+        assert r["compilations"] <= 1, mesh
+        assert r["pool_shard"] == r["pool_shard_want"], mesh
+    assert res["generate_equal"], "generate on the 2x4 mesh (via the engine) differs"
+    assert "needs the stacked layout" in res["fast_layout_error"]
+
+
+def _workload(n: int = 20) -> list[tuple[list[int], int, int]]:
+    rng = np.random.default_rng(3)
+    return [(rng.integers(3, 250, size=int(rng.integers(1, 25))).tolist(),
+             int(rng.integers(4, 13)), int(rng.integers(0, 12))) for _ in range(n)]
+
+
+def _serve(engine, work) -> list[list[int]]:
+    ids: dict[int, int] = {}
+    step = 0
+    while len(ids) < len(work) or engine.has_unfinished():
+        for i, (prompt, max_new, arrival) in enumerate(work):
+            if arrival == step:
+                ids[i] = engine.submit(prompt, max_new_tokens=max_new, temperature=0.0)
+        engine.step()
+        step += 1
+    return [engine.result(ids[i]).token_ids for i in range(len(work))]
+
+
+def _worker() -> None:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxinfer
+    from jaxinfer.engine import Engine
+    from jaxinfer.errors import InputError
+    from jaxinfer.generate import Model
+    from jaxinfer.model import prepare_params
+    from sharding import make_mesh, shard_params
+    from sharding.testing import tiny_config, tiny_params
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = tiny_config(num_heads=8, num_kv_heads=2)
+    host = tiny_params(cfg)
+    work = _workload()
+    # Small pool (14 pages of 4 = 56 tokens) for 4 slots of up to 36 tokens: preemptions.
+    kw = dict(num_pages=14, page_size=PAGE, max_tokens_per_step=BUDGET, max_seq_len=MAX_SEQ,
+              verbose=False)
+    base = Model(cfg, jax.tree.map(jnp.asarray, host), None, jnp.float32, backend="reference",
+                 max_batch=SLOTS)
+    engine = Engine(base, **kw)
+    ref = _serve(engine, work)
+    gen_prompts = [p for p, _, _ in work[:9]]
+    ref_gen = [c.token_ids for c in jaxinfer.generate(base, gen_prompts, max_new_tokens=6)]
+    out: dict = {"ref_tokens": ref, "ref_preemptions": engine.stats().num_preemptions,
+                 "meshes": {}}
+    for data, model in MESHES:
+        mesh = make_mesh(data=data, model=model)
+        mcfg, params = shard_params(cfg, host, mesh, jnp.float32)
+        m = Model(mcfg, params, None, jnp.float32, backend="reference", max_batch=SLOTS,
+                  mesh=mesh)
+        engine = Engine(m, **kw)
+        toks = _serve(engine, work)
+        stats = engine.stats()
+        if (data, model) == (2, 4):  # one mesh: generate's engine has a larger token budget
+            gen = [c.token_ids for c in jaxinfer.generate(m, gen_prompts, max_new_tokens=6)]
+            out["generate_equal"] = gen == ref_gen
+        out["meshes"][f"{data}x{model}"] = {
+            "tokens": toks, "preemptions": stats.num_preemptions,
+            "compilations": stats.num_compilations,
+            "pool_shard": list(engine.pool.k.addressable_shards[0].data.shape),
+            "pool_shard_want": [cfg.num_layers, mcfg.num_kv_heads // model, 14, PAGE,
+                                cfg.head_dim],
+        }
+    # The fused "fast" layout cannot be split on a mesh: one-line error, not wrong output.
+    fast = dataclasses.replace(m, params=prepare_params(m.params, fuse=True, unstack=True))
+    try:
+        Engine(fast, **kw)
+        out["fast_layout_error"] = ""
+    except InputError as e:
+        out["fast_layout_error"] = str(e)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    _worker()
