@@ -21,7 +21,7 @@ from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
 from jaxinfer.model import params_layout
 from jaxinfer.sampling import SamplingArrays, SamplingParams
-from jaxinfer.steps import decode_loop, prefill, prefill_all_logits, start_state
+from jaxinfer.steps import decode_loop, prefill, start_state
 from sharding.placement import (
     new_cache,
     on_mesh,
@@ -461,8 +461,7 @@ def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     lengths[0] = len(ids)
     cache = new_cache(model.mesh, cfg, rows, length, model.dtype)
     with on_mesh(model.mesh):
-        _, logits = prefill_all_logits(model.params, cache,
-                                       *put_batch(model.mesh, (tokens, lengths)), config=cfg,
-                                       backend=resolve_backend(model.backend, cfg.head_dim),
-                                       dtype=model.dtype)
+        _, logits = prefill(model.params, cache, *put_batch(model.mesh, (tokens, lengths)),
+                            config=cfg, backend=resolve_backend(model.backend, cfg.head_dim),
+                            dtype=model.dtype, all_logits=True)
     return to_host(logits)[0, : len(ids)].astype(np.float32)

@@ -37,7 +37,8 @@ class DecodeState:
     sampling: SamplingArrays
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "all_logits"),
+                   donate_argnums=(1,))
 def prefill(
     params: Params,
     cache: KVCache,
@@ -47,32 +48,18 @@ def prefill(
     config: LlamaConfig,
     backend: Backend = "reference",
     dtype: Any = jnp.bfloat16,
+    all_logits: bool = False,
 ) -> tuple[KVCache, jax.Array]:
     """Process right-padded prompts ``tokens [B, T]`` of ``lengths [B]`` into an empty cache.
 
-    Returns the cache (holding ``lengths`` positions per sequence) and the float32 logits
-    ``[B, vocab]`` of each prompt's last token.
+    Returns the cache (holding ``lengths`` positions per sequence) and float32 logits: those
+    of each prompt's last token ``[B, vocab]``, or with ``all_logits`` of every position
+    ``[B, T, vocab]`` (``compute_logits``; generation needs only the last row).
     """
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     h, cache = forward(params, config, tokens, cache, mode="prefill", backend=backend, dtype=dtype)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, hidden]
-    return cache, lm_head(params, last)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnums=(1,))
-def prefill_all_logits(
-    params: Params,
-    cache: KVCache,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    *,
-    config: LlamaConfig,
-    backend: Backend = "reference",
-    dtype: Any = jnp.bfloat16,
-) -> tuple[KVCache, jax.Array]:
-    """Like ``prefill`` but returns logits ``[B, T, vocab]`` float32 for every position."""
-    cache = cache.replace(lengths=lengths.astype(jnp.int32))
-    h, cache = forward(params, config, tokens, cache, mode="prefill", backend=backend, dtype=dtype)
+    if not all_logits:
+        h = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, hidden]
     return cache, lm_head(params, h)
 
 
