@@ -12,6 +12,16 @@ tokens of one sequence times the whole q-head group of one kv head as the rows o
 tiles (GQA: each page is read once per kv head and query block), walks the pages up to
 the causal bound of its last row and writes its rows into a per-sequence padded output
 that the wrapper gathers back to the packed token order.
+
+TPU (Mosaic): grid (sequence, kv head, query block, page), the page axis last and
+"arbitrary". The wrapper scatters the packed queries into a per-sequence padded buffer
+laid out [seq, kv_head, block_q * group rows, head_dim] (rows token-major, the q-head
+group of one kv head inside; GQA reads each page once per kv head and query block).
+kv_lens, q_lens and the flattened block table are scalar-prefetched into SMEM and used by
+the index maps: one page per grid step through the table; steps past the causal bound of
+the query block (and query blocks past the sequence's query count) re-use the previous
+block index, so no DMA is issued, and their compute is skipped with `pl.when`. Online
+softmax state lives in VMEM scratch. Tested only under the TPU interpreter.
 """
 
 from __future__ import annotations
@@ -22,12 +32,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import (
     LOG2E,
     MIN_DOT,
     cdiv,
     check,
+    check_backend,
     check_dtype,
     check_gqa,
     check_head_dim,
@@ -36,6 +48,8 @@ from pallas_kernels._common import (
     next_pow2,
     online_softmax_finish,
     online_softmax_step,
+    tpu_interpret,
+    tpu_params,
 )
 from pallas_kernels.paged_attention import gather_pages
 
@@ -180,15 +194,148 @@ def _ragged_gpu_kernel(
     o_ref[...] = out.reshape(block_q, group_pad, d).astype(o_ref.dtype)
 
 
+# --------------------------------------------------------------------------- TPU (Mosaic)
+
+
+def _tpu_key_end(i, q_len, kv_len, block_q: int):
+    """Keys needed by query block i: up to the causal bound of its last real token.
+
+    A block past the query count is treated like the last real block, so its index map
+    points at the same pages as the step before it (no DMA); its compute is skipped.
+    """
+    tok_end = jnp.clip((i + 1) * block_q, 1, jnp.maximum(q_len, 1))
+    return jnp.clip(kv_len - q_len + tok_end, 0, kv_len)
+
+
+def _ragged_tpu_kernel(
+    kl_ref, ql_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *,
+    scale: float, block_q: int, group: int, page_size: int,
+) -> None:
+    si, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    kv_len, q_len = kl_ref[si], ql_ref[si]
+    tok0 = qi * block_q
+    k_lo = j * page_size
+    key_end = _tpu_key_end(qi, q_len, kv_len, block_q)
+
+    @pl.when(jnp.logical_and(tok0 < q_len, k_lo < key_end))
+    def _compute():
+        q = q_ref[...]
+        k = k_ref[...]
+        v = v_ref[...]
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale
+        row_tok = tok0 + lax.broadcasted_iota(jnp.int32, s.shape, 0) // group
+        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        valid = (kpos < kv_len) & (kpos <= kv_len - q_len + row_tok) & (row_tok < q_len)
+        s = jnp.where(valid, s, NEG_INF)
+        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(vpos < kv_len, v, jnp.zeros_like(v))
+        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
+            acc_sc[...], m_sc[...], l_sc[...], s, v
+        )
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
+
+
+def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_len,
+                scale, block_q, interpret):
+    t, hq, d = q.shape
+    hkv, num_pages, page_size, _ = k_pages.shape
+    n, pps = block_tables.shape
+    group = hq // hkv
+    # Rows of a tile are block_q tokens x the q-head group: keep them a multiple of 8
+    # (Mosaic's sublane tile) and no larger than the longest query run needs.
+    block_q = max(1, min(block_q, max_q_len))
+    while (block_q * group) % 8:
+        block_q += 1
+    rows = block_q * group
+    nqb = cdiv(max_q_len, block_q)
+    padded = nqb * block_q
+    cu = cu_q_lens.astype(jnp.int32)
+    q_lens = cu[1:] - cu[:-1]
+    kv_lens = jnp.minimum(kv_lens.astype(jnp.int32), pps * page_size)
+    # Packed tokens -> per-sequence padded buffer [n, hkv, padded * group, d]; pad rows 0.
+    local = jnp.arange(padded, dtype=jnp.int32)
+    idx = jnp.clip(cu[:-1, None] + local[None, :], 0, t - 1)
+    qg = q.reshape(t, hkv, group, d)[idx]  # [n, padded, hkv, group, d]
+    qg = jnp.where((local[None, :] < q_lens[:, None])[..., None, None, None], qg,
+                   jnp.zeros_like(qg))
+    qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(n, hkv, padded * group, d)
+    # SMEM pads 2-D arrays heavily; a flat table is the compact form.
+    bt_flat = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
+
+    def q_map(s, h, i, j, kl_ref, ql_ref, bt_ref):
+        # Blocks past the query count re-use the last real block (no DMA).
+        return (s, h, jnp.minimum(i, jnp.maximum(cdiv(ql_ref[s], block_q) - 1, 0)), 0)
+
+    def kv_map(s, h, i, j, kl_ref, ql_ref, bt_ref):
+        # Past the causal bound of the block, keep pointing at its last needed page.
+        key_end = _tpu_key_end(i, ql_ref[s], kl_ref[s], block_q)
+        last = jnp.maximum(cdiv(key_end, page_size) - 1, 0)
+        return (h, bt_ref[s * pps + jnp.minimum(j, last)], 0, 0)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(n, hkv, nqb, pps),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, d), q_map),
+            pl.BlockSpec((None, None, page_size, d), kv_map),
+            pl.BlockSpec((None, None, page_size, d), kv_map),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda s, h, i, j, *_: (s, h, i, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, d), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        functools.partial(
+            _ragged_tpu_kernel, scale=scale * LOG2E, block_q=block_q, group=group,
+            page_size=page_size,
+        ),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=tpu_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=tpu_interpret(interpret),
+        name="jaxinfer_ragged_paged_tpu",
+    )(kv_lens, q_lens, bt_flat, qg, k_pages, v_pages)
+    out = jnp.transpose(out.reshape(n, hkv, padded, group, d), (0, 2, 1, 3, 4))
+    seq, tok, real = _token_to_seq(cu, t)
+    o = out[seq, jnp.clip(tok, 0, padded - 1)]  # [t, hkv, group, d]
+    o = jnp.where(real[:, None, None, None], o, jnp.zeros_like(o))
+    return o.reshape(t, hq, d)
+
+
+# --------------------------------------------------------------------------- public API
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
         "max_q_len", "sm_scale", "block_q", "pages_per_block", "num_warps", "num_stages",
-        "interpret",
+        "interpret", "backend",
     ),
 )
 def _ragged_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_len,
-                sm_scale, block_q, pages_per_block, num_warps, num_stages, interpret):
+                sm_scale, block_q, pages_per_block, num_warps, num_stages, interpret,
+                backend):
+    if backend == "tpu":
+        return _ragged_tpu(
+            q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, max_q_len=max_q_len,
+            scale=default_scale(sm_scale, q.shape[-1]), block_q=block_q,
+            interpret=interpret,
+        )
     t, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
     n, pps = block_tables.shape
@@ -252,35 +399,46 @@ def ragged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    backend: str = "gpu",
 ) -> jax.Array:
-    """Causal paged attention for a packed mix of decode tokens and prefill chunks (GPU).
+    """Causal paged attention for a packed mix of decode tokens and prefill chunks.
 
     Args:
       q: [tokens, q_heads, head_dim], bfloat16/float16/float32; sequence s owns tokens
         [cu_q_lens[s], cu_q_lens[s+1]).
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] (page_size a power of
-        two), holding every sequence's keys including its new tokens.
+        two on GPU), holding every sequence's keys including its new tokens.
       block_tables: int [num_seqs, pages_per_seq].
       kv_lens: int [num_seqs], keys per sequence (>= its query count).
       cu_q_lens: int [num_seqs + 1], cumulative query counts, cu_q_lens[0] == 0.
       max_q_len: static upper bound on any sequence's query count (default: tokens).
         Query blocks past it are not computed.
       sm_scale: logit scale, default 1/sqrt(head_dim).
-      block_q: query tokens per program (raised so block_q * group >= 16 rows).
-      pages_per_block: pages gathered per inner step (default 64 keys per step).
-      num_warps, num_stages: Triton launch parameters.
-      interpret: run under the Pallas interpreter on CPU.
+      block_q: query tokens per program. GPU: raised to a power of two so that
+        block_q * group >= 16 rows. TPU: capped at max_q_len, then raised until
+        block_q * group is a multiple of 8 (the tile has block_q * group rows); each
+        sequence's queries are padded to a multiple of block_q.
+      pages_per_block: pages gathered per inner step on GPU (default 64 keys per step).
+        The TPU kernel always takes one page (page_size keys) per grid step.
+      num_warps, num_stages: Triton launch parameters (GPU only).
+      interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
+      backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
 
     Returns:
       [tokens, q_heads, head_dim] in q's dtype; tokens past cu_q_lens[-1] give zeros.
     """
+    check_backend(backend)
     _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, kernel=True)
     page_size = k_pages.shape[2]
-    check(page_size == next_pow2(page_size), f"page_size must be a power of two, got {page_size}")
+    check(
+        backend == "tpu" or page_size == next_pow2(page_size),
+        f"page_size must be a power of two on GPU, got {page_size}",
+    )
     max_q_len = q.shape[0] if max_q_len is None else int(max_q_len)
     check(max_q_len >= 1, "max_q_len must be >= 1")
+    check(block_q >= 1, "block_q must be >= 1")
     return _ragged_jit(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, max_q_len=max_q_len,
         sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, backend=backend,
     )

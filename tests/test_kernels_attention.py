@@ -240,17 +240,23 @@ def test_paged_attention(backend, dtype, b, hq, hkv, d, page_size, pps, num_spli
 # --------------------------------------------------------------------------- ragged
 
 RAGGED_CASES = [
-    # dtype, q_heads, kv_heads, head_dim, page_size, pages_per_seq, query counts
-    (jnp.float32, 8, 2, 64, 8, 6, (1, 7, 1, 20)),
-    (jnp.bfloat16, 8, 1, 128, 16, 4, (3, 1, 30)),
+    # backend, dtype, q_heads, kv_heads, head_dim, page_size, pages_per_seq, query counts
+    ("gpu", jnp.float32, 8, 2, 64, 8, 6, (1, 7, 1, 20)),
+    ("gpu", jnp.bfloat16, 8, 1, 128, 16, 4, (3, 1, 30)),
+    # TPU: decode tokens (1) beside prefill chunks of odd lengths, GQA 4/8/1, and a page
+    # size that is not a power of two (allowed on TPU).
+    ("tpu", jnp.float32, 8, 2, 64, 8, 5, (1, 7, 1, 13)),
+    ("tpu", jnp.bfloat16, 8, 1, 128, 16, 3, (3, 1, 21)),
+    ("tpu", jnp.float32, 4, 4, 64, 4, 7, (5, 1, 2)),
+    ("tpu", jnp.bfloat16, 4, 1, 64, 12, 3, (1, 9)),
 ]
 
 
 @pytest.mark.parametrize(
-    "dtype,hq,hkv,d,page_size,pps,q_lens", RAGGED_CASES,
-    ids=[f"{jnp.dtype(c[0]).name}-ps{c[4]}-g{c[1] // c[2]}" for c in RAGGED_CASES],
+    "backend,dtype,hq,hkv,d,page_size,pps,q_lens", RAGGED_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-ps{c[5]}-g{c[2] // c[3]}" for c in RAGGED_CASES],
 )
-def test_ragged_attention(dtype, hq, hkv, d, page_size, pps, q_lens):
+def test_ragged_attention(backend, dtype, hq, hkv, d, page_size, pps, q_lens):
     rng = _rng(4, hq, hkv, page_size, pps)
     n = len(q_lens)
     # Each sequence's keys include its new tokens: kv_len >= q_len.
@@ -259,7 +265,8 @@ def test_ragged_attention(dtype, hq, hkv, d, page_size, pps, q_lens):
     tokens = int(cu[-1]) + 2  # two padding tokens past the last sequence
     q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
     out = ragged_attention(
-        q, k, v, table, kv_lens, cu, max_q_len=max(q_lens), block_q=4, interpret=True
+        q, k, v, table, kv_lens, cu, max_q_len=max(q_lens), block_q=4, interpret=True,
+        backend=backend,
     )
     ref = ragged_attention_reference(*_f32(q, k, v), table, kv_lens, cu)
     assert out.shape == q.shape and out.dtype == q.dtype
