@@ -30,16 +30,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=jaxinfer.DEFAULT_MODEL)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the generate runs")
     parser.add_argument("--out", default="gpu_generate_check.json")
     args = parser.parse_args()
 
     record: dict[str, object] = {
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model, "runs": {},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model, "dtype": args.dtype,
+        "matmul_precision": str(jax.config.jax_default_matmul_precision), "runs": {},
     }
     tokens: dict[str, list[list[int]]] = {}
     for backend in ("reference", "pallas"):
-        model = jaxinfer.load_model(args.model, backend=backend)
+        model = jaxinfer.load_model(args.model, backend=backend, dtype=args.dtype)
         t0 = time.perf_counter()
         outs = jaxinfer.generate(model, PROMPTS, chat=True, max_new_tokens=args.max_new_tokens)
         cold = time.perf_counter() - t0
@@ -66,7 +68,7 @@ def main() -> None:
               for b in ("reference", "pallas")}
     diff = float(np.abs(logits["reference"] - logits["pallas"]).max())
     record["float32_logits_max_abs_diff"] = diff
-    print(f"same greedy tokens across backends (bf16): {record['same_tokens']}; "
+    print(f"same greedy tokens across backends ({args.dtype}): {record['same_tokens']}; "
           f"float32 logits max |diff| over {len(ids)} tokens: {diff:.2e}")
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
