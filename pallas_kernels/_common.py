@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
@@ -16,6 +17,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # Triton's tensor-core dot needs every matrix side to be at least 16.
 MIN_DOT = 16
+
+
+NEG_INF = float("-inf")  # masked logits; exp2(-inf - m) is exactly 0
 
 
 def next_pow2(n: int) -> int:
@@ -130,3 +134,43 @@ def combine_splits(
     num = jnp.sum(acc * w[..., None], axis=axis)
     den = jnp.sum(l_sum * w, axis=axis)
     return online_softmax_finish(num, den[..., None])
+
+
+def tpu_decode_block(
+    q_ref: Any, k_ref: Any, v_ref: Any, o_ref: Any, m_sc: Any, l_sc: Any, acc_sc: Any, *,
+    step: Any, seq_len: Any, block: int, scale: float,
+) -> None:
+    """One key block of a TPU decode kernel whose key axis is grid axis 2.
+
+    Keys ``[step * block, (step + 1) * block)`` of a sequence holding ``seq_len`` keys: the
+    first step resets the online-softmax state, blocks at or past ``seq_len`` skip compute
+    (their index maps re-use the previous block, so nothing is fetched), keys past
+    ``seq_len`` are masked and their V rows zeroed (stale rows may hold NaN), the last step
+    writes the normalised output.
+    """
+    @pl.when(step == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    k_lo = step * block
+
+    @pl.when(k_lo < seq_len)
+    def _compute():
+        v = v_ref[...]
+        s = lax.dot_general(
+            q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale
+        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(kpos < seq_len, s, NEG_INF)
+        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
+        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
+            acc_sc[...], m_sc[...], l_sc[...], s, v
+        )
+
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _finish():
+        o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
+

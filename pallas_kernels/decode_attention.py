@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels._common import (
     LOG2E,
     MIN_DOT,
+    NEG_INF,
     cdiv,
     check,
     check_backend,
@@ -42,11 +43,11 @@ from pallas_kernels._common import (
     online_softmax_finish,
     online_softmax_step,
     prev_pow2,
+    tpu_decode_block,
     tpu_interpret,
     tpu_params,
 )
 
-NEG_INF = float("-inf")
 # Enough programs to give each of the H100's 132 SMs about four (latency hiding).
 _TARGET_PROGRAMS = 528
 
@@ -250,36 +251,9 @@ def _decode_tpu_kernel(
     len_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float, block_k: int,
     max_len: int,
 ) -> None:
-    bi, kj = pl.program_id(0), pl.program_id(2)
-
-    @pl.when(kj == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-
-    seq_len = jnp.minimum(len_ref[bi], max_len)
-    k_lo = kj * block_k
-
-    @pl.when(k_lo < seq_len)
-    def _compute():
-        q = q_ref[...]
-        k = k_ref[...]
-        v = v_ref[...]
-        s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale
-        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(kpos < seq_len, s, NEG_INF)
-        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
-        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
-            acc_sc[...], m_sc[...], l_sc[...], s, v
-        )
-
-    @pl.when(kj == pl.num_programs(2) - 1)
-    def _finish():
-        o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
+    tpu_decode_block(q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, step=pl.program_id(2),
+                     seq_len=jnp.minimum(len_ref[pl.program_id(0)], max_len), block=block_k,
+                     scale=scale)
 
 
 def _tpu_block_k(max_len: int, block_k: int) -> int:

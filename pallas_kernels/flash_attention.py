@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels._common import (
     LOG2E,
     MIN_DOT,
+    NEG_INF,
     cdiv,
     check,
     check_backend,
@@ -33,8 +34,6 @@ from pallas_kernels._common import (
     tpu_interpret,
     tpu_params,
 )
-
-NEG_INF = float("-inf")
 
 
 def _validate(

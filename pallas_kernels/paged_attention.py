@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels._common import (
     LOG2E,
     MIN_DOT,
+    NEG_INF,
     cdiv,
     check,
     check_backend,
@@ -35,14 +36,13 @@ from pallas_kernels._common import (
     default_scale,
     gpu_params,
     next_pow2,
-    online_softmax_finish,
     online_softmax_step,
+    tpu_decode_block,
     tpu_interpret,
     tpu_params,
 )
 from pallas_kernels.decode_attention import decode_attention_reference
 
-NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 528
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
@@ -219,36 +219,8 @@ def _paged_tpu_kernel(
     len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float,
     page_size: int,
 ) -> None:
-    bi, j = pl.program_id(0), pl.program_id(2)
-
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-
-    seq_len = len_ref[bi]
-    k_lo = j * page_size
-
-    @pl.when(k_lo < seq_len)
-    def _compute():
-        q = q_ref[...]
-        k = k_ref[...]
-        v = v_ref[...]
-        s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale
-        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(kpos < seq_len, s, NEG_INF)
-        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
-        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
-            acc_sc[...], m_sc[...], l_sc[...], s, v
-        )
-
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finish():
-        o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
+    tpu_decode_block(q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, step=pl.program_id(2),
+                     seq_len=len_ref[pl.program_id(0)], block=page_size, scale=scale)
 
 
 def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):

@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels._common import (
     LOG2E,
     MIN_DOT,
+    NEG_INF,
     cdiv,
     check,
     check_backend,
@@ -52,8 +53,6 @@ from pallas_kernels._common import (
     tpu_params,
 )
 from pallas_kernels.paged_attention import gather_pages
-
-NEG_INF = float("-inf")
 
 
 def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, kernel: bool) -> int:
