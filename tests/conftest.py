@@ -71,16 +71,22 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(default_gguf: Path):
+def hf_smollm2_tokenizer(default_gguf: Path):
+    """transformers' tokenizer built from the default GGUF (the tokenizer oracle)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(default_gguf: Path, hf_smollm2_tokenizer):
     """(tokenizer, float32 model) that transformers loads from the default GGUF: the oracle.
 
     Loading dequantizes 272 tensors (~30 s on 2 cores), so every test file shares one copy.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    kwargs = dict(gguf_file=default_gguf.name)
-    tok = AutoTokenizer.from_pretrained(default_gguf.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, dtype=torch.float32,
-                                                 **kwargs).eval()
-    return tok, model
+    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
+                                                 dtype=torch.float32).eval()
+    return hf_smollm2_tokenizer, model

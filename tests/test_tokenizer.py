@@ -35,11 +35,12 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_tokenizers(default_gguf: Path, hf_smollm2):
+def gguf_tokenizers(default_gguf: Path, hf_smollm2_tokenizer):
     """(ours from the GGUF metadata, transformers' AutoTokenizer from the same GGUF)."""
     from checkpoints.gguf import read_gguf_metadata
 
-    return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_gguf)), hf_smollm2[0]
+    ours = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_gguf))
+    return ours, hf_smollm2_tokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)
