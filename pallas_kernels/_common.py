@@ -43,6 +43,20 @@ def check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_page_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+    """One-line errors for a K/V page pool that does not match ``q [..., q_heads, head_dim]``."""
+    check(
+        k_pages.ndim == 4,
+        "k_pages must be [kv_heads, num_pages, page_size, head_dim], "
+        f"got shape {k_pages.shape}",
+    )
+    check(k_pages.shape == v_pages.shape, f"k_pages {k_pages.shape} != v_pages {v_pages.shape}")
+    check(
+        q.shape[2] == k_pages.shape[3],
+        f"head_dim mismatch: q {q.shape[2]} vs pages {k_pages.shape[3]}",
+    )
+
+
 def check_head_dim(head_dim: int) -> None:
     check(
         head_dim in SUPPORTED_HEAD_DIMS,

@@ -32,6 +32,7 @@ from pallas_kernels._common import (
     check_dtype,
     check_gqa,
     check_head_dim,
+    check_page_pool,
     combine_splits,
     default_scale,
     gpu_params,
@@ -50,16 +51,7 @@ _BLOCK_KEYS = 128
 
 def _validate(q, k_pages, v_pages, block_tables, lengths) -> int:
     check(q.ndim == 3, f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-    check(
-        k_pages.ndim == 4,
-        "k_pages must be [kv_heads, num_pages, page_size, head_dim], "
-        f"got shape {k_pages.shape}",
-    )
-    check(k_pages.shape == v_pages.shape, f"k_pages {k_pages.shape} != v_pages {v_pages.shape}")
-    check(
-        q.shape[2] == k_pages.shape[3],
-        f"head_dim mismatch: q {q.shape[2]} vs pages {k_pages.shape[3]}",
-    )
+    check_page_pool(q, k_pages, v_pages)
     check(q.dtype == k_pages.dtype == v_pages.dtype, "q, k_pages and v_pages must share a dtype")
     check_dtype("q", q)
     check_head_dim(q.shape[2])

@@ -44,6 +44,7 @@ from pallas_kernels._common import (
     check_dtype,
     check_gqa,
     check_head_dim,
+    check_page_pool,
     default_scale,
     gpu_params,
     next_pow2,
@@ -62,16 +63,7 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, kernel: 
     q/pages of different dtypes (the jaxinfer reference backend relies on both).
     """
     check(q.ndim == 3, f"q must be [tokens, q_heads, head_dim], got shape {q.shape}")
-    check(
-        k_pages.ndim == 4,
-        "k_pages must be [kv_heads, num_pages, page_size, head_dim], "
-        f"got shape {k_pages.shape}",
-    )
-    check(k_pages.shape == v_pages.shape, f"k_pages {k_pages.shape} != v_pages {v_pages.shape}")
-    check(
-        q.shape[2] == k_pages.shape[3],
-        f"head_dim mismatch: q {q.shape[2]} vs pages {k_pages.shape[3]}",
-    )
+    check_page_pool(q, k_pages, v_pages)
     if kernel:
         check(q.dtype == k_pages.dtype == v_pages.dtype,
               "q, k_pages and v_pages must share a dtype")
