@@ -3,12 +3,14 @@
 from jaxinfer.config import LlamaConfig
 from jaxinfer.engine import Engine
 from jaxinfer.errors import CheckpointError, ConfigError, InputError, JaxinferError
-from jaxinfer.generate import Completion, Model, compute_logits, generate, stream, stream_tokens
+from jaxinfer.generate import compute_logits, generate, score, score_rolling, stream, stream_tokens
 from jaxinfer.loading import DEFAULT_MODEL, convert, load_model
+from jaxinfer.requests import Completion, Model, ScoreResult
 from jaxinfer.sampling import SamplingParams
 
 __all__ = [
     "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "Engine", "InputError",
     "JaxinferError", "LlamaConfig", "Model", "SamplingParams", "compute_logits", "convert",
-    "generate", "load_model", "stream", "stream_tokens",
+    "ScoreResult", "generate", "load_model", "score", "score_rolling", "stream",
+    "stream_tokens",
 ]

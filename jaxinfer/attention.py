@@ -59,6 +59,7 @@ def attention(
     backend: Literal["reference", "pallas"] = "reference",
     block_tables: jax.Array | None = None,
     cu_q_lens: jax.Array | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with GQA, per-sequence lengths, float32 softmax.
 
@@ -82,6 +83,7 @@ def attention(
 
         if backend == "pallas":
             return pallas_kernels.ragged_attention(q, k, v, block_tables, lengths, cu_q_lens,
+                                                   max_q_len=max_q_len,
                                                    interpret=jax.default_backend() != "gpu")
         # Any head_dim here (the kernels' restriction does not apply to the reference).
         return pallas_kernels.ragged_attention_reference(q, k, v, block_tables, lengths,

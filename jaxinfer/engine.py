@@ -1,126 +1,78 @@
-"""Continuous-batching engine over a paged KV cache (Orca scheduling, vLLM memory).
+"""The one engine every request runs through: a host scheduler and a device model runner.
 
-Every ``step()`` is one iteration of the scheduler followed by one fused device step:
+Each ``step()`` plans on the host (plain Python/numpy), runs one jitted program from
+``jaxinfer.runner``, and hands the sampled tokens to the output side (``requests.add_tokens``,
+the one place stop rules live):
 
-1. Running sequences get their tokens first: one per decoding sequence, then prefill chunks
-   of sequences still reading their prompt, oldest first, within ``max_tokens_per_step``.
-   When the pool cannot hold them, the youngest running sequence is preempted: its pages are
-   released (full ones stay in the prefix cache) and it is requeued to be recomputed later.
-2. Waiting requests are admitted (first come, first served) into free batch slots while the
-   token budget and pages last; the longest cached prefix of each is mapped, not recomputed.
-3. One jitted step runs the model over the packed tokens of all scheduled sequences
-   (``model.forward_ragged``: prefill chunks and decode tokens together, K/V written to their
-   pages, ragged paged attention), then samples one token per sequence with the shared
-   ``sampling.sample``.
+1. **Mixed step** when prompt work is pending (a running sequence still reading its prompt,
+   or a waiting request that fits): decoding sequences get one token each, first, then
+   prefill chunks of the oldest sequences and newly admitted requests fill the token budget.
+   Admission is first come, first served into free slots; the longest cached prefix of a
+   prompt is mapped from the prefix cache, not recomputed. The step is padded to the
+   smallest token bucket holding its tokens.
+2. **Decode call** otherwise: every running sequence decodes up to ``decode_steps`` tokens
+   in one device loop. Pages for those tokens are reserved first; stop tokens, token limits
+   and the reserved pages are checked on the device, so the host syncs once per call.
 
-Every device array has a fixed shape (batch slots, token budget, pages per sequence), so
-serving any mix of requests compiles the step once. A sampled token depends only on the
-request's own seed, token index and tokens, so a request's output does not depend on what
-else was in the batch, on chunking, or on preemption.
+When the pool cannot hold the planned tokens, the youngest running sequence is preempted:
+its pages are released (full ones stay in the prefix cache) and it is requeued to be
+recomputed later. A sampled token depends only on the request's own seed, token index and
+tokens, so an output does not depend on the batch, on chunking, on multi-step decode or on
+preemption.
+
+Scoring requests (``requests.make_score_requests``) run the same mixed steps: their
+continuation's log-probabilities come out of the forward pass, nothing is sampled, and a
+context shared by several continuations is computed once through the prefix cache.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import heapq
 import math
-import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from jaxinfer.attention import resolve_backend
-from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import InputError
-from jaxinfer.generate import (
+from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
+from jaxinfer.requests import (
     Completion,
     Model,
+    Progress,
     Prompt,
-    _completion,
-    _make_requests,
-    _Progress,
-    _Request,
-    _trim_at_stop_string,
+    Request,
+    ScoreResult,
+    add_tokens,
+    completion,
+    make_requests,
+    score_result,
 )
-from jaxinfer.model import Params, forward_ragged, lm_head
-from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
-from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
+from jaxinfer.runner import (
+    DecodeInputs,
+    MixedInputs,
+    bucket,
+    decode_steps,
+    load_seen,
+    mixed_step,
+    row_buckets,
+    token_buckets,
+)
+from jaxinfer.sampling import SamplingArrays, SamplingParams
 from sharding.mesh import mesh_sizes
 from sharding.placement import on_mesh, put_replicated, to_host
-from sharding.rules import engine_pool_sharding, engine_pool_spec
+from sharding.rules import engine_pool_sharding
 
 Event = tuple[int, list[int], bool]  # (request_id, new_token_ids, finished)
 
-_TRACES = collections.Counter()  # step-function traces (= compilations) per engine shape
-
-
-@struct.dataclass
-class _StepInputs:
-    """Host-built inputs of one engine step. T = token budget, B = slots, P = pages/seq."""
-
-    tokens: jax.Array  # Int['T'] packed input tokens (0 = padding)
-    positions: jax.Array  # Int['T'] absolute position of each token in its sequence
-    write_pages: jax.Array  # Int['T'] page receiving each token's K/V; num_pages = drop
-    write_offsets: jax.Array  # Int['T'] offset within that page
-    block_tables: jax.Array  # Int['B P']
-    kv_lens: jax.Array  # Int['B'] keys per slot after this step's tokens
-    cu_q_lens: jax.Array  # Int['B+1'] cumulative tokens per slot
-    last_index: jax.Array  # Int['B'] packed index of each slot's last token
-    gen_index: jax.Array  # Int['B'] index of the token being sampled (folded into the key)
-    samples: jax.Array  # Bool['B'] slot finishes its input this step and samples a token
-    copy_src: jax.Array  # Int['B'] copy-on-write page copies, src -> dst
-    copy_dst: jax.Array  # Int['B'] num_pages = no copy
-    sampling: SamplingArrays
-
-
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnums=(1, 2))
-def _engine_step(
-    params: Params,
-    pool: PagePool,
-    seen: jax.Array,
-    inp: _StepInputs,
-    *,
-    config: LlamaConfig,
-    backend: Literal["reference", "pallas"],
-    dtype: Any,
-) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
-    """One fused step: page copies, ragged forward, one sampled token per slot.
-
-    Returns ``(pool, seen [B, V], tokens [B], logprobs [B])``; rows of slots that do not
-    sample this step are garbage and ignored by the host.
-    """
-    _TRACES[(config, backend, str(dtype), inp.tokens.shape, inp.block_tables.shape)] += 1
-    # Copies first: a copied page is then written by this very step.
-    k = pool.k.at[:, :, inp.copy_dst].set(pool.k[:, :, inp.copy_src], mode="drop")
-    v = pool.v.at[:, :, inp.copy_dst].set(pool.v[:, :, inp.copy_src], mode="drop")
-    if not jax.sharding.get_abstract_mesh().empty:  # on a mesh: keep the pool's heads split
-        k = jax.lax.with_sharding_constraint(k, engine_pool_spec())
-        v = jax.lax.with_sharding_constraint(v, engine_pool_spec())
-    h, k, v = forward_ragged(params, config, inp.tokens, inp.positions, k, v, inp.write_pages,
-                             inp.write_offsets, inp.block_tables, inp.kv_lens, inp.cu_q_lens,
-                             backend=backend, dtype=dtype)
-    logits = lm_head(params, h[inp.last_index])  # [B, V]: only each slot's last token
-    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index)
-    rows = jnp.arange(tokens.shape[0])
-    seen = seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples)
-    if not jax.sharding.get_abstract_mesh().empty:  # same shardings out as in: no recompile
-        k = jax.lax.with_sharding_constraint(k, engine_pool_spec())
-        v = jax.lax.with_sharding_constraint(v, engine_pool_spec())
-        seen = jax.lax.with_sharding_constraint(seen, jax.sharding.PartitionSpec())
-    return PagePool(k=k, v=v), seen, tokens, logprobs
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_seen(seen: jax.Array, row: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """Row ``row`` of ``seen [B, V]`` := the tokens in ``token_ids [S]`` (V-padded, dropped)."""
-    return seen.at[row].set(False).at[row, token_ids].set(True, mode="drop")
+CPU_KV_CACHE_BYTES = 128 * 2**20
+"""KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
 
 
 @dataclasses.dataclass
@@ -140,10 +92,12 @@ class EngineStats:
     """Engine-wide counters; ``tokens_per_second`` counts generated tokens over step time."""
 
     steps: int
+    decode_calls: int  # multi-step decode calls among the steps
     running: int
     waiting: int
     generated_tokens: int
-    computed_tokens: int  # tokens run through the model (prefill + decode)
+    computed_tokens: int  # tokens run through the model (prefill + decode), padding excluded
+    padded_tokens: int  # token slots the compiled shapes computed, padding included
     tokens_per_second: float
     pages_total: int
     pages_used: int  # referenced by live sequences
@@ -153,8 +107,9 @@ class EngineStats:
     tokens_capacity: int  # pages_total * page_size
     tokens_held: int  # positions with K/V in the pool for running sequences
     prefix_cache_hit_rate: float  # cached tokens / prompt tokens looked up at admission
+    cached_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int
-    num_compilations: int  # step-function compilations by this engine
+    num_programs: int  # distinct step shapes run (each compiled once per process)
 
 
 @dataclasses.dataclass
@@ -162,10 +117,10 @@ class _Seq:
     """Host state of one request."""
 
     rid: int
-    req: _Request
+    req: Request
     key: np.ndarray  # uint32[2] PRNG key data (seed resolved at submission)
     tokens: list[int]  # prompt + generated: what the cache is built from
-    progress: _Progress = dataclasses.field(default_factory=_Progress)
+    progress: Progress = dataclasses.field(default_factory=Progress)
     num_computed: int = 0  # positions whose K/V are in the pool
     slot: int = -1
     arrival: float = 0.0
@@ -174,31 +129,55 @@ class _Seq:
     last_token: float | None = None
     preemptions: int = 0
     cached_tokens: int = 0
+    score_lp: np.ndarray | None = None  # [num_scored] float32 (scoring requests)
+    score_greedy: np.ndarray | None = None  # [num_scored] bool
+
+    @property
+    def first_output(self) -> int:
+        """First position whose output is needed: the prompt's last token (generation) or the
+        token before the continuation (scoring). The prefix cache maps pages before it only."""
+        return len(self.req.prompt_ids) - self.req.num_scored - 1
+
+    @property
+    def compute_end(self) -> int:
+        """Positions to compute before the next output: all known tokens when generating;
+        all but the continuation's last token when scoring (nothing follows it)."""
+        return len(self.tokens) - (1 if self.req.is_score else 0)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to compute; 1 means a generating sequence is in its decode phase."""
+        return self.compute_end - self.num_computed
 
 
 class Engine:
-    """Continuous batching over a paged KV cache for one model.
+    """Continuous batching over a paged KV cache for one model; serves every entry point.
+
+    ``Engine(model)`` needs no sizing arguments: the pool takes ``memory_fraction`` of the
+    free device memory (``CPU_KV_CACHE_BYTES`` on CPU), and slots and the token budget follow
+    from the pool and the device. Every argument below overrides one of those choices.
 
     Args:
       model: a ``jaxinfer.Model`` (``load_model`` or hand-built).
-      max_batch: sequences running at once (fixed batch slots); default ``model.max_batch``.
-      kv_cache_bytes: device bytes for the page pool; default ``memory_fraction`` of the free
-        device memory (GPU/TPU). ``num_pages`` sets the pool size directly instead.
+      max_batch: sequences running at once (slots). Default ``model.max_batch`` if set, else
+        256 on an accelerator (32 on CPU), capped at one slot per 256 pool tokens.
+      kv_cache_bytes: device bytes for the page pool (per device on a mesh).
+        ``num_pages`` sets the pool size directly instead.
       page_size: tokens per page (a power of two for the Pallas kernel).
-      max_tokens_per_step: token budget of one step (decode tokens + prefill chunks); at
-        least ``max_batch``. Bounds each step's latency while a long prompt is read.
-      max_seq_len: longest prompt + output; sets pages per sequence. Default: the model's
-        context, capped by the pool size.
-      chunked_prefill: split long prompts over steps (mixed with decodes). Without it a
-        prompt is read in one step and must fit the token budget.
+      max_tokens_per_step: token budget of a mixed step (decode tokens + prefill chunks), the
+        largest token bucket. Default 4096 on an accelerator (large prefill chunks run near
+        the matmul rate), 256 on CPU; at least ``max_batch``.
+      max_seq_len: longest prompt + output. Default: the model's context, capped by the pool.
+      decode_steps: most tokens a sequence decodes per host round trip.
+      chunked_prefill: split long prompts over steps. Without it a prompt is read in one step
+        and must fit the token budget.
       prefix_caching: share and cache full pages of equal prefixes.
       verbose: print the pool size on stderr.
 
-    On a mesh (``load_model(mesh=...)``, stacked layout) the pool ``[L, kv_heads, pages,
-    page_size, D]`` is split by K/V heads on ``model`` and replicated over ``data`` (one pool
-    shared by all slots, see ``sharding.rules.engine_pool_spec``); the step inputs are
-    replicated and the ragged attention runs per shard in ``shard_map``. ``kv_cache_bytes``
-    is then per device. Outputs equal the single-device engine's.
+    On a mesh (``load_model(mesh=...)``) each layer's pool ``[kv_heads, pages, page_size,
+    D]`` is split by K/V heads on ``model`` and replicated over ``data``; the step inputs are
+    replicated and the ragged attention runs per shard in ``shard_map``. Outputs equal the
+    single-device engine's.
     """
 
     def __init__(
@@ -210,76 +189,84 @@ class Engine:
         num_pages: int | None = None,
         memory_fraction: float = 0.9,
         page_size: int = 16,
-        max_tokens_per_step: int = 512,
+        max_tokens_per_step: int | None = None,
         max_seq_len: int | None = None,
+        decode_steps: int = 16,
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
         verbose: bool = True,
     ) -> None:
         cfg = model.config
         self.model = model
-        self.max_batch = max_batch or model.max_batch
-        if self.max_batch < 1:
-            raise InputError(f"max_batch={self.max_batch} must be >= 1")
+        accelerator = jax.default_backend() != "cpu"
         if page_size < 1 or page_size & (page_size - 1):
             raise InputError(f"page_size={page_size} must be a power of two")
-        if max_tokens_per_step < self.max_batch:
-            raise InputError(f"max_tokens_per_step={max_tokens_per_step} must be >= max_batch="
-                             f"{self.max_batch} so every running sequence can decode each step")
+        if decode_steps < 1:
+            raise InputError(f"decode_steps={decode_steps} must be >= 1")
         self.mesh = model.mesh
         _, model_size = mesh_sizes(self.mesh)
-        if self.mesh is not None and model.layout != "stacked":
-            raise InputError(f"the engine on a mesh {dict(self.mesh.shape)} needs the stacked "
-                             f"layout, not {model.layout!r}; load_model(mesh=...) gives it")
-        pool_sharding = None if self.mesh is None else engine_pool_sharding(self.mesh, cfg)
         if num_pages is None:
+            if kv_cache_bytes is None and not (jax.devices()[0].memory_stats() or {}):
+                kv_cache_bytes = CPU_KV_CACHE_BYTES
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
                                          memory_fraction, model_shards=model_size)
+        elif num_pages < 1:
+            raise InputError(f"num_pages={num_pages} must be >= 1")
+        capacity = num_pages * page_size
+        slots = max_batch or model.max_batch or max(1, min(256 if accelerator else 32,
+                                                           capacity // 256))
+        if slots < 1:
+            raise InputError(f"max_batch={slots} must be >= 1")
+        budget = max_tokens_per_step or max(4096 if accelerator else 256, slots)
+        if budget < slots:
+            raise InputError(f"max_tokens_per_step={budget} must be >= max_batch={slots} so "
+                             "every running sequence can decode each step")
+        self.max_batch = slots
         self.page_size = page_size
-        self.max_tokens = max_tokens_per_step
+        self.max_tokens = budget
+        self.decode_steps = decode_steps
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
-                               cfg.max_position_embeddings, num_pages * page_size)
+                               cfg.max_position_embeddings, capacity)
         self.pages_per_seq = math.ceil(self.max_seq_len / page_size)
         self.chunked_prefill = chunked_prefill
         self.backend = resolve_backend(model.backend, cfg.head_dim)
+        self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16))
+        self.row_buckets = row_buckets(slots)
         self.blocks = BlockManager(num_pages, page_size, prefix_caching)
+        pool_sharding = None if self.mesh is None else engine_pool_sharding(self.mesh, cfg)
         self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype,
                                     sharding=pool_sharding)
-        self._seen = put_replicated(self.mesh, np.zeros((self.max_batch, cfg.vocab_size), bool))
+        self._seen = put_replicated(self.mesh, np.zeros((slots, cfg.vocab_size), bool))
         if verbose:
             mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
                    / model_size)  # per device
             print(f"jaxinfer engine: KV pool of {num_pages} pages x {page_size} tokens = "
-                  f"{num_pages * page_size} tokens ({mib:.1f} MiB"
-                  f"{' per device' if model_size > 1 else ''}), {self.max_batch} slots",
-                  file=sys.stderr, flush=True)
+                  f"{capacity} tokens ({mib:.1f} MiB{' per device' if model_size > 1 else ''})"
+                  f", {slots} slots, {budget} tokens per step", file=sys.stderr, flush=True)
 
         self._next_id = 0
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []  # admission order: the last one is the youngest
         self._seqs: dict[int, _Seq] = {}
-        self._results: dict[int, Completion] = {}
-        self._free_slots = list(range(self.max_batch))
-        # Per-slot sampling settings, uploaded with every step (a few bytes per slot).
-        b = self.max_batch
-        self._temperature = np.zeros(b, np.float32)
-        self._top_k = np.zeros(b, np.int32)
-        self._top_p = np.ones(b, np.float32)
-        self._min_p = np.zeros(b, np.float32)
-        self._rep_penalty = np.ones(b, np.float32)
-        self._keys = np.zeros((b, 2), np.uint32)
+        self._results: dict[int, Completion | ScoreResult] = {}
+        self._free_slots = list(range(slots))  # a heap: lowest slots first keeps rows packed
+        # Per-slot request settings, uploaded with every step (a few bytes per slot).
+        self._temperature = np.zeros(slots, np.float32)
+        self._top_k = np.zeros(slots, np.int32)
+        self._top_p = np.ones(slots, np.float32)
+        self._min_p = np.zeros(slots, np.float32)
+        self._rep_penalty = np.ones(slots, np.float32)
+        self._keys = np.zeros((slots, 2), np.uint32)
+        self._stop_width = 4
+        self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
-        self._steps = 0
+        self._steps = self._decode_calls = 0
         self._step_time = 0.0
-        self._generated = 0
-        self._computed = 0
+        self._generated = self._computed = self._padded = 0
         self._peak_used = 0
-        self._lookup_tokens = 0
-        self._hit_tokens = 0
+        self._lookup_tokens = self._hit_tokens = 0
         self._preemptions = 0
-        self._trace_key = (cfg, self.backend, str(model.dtype), (self.max_tokens,),
-                           (self.max_batch, self.pages_per_seq))
-        self._traces_at_start = _TRACES[self._trace_key]
+        self._programs: set[tuple[Any, ...]] = set()
 
     # ------------------------------------------------------------------ public API
     def submit(
@@ -290,37 +277,57 @@ class Engine:
         sampling: SamplingParams | None = None,
         **sampling_kwargs: Any,
     ) -> int:
-        """Queue one request (same prompt forms and options as ``generate``); returns its id.
+        """Queue one generation request (same prompt forms and options as ``generate``).
 
-        It joins the running batch at the next ``step()`` that has room.
+        Returns its id; it joins the running batch at the next ``step()`` that has room.
         """
-        reqs = _make_requests(self.model, prompt, chat, sampling, sampling_kwargs)
+        reqs = make_requests(self.model, prompt, chat, sampling, sampling_kwargs)
         if len(reqs) != 1:
             raise InputError(f"submit takes one prompt, got {len(reqs)}; call submit once per "
                              "prompt")
-        return self._submit(reqs[0])
+        return self.add_request(reqs[0])
 
-    def step(self) -> list[Event]:
-        """Admit waiting requests, run one fused step; return ``(id, new_tokens, finished)``.
+    def add_request(self, req: Request) -> int:
+        """Queue a validated ``Request`` (``requests.make_requests`` or
+        ``make_score_requests``); returns its id. Checks that it fits this engine."""
+        need = len(req.prompt_ids) + (0 if req.is_score else req.sampling.max_new_tokens)
+        if need > self.max_seq_len:
+            raise InputError(f"prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
+                             f"{req.sampling.max_new_tokens} exceeds the engine's max_seq_len="
+                             f"{self.max_seq_len}; shorten it or give the Engine a larger KV "
+                             "pool")
+        if not self.chunked_prefill and len(req.prompt_ids) > self.max_tokens:
+            raise InputError(f"prompt of {len(req.prompt_ids)} tokens exceeds "
+                             f"max_tokens_per_step={self.max_tokens} without chunked prefill; "
+                             "raise it or use chunked_prefill=True")
+        if req.sampling.seed is None:
+            raise InputError("requests reach the engine with a resolved seed; build them with "
+                             "requests.make_requests")
+        key = np.asarray(SamplingArrays.from_params([req.sampling]).keys[0])
+        rid = self._next_id
+        self._next_id += 1
+        seq = _Seq(rid=rid, req=req, key=key, tokens=list(req.prompt_ids),
+                   arrival=time.perf_counter())
+        if req.is_score:
+            seq.score_lp = np.zeros(req.num_scored, np.float32)
+            seq.score_greedy = np.zeros(req.num_scored, bool)
+        self._seqs[rid] = seq
+        self._waiting.append(seq)
+        return rid
 
-        ``new_tokens`` is empty when a request ended on a stop token (which is not output).
+    def step(self, max_decode_steps: int | None = None) -> list[Event]:
+        """Plan and run one step; return ``(id, new_tokens, finished)`` per advanced request.
+
+        ``new_tokens`` is empty when a request ended on a stop token (which is not output) and
+        for scoring requests. ``max_decode_steps`` caps this step's decode loop (streaming
+        uses it to yield sooner); default ``decode_steps``.
         """
         t0 = time.perf_counter()
-        plan, copies = self._schedule()
-        if not plan:
-            if self._waiting and not self._running:  # unreachable given submit's checks
-                raise RuntimeError("the engine cannot admit any waiting request with an empty "
-                                   "pool; this is a scheduler bug")
-            return []
-        inp = put_replicated(self.mesh, self._build_inputs(plan, copies))
-        with on_mesh(self.mesh):
-            self.pool, self._seen, tokens, logprobs = _engine_step(
-                self.model.params, self.pool, self._seen, inp, config=self.model.config,
-                backend=self.backend, dtype=self.model.dtype)
-        tokens, logprobs = to_host((tokens, logprobs))
-        now = time.perf_counter()
+        if self._prompt_work_pending():
+            events = self._mixed()
+        else:
+            events = self._decode(max_decode_steps or self.decode_steps)
         self._peak_used = max(self._peak_used, self.blocks.num_used)
-        events = self._advance(plan, tokens, logprobs, now)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
         return events
@@ -339,8 +346,20 @@ class Engine:
         for _ in self.events():
             pass
 
-    def result(self, request_id: int) -> Completion:
-        """The ``Completion`` of a finished request (handed over once, then forgotten)."""
+    def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
+        """Step until the given requests finish; return their results in order."""
+        pending = set(request_ids)
+        while pending:
+            unknown = [i for i in pending if i not in self._seqs and i not in self._results]
+            if unknown:
+                raise InputError(f"unknown request id {unknown[0]}")
+            pending = {i for i in pending if i not in self._results}
+            if pending:
+                self.step()
+        return [self.result(i) for i in request_ids]
+
+    def result(self, request_id: int) -> Completion | ScoreResult:
+        """The result of a finished request (handed over once, then forgotten)."""
         if request_id in self._results:
             return self._results.pop(request_id)
         if request_id in self._seqs:
@@ -365,80 +384,52 @@ class Engine:
 
     def forget(self, request_id: int) -> None:
         """Drop the metrics of a finished request (long-running servers call this)."""
-        if request_id in self._seqs and self._seqs[request_id].progress.finished:
+        if request_id in self._seqs and self._seqs[request_id].slot < 0 and \
+                request_id not in {s.rid for s in self._waiting}:
             del self._seqs[request_id]
 
     def stats(self) -> EngineStats:
         """Throughput, queue sizes, page usage and prefix-cache hit rate so far."""
         bm = self.blocks
         return EngineStats(
-            steps=self._steps, running=len(self._running), waiting=len(self._waiting),
-            generated_tokens=self._generated, computed_tokens=self._computed,
+            steps=self._steps, decode_calls=self._decode_calls, running=len(self._running),
+            waiting=len(self._waiting), generated_tokens=self._generated,
+            computed_tokens=self._computed, padded_tokens=self._padded,
             tokens_per_second=self._generated / self._step_time if self._step_time else 0.0,
             pages_total=bm.num_pages, pages_used=bm.num_used, pages_cached=bm.num_cached,
             pages_free=bm.num_free - bm.num_cached, peak_pages_used=self._peak_used,
             tokens_capacity=bm.num_pages * self.page_size,
             tokens_held=sum(s.num_computed for s in self._running),
             prefix_cache_hit_rate=self._hit_tokens / max(1, self._lookup_tokens),
-            num_preemptions=self._preemptions,
-            num_compilations=_TRACES[self._trace_key] - self._traces_at_start)
+            cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
+            num_programs=len(self._programs))
 
-    # ------------------------------------------------------------------ submission
-    def _submit(self, req: _Request) -> int:
-        need = len(req.prompt_ids) + req.sampling.max_new_tokens
-        if need > self.max_seq_len:
-            raise InputError(f"prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
-                             f"{req.sampling.max_new_tokens} exceeds the engine's max_seq_len="
-                             f"{self.max_seq_len}; shorten it or build a larger Engine")
-        if not self.chunked_prefill and len(req.prompt_ids) > self.max_tokens:
-            raise InputError(f"prompt of {len(req.prompt_ids)} tokens exceeds "
-                             f"max_tokens_per_step={self.max_tokens} without chunked prefill; "
-                             "raise it or use chunked_prefill=True")
-        sp = req.sampling
-        if sp.seed is None:  # resolve now, so a preempted request resumes with the same key
-            sp = dataclasses.replace(sp, seed=secrets.randbits(63))
-            req = dataclasses.replace(req, sampling=sp)
-        key = np.asarray(SamplingArrays.from_params([sp]).keys[0])
-        rid = self._next_id
-        self._next_id += 1
-        seq = _Seq(rid=rid, req=req, key=key, tokens=list(req.prompt_ids),
-                   arrival=time.perf_counter())
-        self._seqs[rid] = seq
-        self._waiting.append(seq)
-        return rid
+    def warmup(self, score: bool = False) -> None:
+        """Compile every step shape now (each token bucket, each decode row bucket).
+
+        Runs them on all-padding inputs, which write no page and sample for no slot, so the
+        engine's state is unchanged. Benchmarks call this before timing.
+        """
+        if self.has_unfinished():
+            raise InputError("warmup() runs on an idle engine; call it before submitting")
+        for t in self.token_buckets:
+            for sc in (False, True) if score else (False,):
+                self._run_mixed(self._mixed_inputs([], t, sc), t, sc)
+        for b in self.row_buckets:
+            self._run_decode(self._decode_inputs([], b, 1))
 
     # ------------------------------------------------------------------ scheduling
-    def _schedule(self) -> tuple[list[tuple[_Seq, int]], list[tuple[int, int]]]:
-        """Choose each sequence's tokens for this step and map their pages.
-
-        Returns ``(plan, copies)``: ``(sequence, new token count)`` pairs and the page copies
-        (copy-on-write) to apply before the step.
-        """
-        bm = self.blocks
-        while True:  # restarts after each preemption, which frees pages
-            plan: list[tuple[_Seq, int]] = []
-            budget, free = self.max_tokens, bm.num_free
-            # Decodes first so that a long prompt never stalls them (bounded decode latency).
-            order = sorted(self._running, key=lambda s: len(s.tokens) - s.num_computed > 1)
-            victim = None
-            for s in order:
-                n = self._fit(s, s.num_computed, min(len(s.tokens) - s.num_computed, budget),
-                              free, ())
-                if n == 0 and budget > 0:
-                    victim = self._running[-1]
-                    break
-                if n:
-                    plan.append((s, n))
-                    budget -= n
-                    free -= bm.pages_needed(s.rid, s.num_computed, s.num_computed + n)
-            if victim is None:
-                break
-            self._preempt(victim)
-        copies = []
-        for s, n in plan:
-            copies += bm.prepare_write(s.rid, s.num_computed, s.num_computed + n)
-        copies += self._admit(plan, budget)
-        return plan, copies
+    def _prompt_work_pending(self) -> bool:
+        if any(s.pending > 1 or s.req.is_score for s in self._running):
+            return True
+        if not (self._waiting and self._free_slots):
+            return False
+        s = self._waiting[0]
+        start = min(len(self.blocks.match_prefix(s.rid, s.tokens)) * self.page_size,
+                    s.first_output)
+        first = min(s.compute_end - start, self.max_tokens - len(self._running))
+        need = math.ceil(first / self.page_size) + len(self._running)  # + a page per decode
+        return need <= self.blocks.num_free
 
     def _fit(self, s: _Seq, start: int, n: int, free: int, hits: Sequence[int]) -> int:
         """Largest count ``<= n`` of tokens from position ``start`` whose pages fit in ``free``.
@@ -465,28 +456,62 @@ class Engine:
         # is chunked even when prompts are not; otherwise it could never be readmitted.
         return self.chunked_prefill or s.preemptions > 0
 
-    def _admit(self, plan: list[tuple[_Seq, int]], budget: int) -> list[tuple[int, int]]:
+    def _plan_mixed(self) -> list[tuple[_Seq, int]]:
+        """Tokens per sequence for a mixed step: running ones first, then admissions."""
+        bm = self.blocks
+        while True:  # restarts after each preemption, which frees pages
+            plan: list[tuple[_Seq, int]] = []
+            budget, free = self.max_tokens, bm.num_free
+            # Decodes first so that a long prompt never stalls them (bounded decode latency).
+            order = sorted(self._running, key=lambda s: s.pending > 1)
+            victim = None
+            for s in order:
+                n = self._fit(s, s.num_computed, min(s.pending, budget), free, ())
+                if n == 0 and budget > 0:
+                    victim = self._running[-1]
+                    break
+                if n:
+                    plan.append((s, n))
+                    budget -= n
+                    free -= bm.pages_needed(s.rid, s.num_computed, s.num_computed + n)
+            if victim is None:
+                break
+            self._preempt(victim)
+        for s, n in plan:
+            self._reserve(s, s.num_computed + n)
+        self._admit(plan, budget)
+        return plan
+
+    def _reserve(self, s: _Seq, end: int) -> None:
+        # Writes start at a page boundary or inside the sequence's own last page, and the
+        # prefix cache maps only pages before the first output, so no page is ever shared
+        # when written: copy-on-write cannot happen here.
+        copies = self.blocks.prepare_write(s.rid, s.num_computed, end)
+        if copies:
+            raise RuntimeError(f"unexpected copy-on-write {copies} for request {s.rid}; "
+                               "this is a scheduler bug")
+
+    def _admit(self, plan: list[tuple[_Seq, int]], budget: int) -> None:
         """Move waiting requests into free slots (FCFS) while budget and pages allow."""
         bm, ps = self.blocks, self.page_size
-        copies: list[tuple[int, int]] = []
         deferred = []
         while self._waiting and self._free_slots and budget > 0:
             s = self._waiting[0]
-            hits = bm.match_prefix(s.rid, s.tokens)
+            hits = bm.match_prefix(s.rid, s.tokens)[: s.first_output // ps]
             if bm.waits_for_pending(s.rid, s.tokens, len(hits)):
                 # Another sequence is computing our next block; share it a step later.
                 deferred.append(self._waiting.popleft())
                 continue
-            start = min(len(hits) * ps, len(s.tokens) - 1)
-            n = self._fit(s, start, len(s.tokens) - start, bm.num_free, hits)
+            start = len(hits) * ps
+            n = self._fit(s, start, s.compute_end - start, bm.num_free, hits)
             n = min(n, budget) if self._chunks(s) else n * (n <= budget)
             if n == 0:
                 break
             self._waiting.popleft()
             bm.admit(s.rid, s.tokens, hits)
             s.num_computed = start
-            copies += bm.prepare_write(s.rid, start, start + n)
-            s.slot = self._free_slots.pop()
+            self._reserve(s, start + n)
+            s.slot = heapq.heappop(self._free_slots)
             if s.admitted is None:
                 s.admitted = time.perf_counter()
                 s.cached_tokens = start
@@ -497,131 +522,247 @@ class Engine:
             plan.append((s, n))
             budget -= n
         self._waiting.extendleft(reversed(deferred))
-        return copies
 
     def _load_slot(self, s: _Seq) -> None:
         sp, b = s.req.sampling, s.slot
         self._temperature[b], self._top_k[b], self._top_p[b] = sp.temperature, sp.top_k, sp.top_p
         self._min_p[b], self._rep_penalty[b] = sp.min_p, sp.repetition_penalty
         self._keys[b] = s.key
+        stops = s.req.stop_ids
+        if len(stops) > self._stop_width:  # rare: widen (one more decode program per bucket)
+            self._stop_width = 1 << (len(stops) - 1).bit_length()
+            wider = np.full((self.max_batch, self._stop_width), -1, np.int32)
+            wider[:, : self._stop_ids.shape[1]] = self._stop_ids
+            self._stop_ids = wider
+        self._stop_ids[b] = -1
+        self._stop_ids[b, : len(stops)] = stops
         if sp.repetition_penalty != 1.0:  # rows of other slots are never read by the penalty
             ids = np.full(self.pages_per_seq * self.page_size, self.model.config.vocab_size,
                           np.int32)
             ids[: len(s.tokens)] = s.tokens
             with on_mesh(self.mesh):
-                self._seen = _reset_seen(self._seen, *put_replicated(self.mesh,
-                                                                     (np.int32(b), ids)))
+                self._seen = load_seen(self._seen, *put_replicated(self.mesh,
+                                                                   (np.int32(b), ids)))
 
     def _preempt(self, s: _Seq) -> None:
         """Release ``s``'s pages and slot; it recomputes its tokens when readmitted."""
         self._running.remove(s)
         self.blocks.free(s.rid)
-        self._free_slots.append(s.slot)
+        heapq.heappush(self._free_slots, s.slot)
         s.slot, s.num_computed = -1, 0
         s.preemptions += 1
         self._preemptions += 1
         self._waiting.appendleft(s)
 
-    # ------------------------------------------------------------------ device step
-    def _build_inputs(self, plan: list[tuple[_Seq, int]],
-                      copies: list[tuple[int, int]]) -> _StepInputs:
-        t, b, n_pages = self.max_tokens, self.max_batch, self.blocks.num_pages
+    def _finish(self, s: _Seq) -> None:
+        self._running.remove(s)
+        self.blocks.free(s.rid)
+        heapq.heappush(self._free_slots, s.slot)
+        s.slot = -1
+        if s.req.is_score:
+            self._results[s.rid] = score_result(s.req, s.score_lp, s.score_greedy,
+                                                s.cached_tokens)
+        else:
+            self._results[s.rid] = completion(self.model, s.req, s.progress)
+
+    # ------------------------------------------------------------------ mixed step
+    def _sampling(self, rows: int) -> SamplingArrays:
+        return SamplingArrays(
+            temperature=self._temperature[:rows], top_k=self._top_k[:rows],
+            top_p=self._top_p[:rows], min_p=self._min_p[:rows],
+            repetition_penalty=self._rep_penalty[:rows], keys=self._keys[:rows])
+
+    def _mixed_inputs(self, plan: list[tuple[_Seq, int]], t: int, score: bool) -> MixedInputs:
+        s_rows, n_pages, ps = self.max_batch, self.blocks.num_pages, self.page_size
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_pages = np.full(t, n_pages, np.int32)
         write_offsets = np.zeros(t, np.int32)
-        tables = np.zeros((b, self.pages_per_seq), np.int32)
-        kv_lens = np.zeros(b, np.int32)
-        q_lens = np.zeros(b, np.int32)
-        last = np.zeros(b, np.int32)
-        gen = np.zeros(b, np.int32)
-        samples = np.zeros(b, bool)
-        by_slot = {s.slot: (s, n) for s, n in plan}
-        ps, cursor = self.page_size, 0
-        for slot in range(b):  # packed in slot order, as cu_q_lens requires
-            if slot not in by_slot:
-                continue
-            s, n = by_slot[slot]
-            table = self.blocks.tables[s.rid]
-            pos = np.arange(s.num_computed, s.num_computed + n)
+        targets = np.full(t, -1, np.int32)
+        tables = np.zeros((s_rows, self.pages_per_seq), np.int32)
+        kv_lens = np.zeros(s_rows, np.int32)
+        q_lens = np.zeros(s_rows, np.int32)
+        last = np.zeros(s_rows, np.int32)
+        gen = np.zeros(s_rows, np.int32)
+        samples = np.zeros(s_rows, bool)
+        cursor = 0
+        for s, n in sorted(plan, key=lambda p: p[0].slot):  # slot order, as cu_q_lens needs
+            start = s.num_computed
+            table = np.asarray(self.blocks.tables[s.rid], np.int32)
+            pos = np.arange(start, start + n, dtype=np.int32)
             sl = slice(cursor, cursor + n)
-            tokens[sl] = s.tokens[s.num_computed: s.num_computed + n]
+            seq_tokens = np.asarray(s.tokens[start: start + n + 1], np.int32)
+            tokens[sl] = seq_tokens[:n]
             positions[sl] = pos
-            write_pages[sl] = np.asarray(table)[pos // ps]
+            write_pages[sl] = table[pos // ps]
             write_offsets[sl] = pos % ps
-            tables[slot, : len(table)] = table
-            kv_lens[slot] = s.num_computed + n
-            q_lens[slot] = n
+            if s.req.is_score:  # position p predicts token p + 1 from first_output on
+                want = pos >= s.first_output
+                targets[sl] = np.where(want, seq_tokens[1: n + 1], -1)
+            tables[s.slot, : len(table)] = table
+            kv_lens[s.slot] = start + n
+            q_lens[s.slot] = n
             cursor += n
-            last[slot] = cursor - 1
-            gen[slot] = len(s.progress.tokens)
-            samples[slot] = s.num_computed + n == len(s.tokens)
-        src = np.zeros(b, np.int32)
-        dst = np.full(b, n_pages, np.int32)
-        for i, (a, c) in enumerate(copies):
-            src[i], dst[i] = a, c
+            last[s.slot] = cursor - 1
+            gen[s.slot] = len(s.progress.tokens)
+            samples[s.slot] = not s.req.is_score and start + n == len(s.tokens)
         self._computed += cursor
-        sampling = SamplingArrays(
-            temperature=self._temperature, top_k=self._top_k, top_p=self._top_p,
-            min_p=self._min_p, repetition_penalty=self._rep_penalty, keys=self._keys)
-        return _StepInputs(
+        self._padded += t
+        return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
-            write_offsets=write_offsets, block_tables=tables, kv_lens=kv_lens,
+            write_offsets=write_offsets, targets=targets, block_tables=tables, kv_lens=kv_lens,
             cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-            last_index=last, gen_index=gen, samples=samples, copy_src=src, copy_dst=dst,
-            sampling=sampling)
+            last_index=last, gen_index=gen, samples=samples,
+            sampling=self._sampling(s_rows))
 
-    def _advance(self, plan: list[tuple[_Seq, int]], tokens: np.ndarray,
-                 logprobs: np.ndarray, now: float) -> list[Event]:
-        """Apply the step's results on the host: new tokens, stops, finished requests."""
+    def _run_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, np.ndarray]:
+        self._programs.add(("mixed", t, score))
+        with on_mesh(self.mesh):
+            self.pool, self._seen, out = mixed_step(
+                self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
+                config=self.model.config, backend=self.backend, dtype=self.model.dtype,
+                max_q_len=t, score=score)
+        return to_host(out)
+
+    def _mixed(self) -> list[Event]:
+        plan = self._plan_mixed()
+        if not plan:
+            if self._waiting and not self._running:  # unreachable given add_request's checks
+                raise RuntimeError("the engine cannot admit any waiting request with an empty "
+                                   "pool; this is a scheduler bug")
+            return []
+        total = sum(n for _, n in plan)
+        t = bucket(total, self.token_buckets)
+        score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
+        out = self._run_mixed(self._mixed_inputs(plan, t, score), t, score)
+        now = time.perf_counter()
         events: list[Event] = []
-        for s, n in plan:
-            s.num_computed += n
-            self.blocks.commit(s.rid, s.tokens, s.num_computed)
-            if s.num_computed < len(s.tokens):
+        cursor = 0
+        for s, n in sorted(plan, key=lambda p: p[0].slot):
+            start, end = s.num_computed, s.num_computed + n
+            s.num_computed = end
+            self.blocks.commit(s.rid, s.tokens, end)
+            if s.req.is_score:
+                lo = max(start, s.first_output)
+                if score and lo < end:
+                    idx = slice(lo - s.first_output, end - s.first_output)
+                    rows = slice(cursor + lo - start, cursor + n)
+                    s.score_lp[idx] = out["target_logprobs"][rows]
+                    s.score_greedy[idx] = out["target_greedy"][rows]
+                cursor += n
+                if s.pending == 0:
+                    self._finish(s)
+                    events.append((s.rid, [], True))
+                continue
+            cursor += n
+            if end < len(s.tokens):
                 continue  # a prefill chunk that did not reach the prompt's end
-            tok, p, r = int(tokens[s.slot]), s.progress, s.req
-            self._generated += 1
-            if s.first_token is None:
-                s.first_token = now
-                p.t_first = now - s.arrival
-            s.last_token, p.t_last = now, now - s.arrival
-            new: list[int] = []
-            if tok in r.stop_ids:
-                p.finished, p.reason = True, "stop"
-            else:
-                s.tokens.append(tok)
-                p.tokens.append(tok)
-                p.logprobs.append(float(logprobs[s.slot]))
-                new = [tok]
-                if r.sampling.stop and _trim_at_stop_string(self.model, r, p):
-                    p.finished, p.reason = True, "stop"
-                elif len(p.tokens) >= r.sampling.max_new_tokens:
-                    p.finished, p.reason = True, "length"
-            if p.finished:
-                self._finish(s)
-            events.append((s.rid, new, p.finished))
+            events.append(self._emit(s, [int(out["tokens"][s.slot])],
+                                     [float(out["logprobs"][s.slot])], now))
         return events
 
-    def _finish(self, s: _Seq) -> None:
-        self._running.remove(s)
-        self.blocks.free(s.rid)
-        self._free_slots.append(s.slot)
-        s.slot = -1
-        self._results[s.rid] = _completion(self.model, s.req, s.progress)
+    def _emit(self, s: _Seq, tokens: list[int], logprobs: list[float], now: float) -> Event:
+        """Hand sampled tokens to the output side; finish the request if a stop rule fired."""
+        self._generated += len(tokens)
+        p = s.progress
+        if s.first_token is None:
+            s.first_token = now
+            p.t_first = now - s.arrival
+        s.last_token, p.t_last = now, now - s.arrival
+        s.tokens.extend(tokens)
+        new = add_tokens(self.model, s.req, p, tokens, logprobs)
+        if p.finished:
+            self._finish(s)
+        return s.rid, new, p.finished
+
+    # ------------------------------------------------------------------ decode calls
+    def _plan_decode(self, max_steps: int) -> int:
+        """Reserve pages for up to ``k`` tokens per running sequence; return ``k``.
+
+        Halves ``k`` until the reservation fits the free pages, then preempts the youngest
+        sequence if even one token each does not fit.
+        """
+        bm = self.blocks
+        while self._running:
+            left = [s.req.sampling.max_new_tokens - len(s.progress.tokens) for s in self._running]
+            k = min(max_steps, max(left))
+            while k >= 1:
+                need = sum(bm.pages_needed(s.rid, s.num_computed, s.num_computed + min(k, r))
+                           for s, r in zip(self._running, left, strict=True))
+                if need <= bm.num_free:
+                    for s, r in zip(self._running, left, strict=True):
+                        self._reserve(s, s.num_computed + min(k, r))
+                    return k
+                k //= 2
+            self._preempt(self._running[-1])
+        return 0
+
+    def _decode_inputs(self, rows: list[_Seq], b: int, k: int) -> DecodeInputs:
+        ps = self.page_size
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        tables = np.zeros((b, self.pages_per_seq), np.int32)
+        active = np.zeros(b, bool)
+        remaining = np.zeros(b, np.int32)
+        limit = np.zeros(b, np.int32)
+        gen = np.zeros(b, np.int32)
+        for s in rows:
+            table = self.blocks.tables[s.rid]
+            i = s.slot
+            tokens[i], positions[i] = s.tokens[-1], s.num_computed
+            tables[i, : len(table)] = table
+            active[i] = True
+            remaining[i] = s.req.sampling.max_new_tokens - len(s.progress.tokens)
+            limit[i] = len(table) * ps
+            gen[i] = len(s.progress.tokens)
+        return DecodeInputs(
+            tokens=tokens, positions=positions, block_tables=tables, active=active,
+            remaining=remaining, limit=limit, gen_index=gen, stop_ids=self._stop_ids[:b],
+            num_steps=np.int32(k), sampling=self._sampling(b))
+
+    def _run_decode(self, inp: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
+        b = inp.tokens.shape[0]
+        self._programs.add(("decode", b, self._stop_width))
+        with on_mesh(self.mesh):
+            self.pool, self._seen, out_t, out_lp = decode_steps(
+                self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
+                config=self.model.config, backend=self.backend, dtype=self.model.dtype,
+                max_steps=self.decode_steps)
+        return to_host((out_t, out_lp))
+
+    def _decode(self, max_steps: int) -> list[Event]:
+        k = self._plan_decode(min(max_steps, self.decode_steps))
+        if k == 0:
+            return []
+        rows = list(self._running)
+        b = bucket(max(s.slot for s in rows) + 1, self.row_buckets)
+        out_t, out_lp = self._run_decode(self._decode_inputs(rows, b, k))
+        now = time.perf_counter()
+        self._decode_calls += 1
+        computed = 0
+        events: list[Event] = []
+        for s in rows:
+            col = out_t[:, s.slot]
+            n = int(np.count_nonzero(col >= 0))
+            computed += n
+            s.num_computed += n
+            events.append(self._emit(s, col[:n].tolist(), out_lp[:n, s.slot].tolist(), now))
+            if s.slot >= 0:
+                self.blocks.commit(s.rid, s.tokens, s.num_computed)
+        self._computed += computed
+        self._padded += b * k
+        return events
 
 
-def generate_with_engine(model: Model, requests: Sequence[_Request]) -> list[Completion]:
-    """Run validated requests through an ``Engine`` sized for them; results in order.
+def engine_for(model: Model) -> Engine:
+    """The ``Engine`` that serves ``generate``, ``stream``, ``score`` for ``model``.
 
-    Used by ``jaxinfer.generate`` for more prompts than one static batch holds: the pool gets
-    as many pages as ``max_batch`` of the longest requests need, the static path's footprint.
+    Built on first use with no sizing arguments (``Engine``'s defaults, ``model.max_batch``
+    slots if set) and kept for the model's lifetime, so its compiled steps and prefix cache
+    are reused across calls.
     """
-    page_size = 16
-    longest = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
-    num_pages = model.max_batch * math.ceil(longest / page_size)
-    engine = Engine(model, num_pages=num_pages, page_size=page_size, verbose=False,
-                    max_tokens_per_step=max(512, model.max_batch), max_seq_len=longest)
-    ids = [engine._submit(r) for r in requests]
-    engine.run_until_done()
-    return [engine.result(i) for i in ids]
+    engine = model.engine
+    if engine is None:
+        engine = Engine(model, verbose=False)
+        model.engine = engine
+    return engine

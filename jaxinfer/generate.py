@@ -1,358 +1,41 @@
-"""Where a request becomes tokens: ``generate``, ``stream`` and ``compute_logits``.
+"""The user-facing calls: ``generate``, ``stream``, ``score``, ``score_rolling`` and
+``compute_logits``.
 
-A batch of prompts is right-padded to a bucketed length, prefilled into a fresh preallocated
-cache, and decoded by the on-device loop in ``jaxinfer.steps``. Shapes (batch, prompt length,
-cache length, output length) are rounded up to powers of two so that a long run of different
-requests compiles a bounded number of programs.
+Each validates its input into ``requests.Request`` objects on the host and runs them through
+the model's one ``Engine`` (``engine.engine_for``): the same scheduler, forward pass,
+sampling and stop rules serve one prompt or thousands.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-import time
+import functools
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.attention import resolve_backend
+from jaxinfer.config import LlamaConfig
+from jaxinfer.engine import engine_for
 from jaxinfer.errors import InputError
-from jaxinfer.model import params_layout
-from jaxinfer.sampling import SamplingArrays, SamplingParams
-from jaxinfer.steps import decode_loop, prefill, start_state
-from sharding.placement import (
-    new_cache,
-    on_mesh,
-    put_batch,
-    put_batch_from_primary,
-    put_replicated,
-    round_batch,
-    to_host,
+from jaxinfer.model import Params, forward_ragged, lm_head
+from jaxinfer.paged_cache import PagePool
+from jaxinfer.requests import (
+    Completion,
+    Model,
+    Prompt,
+    ScorePair,
+    ScoreResult,
+    encode,
+    make_requests,
+    make_score_requests,
 )
+from jaxinfer.sampling import SamplingParams
+from sharding.placement import on_mesh, put_replicated, to_host
 
-Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
-Prompt = str | Sequence[int] | Messages
-_MIN_PROMPT_BUCKET = 16
-_MIN_CACHE_BUCKET = 64
-_STOP_STRING_CHUNK = 16  # decode steps between host-side stop-string checks
-
-
-@dataclasses.dataclass
-class Model:
-    """A loaded model: config, parameter pytree, tokenizer and compute settings.
-
-    ``params`` are in an execution layout (``jaxinfer.model.LAYOUTS``): the stored, stacked
-    layout of ``model.param_shapes``, or one made by ``model.prepare_params`` (e.g. the
-    ``"fast"`` layout that ``load_model`` picks on a single GPU). Every entry point
-    (``generate``, ``stream``, ``compute_logits``, ``Engine``) runs either.
-    """
-
-    config: Any  # LlamaConfig
-    params: dict[str, Any]
-    tokenizer: Any  # jaxinfer.tokenizer.Tokenizer, or None for token-id-only use
-    dtype: Any = jnp.bfloat16
-    name: str = ""
-    backend: Literal["reference", "pallas", "auto"] = "auto"
-    max_batch: int = 64
-    # jax.sharding.Mesh from sharding.make_mesh when the params are sharded (load_model(mesh=)):
-    # caches and inputs are then created on it, batch split over "data". None = one device.
-    mesh: Any = None
-
-    @property
-    def layout(self) -> str:
-        """The execution layout of ``params``: ``"stacked"``, ``"fast"`` or ``"custom"``."""
-        return params_layout(self.params)
-
-
-@dataclasses.dataclass
-class Completion:
-    """The result of one request.
-
-    ``token_ids`` are the generated tokens (without the stop token or the tokens of a stop
-    string's tail); ``logprobs`` (when asked for) align with them. Times are in seconds.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
-    prompt_token_ids: list[int]
-    time_to_first_token: float
-    time_per_output_token: float
-    logprobs: list[float] | None = None
-
-
-@dataclasses.dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stop_ids: tuple[int, ...]
-
-
-def _pow2_at_least(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
-def _is_messages(prompt: Any) -> bool:
-    return (isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0
-            and all(isinstance(m, dict) for m in prompt))
-
-
-def encode_chat(model: Model, messages: Messages) -> list[int]:
-    """Token ids of a whole conversation rendered with the model's chat template.
-
-    The template ends with the assistant's generation prompt, so the ids are ready to be
-    continued by ``generate``/``stream``; multi-turn chat appends each reply as an
-    ``{"role": "assistant", ...}`` message and the next user turn, then re-encodes.
-    """
-    if model.tokenizer is None:
-        raise InputError("this model has no tokenizer; chat messages need one")
-    text = model.tokenizer.apply_chat_template(list(messages))
-    return model.tokenizer.encode(text, add_bos=False)
-
-
-def _encode(model: Model, prompt: Prompt, chat: bool) -> list[int]:
-    if _is_messages(prompt):
-        return encode_chat(model, prompt)
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InputError("prompt is empty; pass a non-empty string or token ids")
-        if model.tokenizer is None:
-            raise InputError("this model has no tokenizer; pass prompts as lists of token ids")
-        if chat:
-            return encode_chat(model, [{"role": "user", "content": prompt}])
-        return model.tokenizer.encode(prompt, add_bos=True)
-    ids = list(prompt)
-    if not ids:
-        raise InputError("prompt is empty; pass a non-empty string or token ids")
-    vocab = model.config.vocab_size
-    bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
-    if bad:
-        raise InputError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-    return [int(t) for t in ids]
-
-
-def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or _is_messages(prompts):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise InputError("no prompts given; pass a string, token ids, or a list of them")
-    if all(isinstance(p, int | np.integer) for p in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
-
-
-def _make_requests(
-    model: Model,
-    prompts: Prompt | Sequence[Prompt],
-    chat: bool,
-    sampling: SamplingParams | Sequence[SamplingParams] | None,
-    kwargs: dict[str, Any],
-) -> list[_Request]:
-    """Validate everything on the host before any device work."""
-    plist = _normalize_prompts(prompts)
-    if sampling is None:
-        sps = [SamplingParams.from_kwargs(**kwargs)] * len(plist)
-    elif kwargs:
-        raise InputError(f"pass sampling options either as sampling=... or as keywords, not "
-                         f"both (got {sorted(kwargs)})")
-    elif isinstance(sampling, SamplingParams):
-        sps = [sampling] * len(plist)
-    else:
-        sps = list(sampling)
-        if len(sps) != len(plist):
-            raise InputError(f"got {len(sps)} SamplingParams for {len(plist)} prompts; "
-                             "give one per prompt or a single one")
-    context = model.config.max_position_embeddings
-    eos = tuple(model.tokenizer.eos_ids) if model.tokenizer is not None else tuple(
-        model.config.eos_token_ids)
-    requests = []
-    for i, (p, sp) in enumerate(zip(plist, sps, strict=True)):
-        ids = _encode(model, p, chat)
-        if len(ids) >= context:
-            raise InputError(f"prompt {i} has {len(ids)} tokens but the model's context is "
-                             f"{context}; shorten the prompt")
-        if len(ids) + sp.max_new_tokens > context:
-            raise InputError(f"prompt {i} has {len(ids)} tokens and max_new_tokens="
-                             f"{sp.max_new_tokens} would overflow the model's context of "
-                             f"{context}; lower max_new_tokens to at most {context - len(ids)}")
-        if sp.stop and model.tokenizer is None:
-            raise InputError("stop strings need a tokenizer; use stop_token_ids instead")
-        requests.append(_Request(ids, sp, tuple(dict.fromkeys(eos + sp.stop_token_ids))))
-    return requests
-
-
-_COMPILED: set[tuple[Any, ...]] = set()
-
-
-def _announce_compile(what: str, key: tuple[Any, ...], detail: str) -> None:
-    """Say on stderr, once per shape bucket, that XLA is about to compile a new program.
-
-    The first call with a new (batch, length) bucket blocks for seconds while XLA compiles;
-    without a word the user cannot tell that from a hang. ``key`` holds everything that makes
-    jit recompile (model config, backend, dtype, shapes); later calls are silent.
-    """
-    full = (what, *key)
-    if full not in _COMPILED:
-        _COMPILED.add(full)
-        print(f"jaxinfer: compiling {what} for {detail} (once per shape) …", file=sys.stderr,
-              flush=True)
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int:
-    """Index where the earliest stop string starts in ``text``, or -1."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
-
-
-@dataclasses.dataclass
-class _Progress:
-    """Host view of one sequence while its batch decodes."""
-
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    reason: Literal["stop", "length"] = "length"
-    text: str | None = None
-    t_first: float = 0.0
-    t_last: float = 0.0
-
-
-def _run_batch(
-    model: Model, requests: Sequence[_Request], chunk_steps: int | None
-) -> Iterator[list[_Progress]]:
-    """Generate for up to ``model.max_batch`` requests; yield progress after every chunk.
-
-    ``chunk_steps=None`` runs the whole decode in one device loop unless a request has stop
-    strings, which are checked on the host every few steps.
-    """
-    cfg = model.config
-    backend = resolve_backend(model.backend, cfg.head_dim)
-    n = len(requests)
-    batch = round_batch(model.mesh, _pow2_at_least(n, 1))
-    longest = max(len(r.prompt_ids) for r in requests)
-    needed = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in requests)
-    cache_len = min(_pow2_at_least(needed, _MIN_CACHE_BUCKET), cfg.max_position_embeddings)
-    prompt_len = min(_pow2_at_least(longest, _MIN_PROMPT_BUCKET), cache_len)
-    out_len = _pow2_at_least(max(r.sampling.max_new_tokens for r in requests), 1)
-    num_stop = _pow2_at_least(max(len(r.stop_ids) for r in requests), 4)
-
-    tokens = np.zeros((batch, prompt_len), np.int32)
-    lengths = np.ones((batch,), np.int32)
-    seen = np.zeros((batch, cfg.vocab_size), bool)
-    stop_ids = np.full((batch, num_stop), -1, np.int32)
-    max_new = np.ones((batch,), np.int32)  # padding rows finish after their first token
-    for i, r in enumerate(requests):
-        tokens[i, : len(r.prompt_ids)] = r.prompt_ids
-        lengths[i] = len(r.prompt_ids)
-        seen[i, r.prompt_ids] = True
-        stop_ids[i, : len(r.stop_ids)] = r.stop_ids
-        max_new[i] = r.sampling.max_new_tokens
-    sps = [r.sampling for r in requests] + [SamplingParams(seed=0)] * (batch - n)
-
-    static = (cfg, backend, jnp.dtype(model.dtype).name, model.layout)
-    _announce_compile("prefill", (*static, batch, prompt_len, cache_len),
-                      f"batch {batch}, prompt bucket {prompt_len}, cache {cache_len}")
-    _announce_compile("decode loop", (*static, batch, cache_len, out_len, num_stop),
-                      f"batch {batch}, cache {cache_len}, up to {out_len} new tokens")
-    t_start = time.perf_counter()
-    mesh = model.mesh
-    cache = new_cache(mesh, cfg, batch, cache_len, model.dtype)
-    with on_mesh(mesh):
-        cache, logits = prefill(model.params, cache, *put_batch(mesh, (tokens, lengths)),
-                                config=cfg, backend=backend, dtype=model.dtype)
-        # Unseeded requests draw keys on the host; multi-host runs must share one draw.
-        sampling_arrays = put_batch_from_primary(mesh, SamplingArrays.from_params(sps))
-        state = start_state(*put_batch(mesh, (seen,)), logits, sampling_arrays,
-                            *put_batch(mesh, (max_new, stop_ids)),
-                            put_replicated(mesh, np.zeros((out_len,), np.float32)))
-    progress = [_Progress() for _ in requests]
-    has_stop_strings = any(r.sampling.stop for r in requests)
-    steps = chunk_steps or (_STOP_STRING_CHUNK if has_stop_strings else out_len)
-
-    while True:
-        out_tokens, out_lp, num_gen, done = to_host(
-            (state.out_tokens, state.out_logprobs, state.num_generated, state.done))
-        now = time.perf_counter()
-        stopped_by_string = _update_progress(model, requests, progress, out_tokens, out_lp,
-                                             num_gen, done, now - t_start)
-        if stopped_by_string.any():
-            state = state.replace(done=state.done | put_batch(
-                mesh, np.pad(stopped_by_string, (0, batch - n))))
-        yield progress
-        if all(p.finished for p in progress):
-            return
-        with on_mesh(mesh):
-            cache, state = decode_loop(model.params, cache, state,
-                                       put_replicated(mesh, np.int32(steps)), config=cfg,
-                                       backend=backend, dtype=model.dtype)
-
-
-def _update_progress(
-    model: Model,
-    requests: Sequence[_Request],
-    progress: list[_Progress],
-    out_tokens: np.ndarray,
-    out_lp: np.ndarray,
-    num_gen: np.ndarray,
-    done: np.ndarray,
-    elapsed: float,
-) -> np.ndarray:
-    """Copy new tokens to the host view; return which sequences a stop string just ended."""
-    stopped = np.zeros(len(requests), bool)
-    for i, (r, p) in enumerate(zip(requests, progress, strict=True)):
-        if p.finished:
-            continue
-        count = int(num_gen[i])
-        if count and not p.tokens:
-            p.t_first = elapsed
-        if count > len(p.tokens):
-            p.t_last = elapsed
-        p.tokens = out_tokens[i, :count].tolist()
-        p.logprobs = out_lp[i, :count].tolist()
-        if p.tokens and p.tokens[-1] in r.stop_ids:
-            p.tokens.pop()
-            p.logprobs.pop()
-            p.finished, p.reason = True, "stop"
-        elif done[i]:
-            p.finished, p.reason = True, "length"
-        if r.sampling.stop and _trim_at_stop_string(model, r, p):
-            stopped[i] = not p.finished
-            p.finished, p.reason = True, "stop"
-    return stopped
-
-
-def _trim_at_stop_string(model: Model, r: _Request, p: _Progress) -> bool:
-    """If a stop string appears, cut tokens after the one completing it and the text before it."""
-    text = model.tokenizer.decode(p.tokens)
-    if _find_stop(text, r.sampling.stop) < 0:
-        return False
-    for k in range(1, len(p.tokens) + 1):
-        prefix = model.tokenizer.decode(p.tokens[:k])
-        cut = _find_stop(prefix, r.sampling.stop)
-        if cut >= 0:
-            p.tokens, p.logprobs = p.tokens[:k], p.logprobs[:k]
-            p.text = prefix[:cut]
-            return True
-    return False
-
-
-def _completion(model: Model, r: _Request, p: _Progress) -> Completion:
-    text = p.text
-    if text is None:
-        text = model.tokenizer.decode(p.tokens) if model.tokenizer is not None else ""
-    n = len(p.tokens)
-    return Completion(
-        text=text,
-        token_ids=p.tokens,
-        finish_reason=p.reason,
-        prompt_token_ids=r.prompt_ids,
-        time_to_first_token=p.t_first,
-        time_per_output_token=(p.t_last - p.t_first) / (n - 1) if n > 1 else 0.0,
-        logprobs=p.logprobs if r.sampling.logprobs else None,
-    )
+_LOGITS_BUCKET = 16  # compute_logits pads its sequence to a power of two >= this
 
 
 def generate(
@@ -375,25 +58,16 @@ def generate(
         ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``,
         ``logprobs``).
 
-    More prompts than ``model.max_batch`` are served by ``jaxinfer.Engine`` (continuous
-    batching over a paged KV cache); the tokens are the same as in static batches.
+    All prompts go to the model's engine at once (continuous batching over a paged KV
+    cache); each result equals the same request run alone.
 
     Returns:
       One ``Completion`` per prompt, in order.
     """
-    requests = _make_requests(model, prompts, chat, sampling, sampling_kwargs)
-    if len(requests) > model.max_batch:
-        # More prompts than one static batch: the continuous-batching engine refills a slot
-        # as soon as its request ends instead of waiting for each batch's longest request.
-        from jaxinfer.engine import generate_with_engine  # local: engine imports this module
-
-        return generate_with_engine(model, requests)
-    results: list[Completion] = []
-    for start in range(0, len(requests), model.max_batch):
-        group = requests[start: start + model.max_batch]
-        *_, progress = _run_batch(model, group, None)
-        results.extend(_completion(model, r, p) for r, p in zip(group, progress, strict=True))
-    return results
+    requests = make_requests(model, prompts, chat, sampling, sampling_kwargs)
+    engine = engine_for(model)
+    ids = [engine.add_request(r) for r in requests]
+    return engine.run(ids)
 
 
 def stream_tokens(
@@ -404,13 +78,23 @@ def stream_tokens(
     chunk_steps: int = 8,
     **sampling_kwargs: Any,
 ) -> Iterator[list[int]]:
-    """Yield lists of new token ids for one prompt as the device produces them."""
-    (request,) = _make_requests(model, prompt, chat, None, sampling_kwargs)
-    sent = 0
-    for (p,) in _run_batch(model, [request], chunk_steps):
-        if len(p.tokens) > sent:
-            yield p.tokens[sent:]
-            sent = len(p.tokens)
+    """Yield lists of new token ids for one prompt as the device produces them.
+
+    ``chunk_steps`` caps the tokens decoded per device round trip while this stream runs.
+    """
+    if chunk_steps < 1:
+        raise InputError(f"chunk_steps={chunk_steps} must be >= 1")
+    (request,) = make_requests(model, prompt, chat, None, sampling_kwargs)
+    engine = engine_for(model)
+    rid = engine.add_request(request)
+    done = False
+    while not done:
+        for i, new, finished in engine.step(max_decode_steps=chunk_steps):
+            if i == rid:
+                done = finished
+                if new:
+                    yield new
+    engine.result(rid)  # hand the finished result over so the engine forgets it
 
 
 def stream(
@@ -430,38 +114,108 @@ def stream(
     """
     if model.tokenizer is None:
         raise InputError("stream() needs a tokenizer; use stream_tokens() for token ids")
-    (request,) = _make_requests(model, prompt, chat, None, sampling_kwargs)
+    stops = SamplingParams.from_kwargs(**sampling_kwargs).stop
+    hold = max((len(s) - 1 for s in stops), default=0)
+    tokens: list[int] = []
     emitted = ""
-    for (p,) in _run_batch(model, [request], chunk_steps):
-        text = p.text if p.text is not None else model.tokenizer.decode(p.tokens)
-        if not p.finished:
-            # Hold back an incomplete character and anything that could start a stop string.
-            text = text.rstrip("\ufffd")
-            hold = max((len(s) - 1 for s in request.sampling.stop), default=0)
-            text = text[: max(len(emitted), len(text) - hold)]
+    pieces = stream_tokens(model, prompt, chat=chat, chunk_steps=chunk_steps, **sampling_kwargs)
+    for new in pieces:
+        tokens += new
+        # Hold back an incomplete character and anything that could start a stop string.
+        text = model.tokenizer.decode(tokens).rstrip("\ufffd")
+        text = text[: max(len(emitted), len(text) - hold)]
         if text.startswith(emitted) and len(text) > len(emitted):
             yield text[len(emitted):]
             emitted = text
+    text = model.tokenizer.decode(tokens)  # stop strings were already cut by the engine
+    if text.startswith(emitted) and len(text) > len(emitted):
+        yield text[len(emitted):]
+
+
+def score(model: Model, requests: ScorePair | Sequence[ScorePair]) -> list[ScoreResult]:
+    """Log-likelihood of continuations given contexts, batched through the engine.
+
+    Args:
+      requests: ``(context, continuation)`` pairs (or one pair); each side a string or token
+        ids. A string context is encoded with BOS, a string continuation without.
+
+    Returns one ``ScoreResult`` per pair, in order: ``token_logprobs``, ``logprob`` (their
+    sum), ``greedy`` (every continuation token is the argmax) and ``cached_tokens`` (context
+    tokens served by the prefix cache: continuations sharing a context compute it once).
+    """
+    reqs = make_score_requests(model, requests)
+    engine = engine_for(model)
+    ids = [engine.add_request(r) for r in reqs]
+    return engine.run(ids)
+
+
+def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | None = None,
+                  stride: int | None = None) -> ScoreResult:
+    """Log-likelihood of a whole text, longer than the context if need be (perplexity).
+
+    The text is cut into windows of ``max_length`` tokens (default: the model's context)
+    that advance by ``stride`` tokens (default ``max_length // 2``); each window scores only
+    its new tokens with the rest as context, and all windows run as one batch. The first
+    token has no context and is not scored. ``exp(-logprob / len(token_logprobs))`` is the
+    perplexity.
+    """
+    ids = encode(model, text)
+    context = model.config.max_position_embeddings
+    max_length = max_length or context
+    stride = stride or max(1, max_length // 2)
+    if not 1 < max_length <= context:
+        raise InputError(f"max_length={max_length} must be in [2, {context}]")
+    if not 1 <= stride < max_length:
+        raise InputError(f"stride={stride} must be in [1, max_length={max_length})")
+    if len(ids) < 2:
+        raise InputError("score_rolling needs at least 2 tokens; nothing to score")
+    pairs, scored = [], 1
+    while scored < len(ids):
+        end = min(len(ids), max_length if scored == 1 else scored + stride)
+        begin = max(0, end - max_length)
+        pairs.append((ids[begin:scored], ids[scored:end]))
+        scored = end
+    parts = score(model, pairs)
+    lps = [x for p in parts for x in p.token_logprobs]
+    return ScoreResult(token_logprobs=lps, logprob=float(np.sum(lps, dtype=np.float64)),
+                       greedy=all(p.greedy for p in parts), context_token_ids=ids[:1],
+                       continuation_token_ids=ids[1:],
+                       cached_tokens=sum(p.cached_tokens for p in parts))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "page_size"))
+def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
+                     config: LlamaConfig, backend: str, dtype: Any, page_size: int
+                     ) -> jax.Array:
+    """Float32 logits ``[T, V]`` of one sequence ``tokens [T]`` (``length`` real tokens),
+    through the engine's forward pass over a private pool of ``T / page_size`` pages."""
+    t = tokens.shape[0]
+    pages = t // page_size
+    pool = PagePool.create(config, pages, page_size, dtype)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    h, _, _ = forward_ragged(params, config, tokens, pos, pool.k, pool.v,
+                             jnp.where(pos < length, pos // page_size, pages), pos % page_size,
+                             jnp.arange(pages, dtype=jnp.int32)[None], length[None],
+                             jnp.stack([0, length]).astype(jnp.int32), backend=backend,
+                             dtype=dtype)
+    return lm_head(params, h)
 
 
 def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
-    """Float32 logits ``[len(token_ids), vocab]`` of one sequence through the prefill path."""
+    """Float32 logits ``[len(token_ids), vocab]`` of one sequence (the engine's forward pass)."""
     if isinstance(token_ids, str):
         raise InputError("compute_logits takes token ids; encode text with model.tokenizer")
-    ids = _encode(model, token_ids, chat=False)
+    ids = encode(model, token_ids)
     cfg = model.config
     if len(ids) > cfg.max_position_embeddings:
         raise InputError(f"{len(ids)} tokens exceed the model's context of "
                          f"{cfg.max_position_embeddings}; shorten the input")
-    length = min(_pow2_at_least(len(ids), _MIN_PROMPT_BUCKET), cfg.max_position_embeddings)
-    rows = round_batch(model.mesh, 1)  # one row per data replica; extra rows are padding
-    tokens = np.zeros((rows, length), np.int32)
-    tokens[0, : len(ids)] = ids
-    lengths = np.ones((rows,), np.int32)
-    lengths[0] = len(ids)
-    cache = new_cache(model.mesh, cfg, rows, length, model.dtype)
+    length = max(_LOGITS_BUCKET, 1 << (len(ids) - 1).bit_length())
+    tokens = np.zeros(length, np.int32)
+    tokens[: len(ids)] = ids
     with on_mesh(model.mesh):
-        _, logits = prefill(model.params, cache, *put_batch(model.mesh, (tokens, lengths)),
-                            config=cfg, backend=resolve_backend(model.backend, cfg.head_dim),
-                            dtype=model.dtype, all_logits=True)
-    return to_host(logits)[0, : len(ids)].astype(np.float32)
+        logits = _sequence_logits(model.params, *put_replicated(model.mesh, (
+            tokens, np.int32(len(ids)))), config=cfg,
+            backend=resolve_backend(model.backend, cfg.head_dim), dtype=model.dtype,
+            page_size=_LOGITS_BUCKET)
+    return to_host(logits)[: len(ids)].astype(np.float32)

@@ -14,8 +14,8 @@ import numpy as np
 from jaxinfer.attention import resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
-from jaxinfer.generate import Model
 from jaxinfer.model import LAYOUTS, apply_layout, param_shapes, resolve_layout
+from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
@@ -84,7 +84,7 @@ def load_model(
     *,
     dtype: Any = "bfloat16",
     backend: str = "auto",
-    max_batch: int = 64,
+    max_batch: int | None = None,
     shardings: Any = None,
     mesh: Any = None,
     layout: str = "auto",
@@ -98,7 +98,8 @@ def load_model(
         ``jaxinfer convert``.
       dtype: weights and activations dtype (``"bfloat16"`` default, ``"float32"``).
       backend: attention backend, ``"auto"`` (Pallas on GPU), ``"reference"`` or ``"pallas"``.
-      max_batch: most sequences decoded together by ``generate``.
+      max_batch: most sequences the model's engine runs at once; None sizes it from the KV
+        pool (``jaxinfer.Engine``).
       shardings: optional pytree of ``jax.sharding.Sharding`` matching the params, used when
         restoring a converted folder (other formats are placed with ``jax.device_put``).
       mesh: a ``(data, model)`` mesh from ``sharding.make_mesh``: weights are split with the
@@ -122,7 +123,7 @@ def load_model(
     jdtype = _parse_dtype(dtype)
     if layout not in LAYOUTS or mesh is not None:
         resolve_layout(layout, mesh=mesh)  # a bad name, or "fast" on a mesh: fail before I/O
-    if not isinstance(max_batch, int) or max_batch < 1:
+    if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     if mesh is not None:
         from sharding.rules import shard_params, stored_shardings

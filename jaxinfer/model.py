@@ -21,6 +21,7 @@ execution layouts from it (fused matmuls, per-layer buffers; ``LAYOUTS`` names t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -391,33 +392,45 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     return gather_vocab(logits)  # on a mesh the head is vocab-split; sampling wants whole rows
 
 
+def layer_params(layers: Params | list[Params], i: int) -> Params:
+    """Layer ``i``'s weights from either layout (a list entry, or a static slice of stacks)."""
+    if isinstance(layers, list | tuple):
+        return layers[i]
+    return {name: w[i] for name, w in layers.items()}
+
+
 def forward_ragged(
     params: Params,
     config: LlamaConfig,
     tokens: jax.Array,
     positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Sequence[jax.Array],
+    v_pages: Sequence[jax.Array],
     write_pages: jax.Array,
     write_offsets: jax.Array,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    max_q_len: int | None = None,
     backend: Literal["reference", "pallas"] = "reference",
     dtype: Any = jnp.bfloat16,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Decoder over a packed mix of prefill chunks and decode tokens, K/V in a page pool.
 
-    Used by ``jaxinfer.engine``: sequence s owns tokens ``[cu_q_lens[s], cu_q_lens[s+1])``.
+    The engine's one forward pass: sequence s owns tokens ``[cu_q_lens[s], cu_q_lens[s+1])``.
+    The layer loop is unrolled over per-layer pool buffers, so every layer writes and reads
+    its own pages in place (stacked params are sliced statically per layer).
 
     Args:
       tokens, positions: ``[T]`` int32, each token's id and absolute position in its sequence.
-      k_pages, v_pages: ``[L, KVH, num_pages, page_size, D]`` page pool.
+      k_pages, v_pages: one ``[KVH, num_pages, page_size, D]`` buffer per layer.
       write_pages, write_offsets: ``[T]`` int32, where each token's K/V go; padding tokens
         use page ``num_pages`` (out of range, so the write is dropped).
       block_tables: ``[S, pages_per_seq]`` int32; kv_lens ``[S]`` keys per sequence
         including this step's tokens; cu_q_lens ``[S + 1]`` cumulative token counts.
+      max_q_len: static bound on any sequence's token count this step (the attention kernel
+        skips query blocks past it); None means ``T``.
 
     Returns:
       ``(hidden [T, hidden] after the final norm, k_pages, v_pages)``.
@@ -427,37 +440,23 @@ def forward_ragged(
     inv_freq = rope_inv_freq(config)
     h = params["embed"].astype(dtype)[tokens][None]  # [1, T, hidden]: apply_rope wants a batch
     pos = positions[None]
-
-    def layer(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[Params, jax.Array]):
-        h, k_all, v_all = carry
-        lp, i = xs
+    k_out, v_out = list(k_pages), list(v_pages)
+    for i in range(c.num_layers):
+        lp = layer_params(params["layers"], i)
         x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
         q, k, v = _qkv(x, lp, c)
         q = apply_rope(q, pos, inv_freq)
         k = apply_rope(k, pos, inv_freq)
         # Scatter first, then attend: a chunk's queries see its own keys through the pages.
-        # Index (layer, :, page[T], offset[T]) puts the token axis first: updates [T, KVH, D].
-        k_all = k_all.at[i, :, write_pages, write_offsets].set(k[0].astype(k_all.dtype),
-                                                                 mode="drop")
-        v_all = v_all.at[i, :, write_pages, write_offsets].set(v[0].astype(v_all.dtype),
-                                                                 mode="drop")
+        # Index (:, page[T], offset[T]) keeps heads first: updates are [KVH, T, D].
+        k_out[i] = k_out[i].at[:, write_pages, write_offsets].set(
+            k[0].swapaxes(0, 1).astype(k_out[i].dtype), mode="drop")
+        v_out[i] = v_out[i].at[:, write_pages, write_offsets].set(
+            v[0].swapaxes(0, 1).astype(v_out[i].dtype), mode="drop")
         # Per model shard under a mesh (shard_map); plain ``attention`` on one device.
-        attn = mesh_ragged_attention(q[0], k_all[i], v_all[i], kv_lens, block_tables,
-                                     cu_q_lens, backend=backend)
+        attn = mesh_ragged_attention(q[0], k_out[i], v_out[i], kv_lens, block_tables,
+                                     cu_q_lens, backend=backend, max_q_len=max_q_len)
         h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
         h = h + _dense(_gated_mlp(x, lp), lp["w_down"])
-        return (h, k_all, v_all), None
-
-    layers = params["layers"]
-    if isinstance(layers, list | tuple):
-        # Prepared layout (``prepare_params(unstack=True)``): unrolled, as in ``forward``.
-        carry = (h, k_pages, v_pages)
-        for i, lp in enumerate(layers):
-            carry, _ = layer(carry, (lp, i))
-        h, k_pages, v_pages = carry
-    else:
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (h, k_pages, v_pages), _ = jax.lax.scan(layer, (h, k_pages, v_pages),
-                                                (layers, layer_ids))
-    return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), k_pages, v_pages
+    return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), tuple(k_out), tuple(v_out)

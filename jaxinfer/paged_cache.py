@@ -1,9 +1,9 @@
 """Paged KV cache: a device pool of fixed-size pages and the host-side block manager.
 
-The pool holds K and V for every layer as ``[layers, kv_heads, num_pages, page_size,
-head_dim]``; per layer that is the ``[kv_heads, num_pages, page_size, head_dim]`` layout the
-paged/ragged kernels in ``pallas_kernels`` read. A sequence owns a *block table*: the list of
-physical pages holding its logical pages 0, 1, 2, ... so a sequence only ever holds
+The pool holds K and V for every layer, one ``[kv_heads, num_pages, page_size, head_dim]``
+buffer per layer: the layout the paged/ragged kernels in ``pallas_kernels`` read. A sequence
+owns a *block table*: the list of physical pages holding its logical pages 0, 1, 2, ... so a
+sequence only ever holds
 ``ceil(length / page_size)`` pages instead of a ``max_len`` reservation.
 
 The ``BlockManager`` (pure host Python, no device work) keeps:
@@ -38,31 +38,35 @@ from jaxinfer.errors import InputError
 
 @struct.dataclass
 class PagePool:
-    """K/V pages of every layer: ``k``, ``v`` are ``[L, KVH, num_pages, page_size, D]``."""
+    """K/V pages, one buffer per layer: ``k[i]``, ``v[i]`` are ``[KVH, num_pages, page_size, D]``.
 
-    k: jax.Array
-    v: jax.Array
+    Per-layer buffers (not one ``[L, ...]`` array) so that a layer's attention kernel reads
+    its pool in place: slicing layer i out of a stacked pool for a custom call makes XLA copy
+    the whole layer's pool on every step.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @property
     def num_pages(self) -> int:
         """Physical pages in the pool."""
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
         """Token positions per page."""
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @classmethod
     def create(cls, config: LlamaConfig, num_pages: int, page_size: int,
                dtype: jnp.dtype = jnp.bfloat16, sharding: jax.sharding.Sharding | None = None
                ) -> PagePool:
         """Allocate a zeroed pool, directly in shards when ``sharding`` is given (a mesh)."""
-        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-        if sharding is None:
-            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return cls(k=make(), v=make())
+        n = config.num_layers
+        return cls(k=tuple(make() for _ in range(n)), v=tuple(make() for _ in range(n)))
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: jnp.dtype = jnp.bfloat16) -> int:

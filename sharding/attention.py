@@ -109,6 +109,7 @@ def mesh_ragged_attention(
     *,
     backend: Literal["reference", "pallas"] = "reference",
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention (the engine's), per ``model`` shard inside ``shard_map``.
 
@@ -124,7 +125,7 @@ def mesh_ragged_attention(
     the same block tables, so the result is exact and needs no communication, and GSPMD
     never sees the page gather (or the Pallas custom call it cannot split).
     """
-    fn = functools.partial(_ragged, backend=backend)
+    fn = functools.partial(_ragged, backend=backend, max_q_len=max_q_len)
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
@@ -136,6 +137,6 @@ def mesh_ragged_attention(
 
 def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
             block_tables: jax.Array, cu_q_lens: jax.Array, *,
-            backend: Literal["reference", "pallas"]) -> jax.Array:
+            backend: Literal["reference", "pallas"], max_q_len: int | None) -> jax.Array:
     return attention(q, k, v, kv_lens, mode="ragged", backend=backend,
-                     block_tables=block_tables, cu_q_lens=cu_q_lens)
+                     block_tables=block_tables, cu_q_lens=cu_q_lens, max_q_len=max_q_len)

@@ -202,14 +202,14 @@ def paged_cache_spec() -> P:
 
 
 def engine_pool_spec() -> P:
-    """Spec of the engine's page pool ``[L, kv_heads, num_pages, page_size, D]``.
+    """Spec of one layer's buffer of the engine's page pool ``[kv_heads, num_pages, page_size, D]``.
 
     Heads on model; replicated over data. Unlike ``paged_cache_spec`` (one disjoint pool per
     data replica), the ``Engine`` keeps one pool whose pages any slot may map (prefix sharing,
     preemption), so on a data>1 mesh every data replica runs the same step on the same pool:
     correct, but data adds no throughput there (run one engine per replica for that).
     """
-    return P(None, MODEL, None, None, None)
+    return P(MODEL, None, None, None)
 
 
 def engine_pool_sharding(mesh: Mesh, config: LlamaConfig) -> NamedSharding:

@@ -1,0 +1,352 @@
+"""The request lifecycle on the host: validation, seeds, stop rules and completion building.
+
+Every entry point (``generate``, ``stream``, ``chat``, ``score``, ``batch_eval``, ``Engine``)
+turns its input into ``Request`` objects here, before any device work, and every result is
+built here from the tokens the engine produced. Nothing in this module touches the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import InputError
+from jaxinfer.model import params_layout
+from jaxinfer.sampling import SamplingParams
+
+Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
+Prompt = str | Sequence[int] | Messages
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, parameter pytree, tokenizer and compute settings.
+
+    ``params`` are in an execution layout (``jaxinfer.model.LAYOUTS``): the stored, stacked
+    layout of ``model.param_shapes``, or one made by ``model.prepare_params`` (e.g. the
+    ``"fast"`` layout that ``load_model`` picks on a single GPU). Every entry point runs
+    either, through one ``jaxinfer.Engine`` per model (``engine_for``).
+    """
+
+    config: Any  # LlamaConfig
+    params: dict[str, Any]
+    tokenizer: Any  # jaxinfer.tokenizer.Tokenizer, or None for token-id-only use
+    dtype: Any = jnp.bfloat16
+    name: str = ""
+    backend: Literal["reference", "pallas", "auto"] = "auto"
+    # Most sequences the engine runs at once; None sizes it from the KV pool (Engine docs).
+    max_batch: int | None = None
+    # jax.sharding.Mesh from sharding.make_mesh when the params are sharded (load_model(mesh=)).
+    mesh: Any = None
+    # The jaxinfer.Engine serving this model's requests, made on first use (engine_for).
+    engine: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def layout(self) -> str:
+        """The execution layout of ``params``: ``"stacked"``, ``"fast"`` or ``"custom"``."""
+        return params_layout(self.params)
+
+
+@dataclasses.dataclass
+class Completion:
+    """The result of one generation request.
+
+    ``token_ids`` are the generated tokens (without the stop token or the tokens of a stop
+    string's tail); ``logprobs`` (when asked for) align with them. Times are in seconds from
+    the request's submission.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    prompt_token_ids: list[int]
+    time_to_first_token: float
+    time_per_output_token: float
+    logprobs: list[float] | None = None
+
+
+@dataclasses.dataclass
+class ScoreResult:
+    """Log-likelihood of one continuation given its context.
+
+    ``token_logprobs[i]`` is ``log p(continuation[i] | context, continuation[:i])`` under the
+    model's raw distribution; ``logprob`` is their sum; ``greedy`` says whether every
+    continuation token is the argmax at its position; ``cached_tokens`` counts context
+    tokens whose K/V came from the prefix cache instead of being computed.
+    """
+
+    token_logprobs: list[float]
+    logprob: float
+    greedy: bool
+    context_token_ids: list[int]
+    continuation_token_ids: list[int]
+    cached_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One validated request.
+
+    A generation request has ``sampling``; a scoring request has ``num_scored`` > 0: its
+    last ``num_scored`` token ids are the continuation whose log-probabilities are wanted,
+    and nothing is generated.
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]
+    num_scored: int = 0
+
+    @property
+    def is_score(self) -> bool:
+        """Whether this request scores a continuation instead of generating."""
+        return self.num_scored > 0
+
+
+def is_messages(prompt: Any) -> bool:
+    """Whether ``prompt`` is a chat: a non-empty list of ``{"role", "content"}`` dicts."""
+    return (isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0
+            and all(isinstance(m, dict) for m in prompt))
+
+
+def encode_chat(model: Model, messages: Messages) -> list[int]:
+    """Token ids of a whole conversation rendered with the model's chat template.
+
+    The template ends with the assistant's generation prompt, so the ids are ready to be
+    continued by ``generate``/``stream``; multi-turn chat appends each reply as an
+    ``{"role": "assistant", ...}`` message and the next user turn, then re-encodes.
+    """
+    if model.tokenizer is None:
+        raise InputError("this model has no tokenizer; chat messages need one")
+    text = model.tokenizer.apply_chat_template(list(messages))
+    return model.tokenizer.encode(text, add_bos=False)
+
+
+def encode(model: Model, prompt: Prompt, *, chat: bool = False, add_bos: bool = True
+           ) -> list[int]:
+    """Token ids of one prompt: a string, token ids (checked against the vocabulary) or a chat."""
+    if is_messages(prompt):
+        return encode_chat(model, prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InputError("prompt is empty; pass a non-empty string or token ids")
+        if model.tokenizer is None:
+            raise InputError("this model has no tokenizer; pass prompts as lists of token ids")
+        if chat:
+            return encode_chat(model, [{"role": "user", "content": prompt}])
+        return model.tokenizer.encode(prompt, add_bos=add_bos)
+    if isinstance(prompt, dict):
+        raise InputError("a chat is a list of {'role', 'content'} dicts, not one dict")
+    ids = list(prompt)
+    if not ids:
+        raise InputError("prompt is empty; pass a non-empty string or token ids")
+    vocab = model.config.vocab_size
+    bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
+    if bad:
+        raise InputError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    return [int(t) for t in ids]
+
+
+def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or a list of prompts, as a list (a flat list of ints is one prompt)."""
+    if isinstance(prompts, str) or is_messages(prompts):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise InputError("no prompts given; pass a string, token ids, or a list of them")
+    if all(isinstance(p, int | np.integer) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def resolve_seed(sp: SamplingParams) -> SamplingParams:
+    """``sp`` with a concrete seed: drawn once here, on process 0 when there are several.
+
+    A request keeps this seed through preemption and recompute, so its tokens depend only on
+    the seed, its token index and its inputs. With several processes (multi-host) the draw
+    is broadcast, so every process samples the same tokens.
+    """
+    if sp.seed is not None:
+        return sp
+    seed = secrets.randbits(63)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        seed = int(multihost_utils.broadcast_one_to_all(np.int64(seed)))
+    return dataclasses.replace(sp, seed=seed)
+
+
+def _eos_ids(model: Model) -> tuple[int, ...]:
+    if model.tokenizer is not None:
+        return tuple(model.tokenizer.eos_ids)
+    return tuple(model.config.eos_token_ids)
+
+
+def make_requests(
+    model: Model,
+    prompts: Prompt | Sequence[Prompt],
+    chat: bool,
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+    kwargs: dict[str, Any],
+) -> list[Request]:
+    """Validate generation requests on the host, before any device work; seeds resolved."""
+    plist = normalize_prompts(prompts)
+    if sampling is None:
+        sps = [SamplingParams.from_kwargs(**kwargs)] * len(plist)
+    elif kwargs:
+        raise InputError(f"pass sampling options either as sampling=... or as keywords, not "
+                         f"both (got {sorted(kwargs)})")
+    elif isinstance(sampling, SamplingParams):
+        sps = [sampling] * len(plist)
+    else:
+        sps = list(sampling)
+        if len(sps) != len(plist):
+            raise InputError(f"got {len(sps)} SamplingParams for {len(plist)} prompts; "
+                             "give one per prompt or a single one")
+    context = model.config.max_position_embeddings
+    eos = _eos_ids(model)
+    requests = []
+    for i, (p, sp) in enumerate(zip(plist, sps, strict=True)):
+        ids = encode(model, p, chat=chat)
+        if len(ids) >= context:
+            raise InputError(f"prompt {i} has {len(ids)} tokens but the model's context is "
+                             f"{context}; shorten the prompt")
+        if len(ids) + sp.max_new_tokens > context:
+            raise InputError(f"prompt {i} has {len(ids)} tokens and max_new_tokens="
+                             f"{sp.max_new_tokens} would overflow the model's context of "
+                             f"{context}; lower max_new_tokens to at most {context - len(ids)}")
+        if sp.stop and model.tokenizer is None:
+            raise InputError("stop strings need a tokenizer; use stop_token_ids instead")
+        stops = tuple(dict.fromkeys(eos + sp.stop_token_ids))
+        requests.append(Request(tuple(ids), resolve_seed(sp), stops))
+    return requests
+
+
+ScorePair = tuple[str | Sequence[int], str | Sequence[int]]
+
+
+def make_score_requests(model: Model, pairs: Sequence[ScorePair]) -> list[Request]:
+    """Validate ``(context, continuation)`` pairs; each side a string or token ids.
+
+    A string context gets the tokenizer's BOS; a string continuation is encoded without one
+    and must not be empty. Token ids are taken as they are.
+    """
+    if isinstance(pairs, tuple) and len(pairs) == 2 and not isinstance(pairs[0], tuple):
+        pairs = [pairs]  # one pair
+    pairs = list(pairs)
+    if not pairs:
+        raise InputError("no (context, continuation) pairs given")
+    context = model.config.max_position_embeddings
+    out = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise InputError(f"score request {i} must be a (context, continuation) pair, got "
+                             f"{type(pair).__name__}")
+        ctx, cont = pair
+        ctx_ids = encode(model, ctx)
+        if isinstance(cont, str) and not cont:
+            raise InputError(f"score request {i} has an empty continuation; nothing to score")
+        cont_ids = encode(model, cont, add_bos=False)
+        if len(ctx_ids) + len(cont_ids) > context:
+            raise InputError(f"score request {i} has {len(ctx_ids)} context + {len(cont_ids)} "
+                             f"continuation tokens, over the model's context of {context}; "
+                             "shorten it or use score_rolling for long texts")
+        out.append(Request(tuple(ctx_ids + cont_ids), SamplingParams(max_new_tokens=1, seed=0),
+                           (), num_scored=len(cont_ids)))
+    return out
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int:
+    """Index where the earliest stop string starts in ``text``, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+@dataclasses.dataclass
+class Progress:
+    """Host view of one generation while it runs: tokens so far, stop state, timings."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    reason: Literal["stop", "length"] = "length"
+    text: str | None = None  # set when a stop string cut the text
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+
+def add_tokens(model: Model, r: Request, p: Progress, tokens: Sequence[int],
+               logprobs: Sequence[float]) -> list[int]:
+    """Apply the stop rules to newly sampled tokens; return those that become output.
+
+    The one place stop rules live: a stop token ends the request and is not output;
+    ``max_new_tokens`` ends it with ``"length"``; a stop string cuts the tokens after the one
+    completing it (and the text before the string). Tokens after a stop never reach ``p``.
+    """
+    new: list[int] = []
+    for tok, lp in zip(tokens, logprobs, strict=True):
+        if p.finished:
+            break
+        if tok in r.stop_ids:
+            p.finished, p.reason = True, "stop"
+            break
+        p.tokens.append(int(tok))
+        p.logprobs.append(float(lp))
+        new.append(int(tok))
+        if len(p.tokens) >= r.sampling.max_new_tokens:
+            p.finished, p.reason = True, "length"
+    if r.sampling.stop and new:
+        kept = len(p.tokens)
+        if trim_at_stop_string(model, r, p):
+            p.finished, p.reason = True, "stop"
+            new = new[: max(0, len(new) - (kept - len(p.tokens)))]
+    return new
+
+
+def trim_at_stop_string(model: Model, r: Request, p: Progress) -> bool:
+    """If a stop string appears, cut tokens after the one completing it and the text before it."""
+    text = model.tokenizer.decode(p.tokens)
+    if find_stop(text, r.sampling.stop) < 0:
+        return False
+    for k in range(1, len(p.tokens) + 1):
+        prefix = model.tokenizer.decode(p.tokens[:k])
+        cut = find_stop(prefix, r.sampling.stop)
+        if cut >= 0:
+            p.tokens, p.logprobs = p.tokens[:k], p.logprobs[:k]
+            p.text = prefix[:cut]
+            return True
+    return False
+
+
+def completion(model: Model, r: Request, p: Progress) -> Completion:
+    """The ``Completion`` of a finished generation."""
+    text = p.text
+    if text is None:
+        text = model.tokenizer.decode(p.tokens) if model.tokenizer is not None else ""
+    n = len(p.tokens)
+    return Completion(
+        text=text,
+        token_ids=list(p.tokens),
+        finish_reason=p.reason,
+        prompt_token_ids=list(r.prompt_ids),
+        time_to_first_token=p.t_first,
+        time_per_output_token=(p.t_last - p.t_first) / (n - 1) if n > 1 else 0.0,
+        logprobs=list(p.logprobs) if r.sampling.logprobs else None,
+    )
+
+
+def score_result(r: Request, token_logprobs: np.ndarray, greedy: np.ndarray,
+                 cached_tokens: int) -> ScoreResult:
+    """The ``ScoreResult`` of a finished scoring request from its per-token outputs."""
+    n = r.num_scored
+    ids = list(r.prompt_ids)
+    lps = [float(x) for x in token_logprobs]
+    return ScoreResult(token_logprobs=lps, logprob=float(np.sum(token_logprobs, dtype=np.float64)),
+                       greedy=bool(np.all(greedy)), context_token_ids=ids[:-n],
+                       continuation_token_ids=ids[-n:], cached_tokens=cached_tokens)

@@ -1,0 +1,242 @@
+"""The engine's device side: jitted steps over the page pool, in a few fixed shapes.
+
+Two step functions, both pure (params, pool, ``seen``, plain inputs) -> new state:
+
+* ``mixed_step``: one forward pass over a packed mix of prefill chunks and decode tokens
+  (``model.forward_ragged``), then one sampled token per slot that finished its input.
+  With ``score=True`` it also returns, for every packed token, the log-probability of a
+  given target token and whether that target is the argmax (scoring requests).
+* ``decode_steps``: up to ``num_steps`` decode iterations inside one ``lax.while_loop``:
+  every row feeds its last token, writes its K/V into pages the host reserved ahead, samples
+  the next token and stops on the device at a stop token, its token limit or the end of its
+  reserved pages. The host syncs once per call, not once per token.
+
+Shapes come from a few buckets (``token_buckets`` and ``row_buckets``) so a step computes
+about the tokens it has while the number of compiled programs stays fixed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import LlamaConfig
+from jaxinfer.model import Params, forward_ragged, lm_head
+from jaxinfer.paged_cache import PagePool
+from jaxinfer.sampling import SamplingArrays, sample
+from sharding.rules import engine_pool_spec
+
+Backend = Literal["reference", "pallas"]
+_SCORE_CHUNK = 512  # rows of scoring logits materialised at once ([rows, vocab] float32)
+
+
+def token_buckets(max_tokens: int, smallest: int) -> tuple[int, ...]:
+    """Packed-token counts a mixed step is padded to: powers of two up to ``max_tokens``."""
+    out, n = [], smallest
+    while n < max_tokens:
+        out.append(n)
+        n *= 2
+    return (*out, max_tokens)
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Row counts a decode call is padded to: 1 (single-request latency), then 8, 16, ..."""
+    out, n = [1], 8
+    while n < max_rows:
+        out.append(n)
+        n *= 2
+    return tuple(sorted({*out, max_rows}))
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding ``n``."""
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@struct.dataclass
+class MixedInputs:
+    """Inputs of one mixed step. T = packed tokens (a bucket), S = slots, P = pages/slot."""
+
+    tokens: jax.Array  # Int['T'] packed input tokens (0 = padding)
+    positions: jax.Array  # Int['T'] absolute position of each token in its sequence
+    write_pages: jax.Array  # Int['T'] page receiving each token's K/V; num_pages = drop
+    write_offsets: jax.Array  # Int['T'] offset within that page
+    targets: jax.Array  # Int['T'] token whose logprob is wanted after this one; -1 none
+    block_tables: jax.Array  # Int['S P']
+    kv_lens: jax.Array  # Int['S'] keys per slot after this step's tokens
+    cu_q_lens: jax.Array  # Int['S+1'] cumulative tokens per slot (slot order)
+    last_index: jax.Array  # Int['S'] packed index of each slot's last token
+    gen_index: jax.Array  # Int['S'] index of the token being sampled (folded into the key)
+    samples: jax.Array  # Bool['S'] slot finishes its input this step and samples a token
+    sampling: SamplingArrays  # [S]
+
+
+@struct.dataclass
+class DecodeInputs:
+    """Inputs of one multi-step decode call over rows = slots ``[0, B)``."""
+
+    tokens: jax.Array  # Int['B'] last sampled token of each row: the first input
+    positions: jax.Array  # Int['B'] position that input token takes (= keys so far)
+    block_tables: jax.Array  # Int['B P']
+    active: jax.Array  # Bool['B'] row decodes in this call
+    remaining: jax.Array  # Int['B'] tokens the row may still generate (max_new_tokens left)
+    limit: jax.Array  # Int['B'] positions below this have reserved pages
+    gen_index: jax.Array  # Int['B'] index of the next token to sample
+    stop_ids: jax.Array  # Int['B K'] stop token ids, -1 padded
+    num_steps: jax.Array  # Int[] iterations to run at most (<= the static buffer size)
+    sampling: SamplingArrays  # [B]
+
+
+def _constrain_pool(k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]):
+    """On a mesh, keep each layer's pool split by K/V heads (same shardings in and out)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return k, v
+    spec = engine_pool_spec()
+    return (tuple(jax.lax.with_sharding_constraint(a, spec) for a in k),
+            tuple(jax.lax.with_sharding_constraint(a, spec) for a in v))
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
+
+
+def target_logprobs(params: Params, h: jax.Array, targets: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Log-probability of ``targets [T]`` after hidden states ``h [T, hidden]``, and whether
+    each target is the argmax; rows with target -1 give 0 / True.
+
+    Logits are made ``_SCORE_CHUNK`` rows at a time, so memory stays ``chunk x vocab``.
+    """
+    t = h.shape[0]
+    chunk = min(_SCORE_CHUNK, t)
+    pad = -t % chunk
+    hp = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[1])
+    tp = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
+
+    def one(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        hc, tc = xs
+        logits = lm_head(params, hc)  # [chunk, V] float32
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        safe = jnp.maximum(tc, 0)
+        picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
+        greedy = jnp.argmax(logits, axis=-1) == safe
+        valid = tc >= 0
+        return jnp.where(valid, picked - lse, 0.0), greedy | ~valid
+
+    lp, greedy = jax.lax.map(one, (hp, tp))
+    return lp.reshape(-1)[:t], greedy.reshape(-1)[:t]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len", "score"),
+                   donate_argnums=(1, 2))
+def mixed_step(
+    params: Params,
+    pool: PagePool,
+    seen: jax.Array,
+    inp: MixedInputs,
+    *,
+    config: LlamaConfig,
+    backend: Backend,
+    dtype: Any,
+    max_q_len: int,
+    score: bool,
+) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
+    """One forward pass over packed tokens, then one sampled token per sampling slot.
+
+    ``seen [S, V]`` marks each slot's tokens for the repetition penalty (the host loads a
+    slot's row with ``load_seen`` when a request that uses the penalty is admitted). Returns
+    ``(pool, seen, out)`` with ``out["tokens"], out["logprobs"]`` ``[S]`` (rows of slots
+    that do not sample are garbage) and, with ``score``, ``out["target_logprobs"]`` and
+    ``out["target_greedy"]`` ``[T]``.
+    """
+    h, k, v = forward_ragged(params, config, inp.tokens, inp.positions, pool.k, pool.v,
+                             inp.write_pages, inp.write_offsets, inp.block_tables, inp.kv_lens,
+                             inp.cu_q_lens, max_q_len=max_q_len, backend=backend, dtype=dtype)
+    k, v = _constrain_pool(k, v)
+    logits = lm_head(params, h[inp.last_index])  # [S, V]: only each slot's last token
+    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index)
+    rows = jnp.arange(tokens.shape[0])
+    seen = _replicated(seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples))
+    out = {"tokens": tokens, "logprobs": logprobs}
+    if score:
+        out["target_logprobs"], out["target_greedy"] = target_logprobs(params, h, inp.targets)
+    return PagePool(k=k, v=v), seen, out
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def load_seen(seen: jax.Array, row: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Row ``row`` of ``seen [S, V]`` := the tokens in ``token_ids [N]`` (V-padded, dropped)."""
+    return seen.at[row].set(False).at[row, token_ids].set(True, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_steps"),
+                   donate_argnums=(1, 2))
+def decode_steps(
+    params: Params,
+    pool: PagePool,
+    seen: jax.Array,
+    inp: DecodeInputs,
+    *,
+    config: LlamaConfig,
+    backend: Backend,
+    dtype: Any,
+    max_steps: int,
+) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
+    """Decode up to ``inp.num_steps`` tokens per active row without leaving the device.
+
+    Rows are slots ``[0, B)``; ``seen`` is the engine's ``[S, V]`` table (rows ``[0, B)``
+    used). A row stops after sampling a stop token (recorded, so the host knows why), after
+    ``remaining`` tokens, or when its next input position reaches ``limit``.
+
+    Returns ``(pool, seen, tokens [max_steps, B], logprobs [max_steps, B])``; ``tokens`` is
+    -1 where a row was not active at that iteration.
+    """
+    b = inp.tokens.shape[0]
+    page_size = pool.page_size
+    num_pages = pool.num_pages
+    rows = jnp.arange(b)
+    seen_b = seen[:b]
+
+    def keep_going(carry) -> jax.Array:
+        step, active = carry[0], carry[4]
+        return (step < inp.num_steps) & jnp.any(active)
+
+    def body(carry):
+        step, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t, out_lp = carry
+        page = inp.block_tables[rows, jnp.minimum(pos // page_size,
+                                                   inp.block_tables.shape[1] - 1)]
+        write_pages = jnp.where(active, page, num_pages)  # inactive rows write nothing
+        kv_lens = jnp.where(active, pos + 1, 0)
+        h, pool_k, pool_v = forward_ragged(
+            params, config, tokens, pos, pool_k, pool_v, write_pages, pos % page_size,
+            inp.block_tables, kv_lens, jnp.arange(b + 1, dtype=jnp.int32), max_q_len=1,
+            backend=backend, dtype=dtype)
+        pool_k, pool_v = _constrain_pool(pool_k, pool_v)
+        new, lp = sample(lm_head(params, h), inp.sampling, seen_b, gen)
+        out_t = out_t.at[step].set(jnp.where(active, new, -1))
+        out_lp = out_lp.at[step].set(lp)
+        seen_b = seen_b.at[rows, new].set(seen_b[rows, new] | active)
+        stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1)
+        pos = pos + active
+        remaining = remaining - active
+        gen = gen + active
+        tokens = jnp.where(active, new, tokens)
+        active = active & ~stopped & (remaining > 0) & (pos < inp.limit)
+        return (step + 1, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t,
+                out_lp)
+
+    carry = (jnp.int32(0), pool.k, pool.v, seen_b, inp.active & (inp.remaining > 0),
+             inp.tokens, inp.positions, inp.remaining, inp.gen_index,
+             jnp.full((max_steps, b), -1, jnp.int32), jnp.zeros((max_steps, b), jnp.float32))
+    _, k, v, seen_b, *_, out_t, out_lp = jax.lax.while_loop(keep_going, body, carry)
+    seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
+    return PagePool(k=k, v=v), seen, out_t, out_lp
