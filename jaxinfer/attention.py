@@ -59,6 +59,7 @@ def attention(
     backend: Literal["reference", "pallas"] = "reference",
     block_tables: jax.Array | None = None,
     cu_q_lens: jax.Array | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with GQA, per-sequence lengths, float32 softmax.
 
@@ -71,6 +72,9 @@ def attention(
       backend: ``"reference"`` or ``"pallas"`` (the kernels in ``pallas_kernels``).
       block_tables: ragged only, ``[S, pages_per_seq]`` int32 physical page of each page.
       cu_q_lens: ragged only, ``[S + 1]`` int32 cumulative query counts.
+      max_q_len: ragged only, static bound on any sequence's query count (default ``T``),
+        passed to the Pallas kernel, which sizes its query blocks by it (1 for a
+        decode-only step); the reference ignores it.
 
     Returns:
       Same shape and dtype as ``q``.
@@ -82,6 +86,7 @@ def attention(
 
         if backend == "pallas":
             return pallas_kernels.ragged_attention(q, k, v, block_tables, lengths, cu_q_lens,
+                                                   max_q_len=max_q_len,
                                                    interpret=jax.default_backend() != "gpu")
         # Any head_dim here (the kernels' restriction does not apply to the reference).
         return pallas_kernels.ragged_attention_reference(q, k, v, block_tables, lengths,

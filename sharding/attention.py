@@ -109,6 +109,7 @@ def mesh_ragged_attention(
     *,
     backend: Literal["reference", "pallas"] = "reference",
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention (the engine's), per ``model`` shard inside ``shard_map``.
 
@@ -119,12 +120,14 @@ def mesh_ragged_attention(
         ``sharding.rules.engine_pool_spec``).
       kv_lens, block_tables, cu_q_lens: replicated scheduler inputs.
       mesh: defaults to the context mesh; without one this is plain ``attention``.
+      max_q_len: static bound on any sequence's query count, for the Pallas kernel's
+        query blocks (see ``attention``); None means the token count.
 
     Both backends run per shard under a mesh: every shard attends with its own heads over
     the same block tables, so the result is exact and needs no communication, and GSPMD
     never sees the page gather (or the Pallas custom call it cannot split).
     """
-    fn = functools.partial(_ragged, backend=backend)
+    fn = functools.partial(_ragged, backend=backend, max_q_len=max_q_len)
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
@@ -136,6 +139,7 @@ def mesh_ragged_attention(
 
 def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
             block_tables: jax.Array, cu_q_lens: jax.Array, *,
-            backend: Literal["reference", "pallas"]) -> jax.Array:
+            backend: Literal["reference", "pallas"],
+            max_q_len: int | None = None) -> jax.Array:
     return attention(q, k, v, kv_lens, mode="ragged", backend=backend,
-                     block_tables=block_tables, cu_q_lens=cu_q_lens)
+                     block_tables=block_tables, cu_q_lens=cu_q_lens, max_q_len=max_q_len)
