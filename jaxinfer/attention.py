@@ -72,6 +72,9 @@ def attention(
       backend: ``"reference"`` or ``"pallas"`` (the kernels in ``pallas_kernels``).
       block_tables: ragged only, ``[S, pages_per_seq]`` int32 physical page of each page.
       cu_q_lens: ragged only, ``[S + 1]`` int32 cumulative query counts.
+      max_q_len: ragged only, static bound on any sequence's query count (default ``T``),
+        passed to the Pallas kernel, which sizes its query blocks by it (1 for a
+        decode-only step); the reference ignores it.
 
     Returns:
       Same shape and dtype as ``q``.

@@ -7,11 +7,19 @@ position kv_lens[s] - q_len_s + i and sees keys j <= that position (causal again
 cache). A decode token is the q_len = 1 case; chunked prefill and speculative
 verification are q_len > 1.
 
-GPU (Triton): grid (sequence, kv head, query block). A program takes `block_q` query
-tokens of one sequence times the whole q-head group of one kv head as the rows of its
-tiles (GQA: each page is read once per kv head and query block), walks the pages up to
-the causal bound of its last row and writes its rows into a per-sequence padded output
-that the wrapper gathers back to the packed token order.
+GPU (Triton): grid (query block, kv head) over the packed token axis. The wrapper cuts
+every sequence's query run into `block_q`-token blocks (on device, vectorised: blocks per
+sequence, cumsum, searchsorted) and hands each block its first packed row, first local
+token, query count, key count and sequence as int32 inputs. The block count is static:
+cdiv(tokens, block_q) + num_seqs (each sequence adds at most one partial block), capped
+at num_seqs * cdiv(max_q_len, block_q); blocks past the real count have query count 0
+and do nothing. A program takes its block's tokens times the whole q-head group of one
+kv head as the rows of its tiles (GQA: each page is read once per kv head and block),
+walks its sequence's pages up to the causal bound of its last row and stores its rows
+straight into the packed [tokens, kv_heads, group, head_dim] output with a masked store,
+so a block never touches the next sequence's rows. The output buffer starts as zeros
+(aliased), which is what padding tokens past cu_q_lens[-1] read. Work and memory scale
+with the tokens, not with num_seqs * max_q_len.
 
 TPU (Mosaic): grid (sequence, kv head, query block, page), the page axis last and
 "arbitrary". The wrapper scatters the packed queries into a per-sequence padded buffer
@@ -33,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     LOG2E,
@@ -138,16 +147,53 @@ def ragged_attention_reference(
     return o.reshape(t, hq, d).astype(q.dtype)
 
 
+# --------------------------------------------------------------------------- GPU (Triton)
+
+
+def _gpu_blocks(
+    cu: jax.Array, kv_lens: jax.Array, *, num_tokens: int, block_q: int, max_q_len: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Split every sequence's query run into `block_q`-token blocks of the packed token axis.
+
+    Returns five int32 [NB] arrays, one entry per block b: its first packed row, its first
+    local token (within its sequence), its sequence's query count and key count, and the
+    sequence id. NB = min(cdiv(tokens, block_q) + seqs, seqs * cdiv(max_q_len, block_q)) is
+    a static bound on the real block count (each sequence adds at most one partial block);
+    blocks past the real count get query count 0, so their program computes and writes
+    nothing. A sequence's blocks past max_q_len are not formed (its rows there stay 0).
+    """
+    n = cu.shape[0] - 1
+    max_blocks = cdiv(max_q_len, block_q)  # per sequence
+    num_blocks = min(cdiv(num_tokens, block_q) + n, n * max_blocks)
+    q_lens = cu[1:] - cu[:-1]  # [n]
+    per_seq = jnp.minimum(cdiv(q_lens, block_q), max_blocks)  # [n]
+    ends = jnp.cumsum(per_seq)  # [n], one past each sequence's last block
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    # Sequence of block b: the first whose end is past b; empty sequences (no blocks) are
+    # skipped. compare_all is one [NB, n] fusion, cheaper on GPU than a log-step scan.
+    seq = jnp.searchsorted(ends, b, side="right", method="compare_all").astype(jnp.int32)
+    live = seq < n
+    seq = jnp.minimum(seq, n - 1)
+    tok0 = jnp.where(live, (b - ends[seq] + per_seq[seq]) * block_q, 0)
+    q_len = jnp.where(live, q_lens[seq], 0)
+    return cu[seq] + tok0, tok0, q_len, kv_lens[seq], seq
+
+
 def _ragged_gpu_kernel(
-    qs_ref, ql_ref, kl_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float,
-    block_q: int, group_pad: int, pages_per_block: int, page_size: int, num_pages: int,
+    start_ref, tok0_ref, ql_ref, kl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref, o_init_ref,
+    o_ref, *, scale: float, block_q: int, group_pad: int, pages_per_block: int,
+    page_size: int, num_pages: int, bt_cols: int,
 ) -> None:
-    qb = pl.program_id(2)
-    q_start, q_len, kv_len = qs_ref[0], ql_ref[0], kl_ref[0]
+    del o_init_ref  # the zero-filled buffer aliased to o_ref: rows no block writes stay 0
+    start, tok0, q_len, kv_len = start_ref[0], tok0_ref[0], ql_ref[0], kl_ref[0]
+    bt_row = seq_ref[0] * bt_cols
     rows = block_q * group_pad
     d = q_ref.shape[-1]
-    tok0 = qb * block_q
-    q = q_ref[pl.ds(q_start + tok0, block_q), :, :].reshape(rows, d)
+    # Rows of the block that belong to its sequence; the rest may be the next sequence's
+    # tokens (or past the token axis) and are neither loaded nor stored.
+    blk = (block_q, group_pad, d)
+    mine = tok0 + lax.broadcasted_iota(jnp.int32, blk, 0) < q_len
+    q = plgpu.load(q_ref.at[pl.ds(start, block_q)], mask=mine, other=0.0).reshape(rows, d)
     block_k = pages_per_block * page_size
     # Absolute position of each row's token; rows past q_len see nothing (-> output 0).
     row_tok = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // group_pad
@@ -155,34 +201,93 @@ def _ragged_gpu_kernel(
     row_ok = row_tok < q_len
     last_tok = jnp.minimum(tok0 + block_q, q_len) - 1
     key_end = jnp.where(tok0 < q_len, jnp.minimum(kv_len, kv_len - q_len + last_tok + 1), 0)
-    n_blocks = cdiv(key_end, block_k)
+    n_ksteps = cdiv(key_end, block_k)
 
     def body(j, carry):
         acc, m, l_sum = carry
-        pages = jnp.clip(bt_ref[pl.ds(j * pages_per_block, pages_per_block)], 0, num_pages - 1)
+        pages = bt_ref[pl.ds(bt_row + j * pages_per_block, pages_per_block)]
+        pages = jnp.clip(pages, 0, num_pages - 1)
         k = k_ref[pages].reshape(block_k, d)
         v = v_ref[pages].reshape(block_k, d)
-        start = j * block_k
-        kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        start_k = j * block_k
+        kpos = start_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         valid = (kpos < kv_len) & (kpos <= row_pos) & row_ok
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         ) * scale
         s = jnp.where(valid, s, NEG_INF)
-        vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        vpos = start_k + lax.broadcasted_iota(jnp.int32, v.shape, 0)
         v = jnp.where(vpos < kv_len, v, jnp.zeros_like(v))
         return online_softmax_step(acc, m, l_sum, s, v)
 
     acc, _, l_sum = lax.fori_loop(
-        0, n_blocks, body,
+        0, n_ksteps, body,
         (
             jnp.zeros((rows, d), jnp.float32),
             jnp.full((rows,), NEG_INF, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
         ),
     )
-    out = online_softmax_finish(acc, l_sum[:, None])
-    o_ref[...] = out.reshape(block_q, group_pad, d).astype(o_ref.dtype)
+    out = online_softmax_finish(acc, l_sum[:, None]).reshape(blk).astype(o_ref.dtype)
+    plgpu.store(o_ref.at[pl.ds(start, block_q)], out, mask=mine)
+
+
+def _ragged_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_len, scale,
+                block_q, pages_per_block, num_warps, num_stages, interpret):
+    t, hq, d = q.shape
+    hkv, num_pages, page_size, _ = k_pages.shape
+    n, pps = block_tables.shape
+    group = hq // hkv
+    gp = next_pow2(group)
+    # Rows of a tile are block_q tokens x the (padded) q-head group: at least MIN_DOT for
+    # the tensor-core dot, and no more tokens than the longest query run needs (a
+    # decode-only step, max_q_len 1, gets the fewest tokens that still fill MIN_DOT rows).
+    block_q = next_pow2(max(block_q, cdiv(MIN_DOT, gp)))
+    block_q = min(block_q, max(next_pow2(max_q_len), cdiv(MIN_DOT, gp)))
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    pages_per_block = next_pow2(max(pages_per_block, cdiv(MIN_DOT, page_size)))
+    bt_cols = cdiv(pps, pages_per_block) * pages_per_block
+    # Flat [n * bt_cols]: a program's sequence is data (its block's), not a grid index, so
+    # it slices its own row. Padding columns name page 0, whose keys lie past kv_len
+    # (masked, V rows zeroed).
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, bt_cols - pps))).reshape(-1)
+    cu = cu_q_lens.astype(jnp.int32)
+    blocks = _gpu_blocks(cu, kv_lens.astype(jnp.int32), num_tokens=t, block_q=block_q,
+                         max_q_len=max_q_len)
+    num_blocks = blocks[0].shape[0]
+    # Group padded to a power of two for Triton (a free reshape when group is one already).
+    qg = q.reshape(t, hkv, group, d)
+    if gp != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    kernel = functools.partial(
+        _ragged_gpu_kernel, scale=scale * LOG2E, block_q=block_q, group_pad=gp,
+        pages_per_block=pages_per_block, page_size=page_size, num_pages=num_pages,
+        bt_cols=bt_cols,
+    )
+    one = pl.BlockSpec((1,), lambda b, h: (b,))
+    # Every program of kv head h sees the whole packed token axis of q and of the output
+    # and picks its rows with a masked dynamic slice.
+    tokens = pl.BlockSpec((t, None, gp, d), lambda b, h: (0, h, 0, 0))
+    pool = pl.BlockSpec((None, num_pages, page_size, d), lambda b, h: (h, 0, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, hkv),
+        in_specs=[
+            one, one, one, one, one,
+            pl.BlockSpec((bt.shape[0],), lambda b, h: (0,)),
+            tokens, pool, pool, tokens,
+        ],
+        out_specs=tokens,
+        out_shape=jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
+        # Output starts as zeros: padding tokens past cu_q_lens[-1] (and rows of a
+        # sequence past max_q_len) belong to no block and must read 0.
+        input_output_aliases={9: 0},
+        compiler_params=gpu_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jaxinfer_ragged_paged",
+    )(*blocks, bt, qg, k_pages, v_pages, jnp.zeros((t, hkv, gp, d), q.dtype))
+    return out[:, :, :group].reshape(t, hq, d)
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
@@ -327,52 +432,12 @@ def _ragged_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_
             scale=default_scale(sm_scale, q.shape[-1]), block_q=block_q,
             interpret=interpret,
         )
-    t, hq, d = q.shape
-    hkv, num_pages, page_size, _ = k_pages.shape
-    n, pps = block_tables.shape
-    group = hq // hkv
-    scale = default_scale(sm_scale, d)
-    gp = next_pow2(group)
-    block_q = next_pow2(max(block_q, cdiv(MIN_DOT, gp)))
-    block_q = min(block_q, max(next_pow2(max_q_len), cdiv(MIN_DOT, gp)))
-    if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)
-    pages_per_block = next_pow2(max(pages_per_block, cdiv(MIN_DOT, page_size)))
-    n_kblocks = cdiv(pps, pages_per_block)
-    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, n_kblocks * pages_per_block - pps)))
-    cu = cu_q_lens.astype(jnp.int32)
-    q_starts, q_lens = cu[:-1], cu[1:] - cu[:-1]
-    kv_lens = kv_lens.astype(jnp.int32)
-    nqb = cdiv(max_q_len, block_q)
-    # Pad tokens so a block that starts inside the last sequence never reads out of bounds,
-    # and the group to a power of two for Triton; both pads are masked or dropped.
-    qg = q.reshape(t, hkv, group, d)
-    qg = jnp.pad(qg, ((0, nqb * block_q), (0, 0), (0, gp - group), (0, 0)))
-    kernel = functools.partial(
-        _ragged_gpu_kernel, scale=scale * LOG2E, block_q=block_q, group_pad=gp,
-        pages_per_block=pages_per_block, page_size=page_size, num_pages=num_pages,
-    )
-    one = pl.BlockSpec((1,), lambda s, h, i: (s,))
-    out = pl.pallas_call(
-        kernel,
-        grid=(n, hkv, nqb),
-        in_specs=[
-            one, one, one,
-            pl.BlockSpec((None, bt.shape[1]), lambda s, h, i: (s, 0)),
-            pl.BlockSpec((qg.shape[0], None, gp, d), lambda s, h, i: (0, h, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, d), lambda s, h, i: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, d), lambda s, h, i: (h, 0, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, block_q, None, gp, d), lambda s, h, i: (s, i, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((n, nqb * block_q, hkv, gp, d), q.dtype),
-        compiler_params=gpu_params(num_warps, num_stages),
+    return _ragged_gpu(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, max_q_len=max_q_len,
+        scale=default_scale(sm_scale, q.shape[-1]), block_q=block_q,
+        pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
-        name="jaxinfer_ragged_paged",
-    )(q_starts, q_lens, kv_lens, bt, qg, k_pages, v_pages)
-    seq, local, real = _token_to_seq(cu, t)
-    o = out[seq, jnp.clip(local, 0, nqb * block_q - 1)][:, :, :group]  # [t, hkv, group, d]
-    o = jnp.where(real[:, None, None, None], o, jnp.zeros_like(o))
-    return o.reshape(t, hq, d)
+    )
 
 
 def ragged_attention(
@@ -403,12 +468,17 @@ def ragged_attention(
       kv_lens: int [num_seqs], keys per sequence (>= its query count).
       cu_q_lens: int [num_seqs + 1], cumulative query counts, cu_q_lens[0] == 0.
       max_q_len: static upper bound on any sequence's query count (default: tokens).
-        Query blocks past it are not computed.
+        It sizes the query block (a decode-only step, 1, gets the smallest) and caps the
+        number of blocks; a sequence's queries past it are not computed (GPU: they read
+        0). Each distinct value compiles its own kernel, so pass a bucket.
       sm_scale: logit scale, default 1/sqrt(head_dim).
       block_q: query tokens per program. GPU: raised to a power of two so that
-        block_q * group >= 16 rows. TPU: capped at max_q_len, then raised until
-        block_q * group is a multiple of 8 (the tile has block_q * group rows); each
-        sequence's queries are padded to a multiple of block_q.
+        block_q * group >= 16 rows, then capped at max_q_len (rounded up to a power of
+        two) unless that would leave fewer than 16 rows; each block holds one
+        sequence's tokens, so a sequence costs cdiv(q_len, block_q) programs per kv
+        head. TPU: capped at max_q_len, then raised until block_q * group is a multiple
+        of 8 (the tile has block_q * group rows); each sequence's queries are padded to
+        a multiple of block_q.
       pages_per_block: pages gathered per inner step on GPU (default 64 keys per step).
         The TPU kernel always takes one page (page_size keys) per grid step.
       num_warps, num_stages: Triton launch parameters (GPU only).

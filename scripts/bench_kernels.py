@@ -8,12 +8,19 @@ masked cache slots / unused pages filled with NaN), then timings:
   Pallas Triton kernel (`jax.experimental.pallas.ops.gpu.attention.mha`), in TFLOP/s;
 * decode attention (contiguous cache) and paged attention, bf16, 32 q / 8 kv heads,
   head_dim 128: achieved K/V bytes/s (each valid K/V byte counted once) vs JAX's
-  `decode_attention.gqa` / `paged_attention.paged_attention` and a device-copy ceiling.
+  `decode_attention.gqa` / `paged_attention.paged_attention` and a device-copy ceiling;
+* ragged paged attention (the engine's kernel), bf16, 32 q / 8 kv heads, head_dim 128
+  and 64, page_size 16: (a) 256 decode sequences with ~1024 keys each (max_q_len 1), in
+  achieved K/V bytes/s; (b) 64 decode sequences plus 2 prefill chunks of 1024 tokens on
+  1024 cached keys (2112 tokens, max_q_len 1024 as the engine passes a bucket), in
+  TFLOP/s of the causal work actually needed.
 
 Timing: flash: jit, warm up, `reps` back-to-back calls, one `block_until_ready`, median
 over `trials` batches. Decode/paged (microsecond kernels): 16 calls inside one jitted
 program rotating over several input sets (so small caches do not sit in L2), median over
-trials, divided by 16. Results go to JSON (`--out`) and a table on stdout.
+trials, divided by 16. Ragged (hundreds of microseconds and up, and one input set, which
+16 identical calls in one program would risk XLA merging): like flash. Results go to JSON
+(`--out`) and a table on stdout.
 
 Usage: PYTHONPATH=. python3 scripts/bench_kernels.py --out $OUT/bench.json [--quick]
 """
@@ -41,6 +48,8 @@ from pallas_kernels import (
     flash_attention_reference,
     paged_attention,
     paged_attention_reference,
+    ragged_attention,
+    ragged_attention_reference,
 )
 
 RESULTS: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0])}
@@ -156,6 +165,15 @@ def check_correctness() -> None:
     r = paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
                                   vp.astype(jnp.float32), bt, lengths)
     errs["paged_bf16"] = max_err(o, r)
+    # ragged: decode tokens, an empty sequence, chunks spanning several query blocks (and
+    # straddling into the next sequence), padding tokens, unused pages NaN.
+    q_lens, kv_lens = (1, 0, 37, 1, 300, 1), (50, 10, 37, 700, 812, 1)
+    q, kp, vp, bt, kl, cu = ragged_inputs(ks[8], q_lens, kv_lens, hq, hkv, d, 16, pad=5)
+    o = ragged_attention(q, kp, vp, bt, kl, cu, max_q_len=max(q_lens))
+    r = ragged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                   vp.astype(jnp.float32), bt, kl, cu)
+    errs["ragged_bf16"] = max_err(o, r)
+    errs["ragged_bf16_padding_abs_max"] = float(jnp.abs(o[sum(q_lens):]).max())
     RESULTS["correctness_max_abs_err"] = errs
     for name, e in errs.items():
         log(f"check {name}: max |err| = {e:.3g}")
@@ -297,17 +315,101 @@ def bench_decode(quick: bool) -> None:
     RESULTS["decode"] = rows
 
 
+# --------------------------------------------------------------------------- ragged
+
+
+def ragged_inputs(key: jax.Array, q_lens: tuple[int, ...], kv_lens: tuple[int, ...],
+                  hq: int, hkv: int, d: int, page_size: int, pad: int = 0) -> tuple:
+    """Random bf16 inputs for `ragged_attention`: (q, k_pages, v_pages, tables, kv_lens, cu).
+
+    q holds sum(q_lens) + `pad` tokens. Each sequence's keys sit in shuffled pages of one
+    pool; table slots past a sequence's pages point at 4 extra NaN pages, which the
+    kernel must never read.
+    """
+    n = len(q_lens)
+    pages = [max(1, math.ceil(k / page_size)) for k in kv_lens]
+    pps, used = max(pages), sum(pages)
+    perm = np.random.default_rng(n).permutation(used)
+    bt = np.zeros((n, pps), np.int32)
+    off = 0
+    for i, p in enumerate(pages):
+        bt[i, :p] = perm[off:off + p]
+        bt[i, p:] = used + np.arange(pps - p) % 4
+        off += p
+    kq, kk, kv = jax.random.split(key, 3)
+    nan = jnp.full((hkv, 4, page_size, d), jnp.nan, jnp.bfloat16)
+    kp = jnp.concatenate([rand(kk, (hkv, used, page_size, d), jnp.bfloat16), nan], axis=1)
+    vp = jnp.concatenate([rand(kv, (hkv, used, page_size, d), jnp.bfloat16), nan], axis=1)
+    q = rand(kq, (sum(q_lens) + pad, hq, d), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, kp, vp, jnp.asarray(bt), jnp.asarray(kv_lens, jnp.int32), cu
+
+
+def bench_ragged(quick: bool) -> None:
+    rows = []
+    hq, hkv, ps = 32, 8, 16
+    key = jax.random.PRNGKey(3)
+    rng = np.random.default_rng(3)
+    # (a) 256 decode tokens, keys 896..1152 (~1024); (b) two 1024-token prefill chunks on
+    # 1024 cached keys (kv_len 2048) between two runs of 32 decode tokens.
+    dec = tuple(int(x) for x in rng.integers(896, 1153, size=256))
+    mix_q = (1024,) + (1,) * 32 + (1024,) + (1,) * 32
+    mix_kv = (2048,) + dec[:32] + (2048,) + dec[32:64]
+    cases = [("decode", (1,) * 256, dec, 1), ("mixed", mix_q, mix_kv, 1024)]
+    # (block_q, pages_per_block, num_warps, num_stages); with max_q_len 1 the kernel takes
+    # block_q = 4 (the MIN_DOT floor at GQA 4) whatever is asked.
+    configs = {"decode": [(16, 4, 4, 2), (16, 8, 4, 2), (16, 8, 4, 3), (16, 16, 8, 2)],
+               "mixed": [(16, 4, 4, 2), (32, 4, 4, 2), (64, 4, 8, 2), (32, 8, 4, 3)]}
+    for d in (128, 64):
+        for name, q_lens, kv_lens, max_q_len in cases:
+            args = ragged_inputs(jax.random.fold_in(key, d + max_q_len), q_lens, kv_lens, hq,
+                                 hkv, d, ps)
+            kv_bytes = 2 * sum(kv_lens) * hkv * d * 2  # K and V, each valid byte once
+            # Causal work: local query i of a sequence sees kv_len - q_len + i + 1 keys.
+            keys_seen = sum(q * (k - q) + q * (q + 1) // 2
+                            for q, k in zip(q_lens, kv_lens, strict=True))
+            flops = 4 * hq * d * keys_seen
+
+            def record(cfg: tuple[int, int, int, int], fn: Callable[..., Any], d=d, name=name,
+                       kv_bytes=kv_bytes, flops=flops, args=args):
+                tokens = args[0].shape[0]
+                try:
+                    t = time_fn(fn, [args], reps=10, trials=7)
+                    rows.append({"case": name, "head_dim": d, "tokens": tokens,
+                                 "block_q": cfg[0], "pages_per_block": cfg[1],
+                                 "num_warps": cfg[2], "num_stages": cfg[3], "us": t * 1e6,
+                                 "TBps": kv_bytes / t / 1e12, "tflops": flops / t / 1e12})
+                    rate = (f"{kv_bytes / t / 1e12:6.2f} TB/s" if name == "decode"
+                            else f"{flops / t / 1e12:6.1f} TFLOP/s")
+                    log(f"ragged {name:6s} d={d:3d} T={tokens:4d} bq{cfg[0]} ppb{cfg[1]} "
+                        f"w{cfg[2]} s{cfg[3]} {t * 1e6:9.1f} us {rate}")
+                except Exception as e:
+                    log(f"ragged {name} d={d} {cfg} FAILED: {type(e).__name__}: "
+                        f"{str(e)[:300]}")
+
+            cfgs = configs[name][:2] if quick else configs[name]
+            for cfg in cfgs:
+                bq, ppb, nw, ns = cfg
+                record(cfg, jax.jit(
+                    lambda q, kp, vp, bt, kl, cu, bq=bq, ppb=ppb, nw=nw, ns=ns, m=max_q_len:
+                    ragged_attention(q, kp, vp, bt, kl, cu, max_q_len=m, block_q=bq,
+                                     pages_per_block=ppb, num_warps=nw, num_stages=ns)))
+            del args
+    RESULTS["ragged"] = rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_kernels.json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--skip", default="", help="comma list of: flash,decode")
+    p.add_argument("--skip", default="", help="comma list of: flash,decode,ragged")
     args = p.parse_args()
     log(f"jax {jax.__version__} on {jax.devices()}")
     skip = set(args.skip.split(","))
     for name, fn in (("ceiling", lambda: copy_bandwidth()), ("check", check_correctness),
                      ("flash", lambda: bench_flash(args.quick)),
-                     ("decode", lambda: bench_decode(args.quick))):
+                     ("decode", lambda: bench_decode(args.quick)),
+                     ("ragged", lambda: bench_ragged(args.quick))):
         if name in skip:
             continue
         try:
@@ -317,7 +419,8 @@ def main() -> None:
             RESULTS.setdefault("errors", []).append(f"{name}: {traceback.format_exc()[-800:]}")
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)
-    log(json.dumps({k: v for k, v in RESULTS.items() if k not in ("flash", "decode")}))
+    log(json.dumps({k: v for k, v in RESULTS.items()
+                    if k not in ("flash", "decode", "ragged")}))
     sys.stdout.flush()
 
 

@@ -120,6 +120,8 @@ def mesh_ragged_attention(
         ``sharding.rules.engine_pool_spec``).
       kv_lens, block_tables, cu_q_lens: replicated scheduler inputs.
       mesh: defaults to the context mesh; without one this is plain ``attention``.
+      max_q_len: static bound on any sequence's query count, for the Pallas kernel's
+        query blocks (see ``attention``); None means the token count.
 
     Both backends run per shard under a mesh: every shard attends with its own heads over
     the same block tables, so the result is exact and needs no communication, and GSPMD
@@ -137,6 +139,7 @@ def mesh_ragged_attention(
 
 def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
             block_tables: jax.Array, cu_q_lens: jax.Array, *,
-            backend: Literal["reference", "pallas"], max_q_len: int | None) -> jax.Array:
+            backend: Literal["reference", "pallas"],
+            max_q_len: int | None = None) -> jax.Array:
     return attention(q, k, v, kv_lens, mode="ragged", backend=backend,
                      block_tables=block_tables, cu_q_lens=cu_q_lens, max_q_len=max_q_len)

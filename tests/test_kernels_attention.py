@@ -8,6 +8,7 @@ points to hold NaN, so a kernel that reads or fails to mask them fails the compa
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,37 +241,49 @@ def test_paged_attention(backend, dtype, b, hq, hkv, d, page_size, pps, num_spli
 # --------------------------------------------------------------------------- ragged
 
 RAGGED_CASES = [
-    # backend, dtype, q_heads, kv_heads, head_dim, page_size, pages_per_seq, query counts
-    ("gpu", jnp.float32, 8, 2, 64, 8, 6, (1, 7, 1, 20)),
-    ("gpu", jnp.bfloat16, 8, 1, 128, 16, 4, (3, 1, 30)),
+    # backend, dtype, q_heads, kv_heads, head_dim, page_size, pages_per_seq, query counts,
+    # padding tokens past the last sequence. Kernels run with block_q=4 and
+    # max_q_len=max(query counts).
+    # GPU, GQA 4: empty sequences in the middle and at the end, decode tokens, a 7-token
+    # chunk whose second block reaches into the next sequence, a 20-token chunk over 5
+    # blocks; the first block (1 token) covers the next three sequences' rows.
+    ("gpu", jnp.float32, 8, 2, 64, 8, 6, (1, 0, 7, 1, 20, 0, 1, 0), 2),
+    # GPU, GQA 8, no padding tokens: the last blocks reach past the token axis.
+    ("gpu", jnp.bfloat16, 8, 1, 128, 16, 4, (3, 1, 0, 30), 0),
+    # GPU, GQA 1, all decode (max_q_len 1): block_q rises to 16 tokens for MIN_DOT rows,
+    # so every block overlaps many later sequences; padding longer than a block.
+    ("gpu", jnp.float32, 4, 4, 64, 4, 5, (1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1), 17),
     # TPU: decode tokens (1) beside prefill chunks of odd lengths, GQA 4/8/1, and a page
     # size that is not a power of two (allowed on TPU).
-    ("tpu", jnp.float32, 8, 2, 64, 8, 5, (1, 7, 1, 13)),
-    ("tpu", jnp.bfloat16, 8, 1, 128, 16, 3, (3, 1, 21)),
-    ("tpu", jnp.float32, 4, 4, 64, 4, 7, (5, 1, 2)),
-    ("tpu", jnp.bfloat16, 4, 1, 64, 12, 3, (1, 9)),
+    ("tpu", jnp.float32, 8, 2, 64, 8, 5, (1, 7, 1, 13), 2),
+    ("tpu", jnp.bfloat16, 8, 1, 128, 16, 3, (3, 1, 21), 2),
+    ("tpu", jnp.float32, 4, 4, 64, 4, 7, (5, 1, 2), 2),
+    ("tpu", jnp.bfloat16, 4, 1, 64, 12, 3, (1, 9), 2),
 ]
 
 
 @pytest.mark.parametrize(
-    "backend,dtype,hq,hkv,d,page_size,pps,q_lens", RAGGED_CASES,
-    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-ps{c[5]}-g{c[2] // c[3]}" for c in RAGGED_CASES],
+    "backend,dtype,hq,hkv,d,page_size,pps,q_lens,pad", RAGGED_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-ps{c[5]}-g{c[2] // c[3]}-n{len(c[7])}"
+         for c in RAGGED_CASES],
 )
-def test_ragged_attention(backend, dtype, hq, hkv, d, page_size, pps, q_lens):
-    rng = _rng(4, hq, hkv, page_size, pps)
+def test_ragged_attention(backend, dtype, hq, hkv, d, page_size, pps, q_lens, pad):
+    rng = _rng(4, hq, hkv, page_size, pps, len(q_lens))
     n = len(q_lens)
     # Each sequence's keys include its new tokens: kv_len >= q_len.
     k, v, table, kv_lens = _make_paged(rng, n, hkv, d, page_size, pps, dtype, min_lens=q_lens)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    tokens = int(cu[-1]) + 2  # two padding tokens past the last sequence
-    q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
+    real = int(cu[-1])
+    q = jnp.asarray(rng.standard_normal((real + pad, hq, d)), dtype)
     out = ragged_attention(
         q, k, v, table, kv_lens, cu, max_q_len=max(q_lens), block_q=4, interpret=True,
         backend=backend,
     )
-    ref = ragged_attention_reference(*_f32(q, k, v), table, kv_lens, cu)
+    # Jitted: op by op, the reference's first call costs seconds of per-op compiles.
+    ref = jax.jit(ragged_attention_reference)(*_f32(q, k, v), table, kv_lens, cu)
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype)
+    assert not np.asarray(out[real:], np.float32).any(), "padding tokens must give exactly 0"
 
 
 def test_ragged_reference_any_head_dim_matches_numpy():
