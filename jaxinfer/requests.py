@@ -223,7 +223,7 @@ def make_requests(
                              f"{context}; lower max_new_tokens to at most {context - len(ids)}")
         if sp.stop and model.tokenizer is None:
             raise InputError("stop strings need a tokenizer; use stop_token_ids instead")
-        stops = tuple(dict.fromkeys(eos + sp.stop_token_ids))
+        stops = tuple(dict.fromkeys((() if sp.ignore_eos else eos) + sp.stop_token_ids))
         requests.append(Request(tuple(ids), resolve_seed(sp), stops))
     return requests
 

@@ -25,6 +25,8 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable those
     filters; ``repetition_penalty`` 1 disables it; ``seed`` None draws a fresh random seed.
+    ``ignore_eos`` keeps generating past the model's end-of-sequence tokens (benchmarks,
+    fixed-length outputs); ``stop_token_ids`` still apply.
     """
 
     max_new_tokens: int = 64
@@ -37,6 +39,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         checks = [

@@ -10,15 +10,17 @@ Input records: ``{"id": ..., "prompt": "..."}`` (``--chat`` wraps it as a user t
 
 Output: one JSON line per input record, in input order: ``id``, ``line`` (1-based input line),
 then ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``, ``ttft_s``, ``tpot_s``
-(generation) or ``logprob``, ``token_logprobs``, ``num_tokens`` (scoring), or ``error`` for a
-bad record. Bad records (not JSON, no prompt, wrong types) are reported on stderr with their
+(generation) or ``logprob``, ``token_logprobs``, ``num_tokens``, ``greedy``, ``cached_tokens``
+(scoring, the engine path of ``jaxinfer.score``), or ``error`` for a bad record. Bad records
+(not JSON, no prompt, wrong types, too long for the model) are reported on stderr with their
 line number and written as error records, or stop the run before any work with
 ``--on-bad-record fail``. Blank lines are not records.
 
-Resuming: the output is appended one batch at a time (flushed and fsynced), always in input
-order, so after an interruption the finished records are a prefix of the input. Running the
-same command again checks that prefix against the input, drops a torn last line, and continues
-with the next record. With ``--seed``, record ``i`` samples with seed ``seed + line``, so a
+All records go to the model's engine at once (continuous batching over a paged KV cache).
+Resuming: finished records are appended as soon as they extend the written prefix (flushed
+and fsynced), so after an interruption the finished records are a prefix of the input.
+Running the same command again checks that prefix against the input, drops a torn last line,
+and continues with the next record. With ``--seed``, record ``i`` samples with seed ``seed + line``, so a
 resumed run draws the same tokens as an uninterrupted one.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
@@ -143,8 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="records per generate call (the whole mesh; split over --dp)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="most sequences running at once (default: sized from the KV pool)")
     p.add_argument("--on-bad-record", choices=["skip", "fail"], default="skip",
                    help="skip: report and write an error record; fail: stop before any work")
     p.add_argument("--score", action="store_true",
@@ -157,39 +159,63 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _score(model: Any, records: Sequence[Record], chat: bool) -> list[dict[str, Any]]:
-    """Per-record log-likelihood of the completion tokens given the prompt."""
-    import numpy as np
+def _requests(model: Any, good: Sequence[Record], args: argparse.Namespace,
+              options: dict[str, Any], base_seed: int | None) -> dict[int, Any]:
+    """Validate each good record into an engine ``Request`` (line -> Request or error str).
 
-    from jaxinfer.generate import compute_logits, encode_chat
+    A record the model cannot take (too long for its context, say) becomes an error record
+    with the reason, like a malformed line, instead of stopping the run.
+    """
+    from jaxinfer.requests import encode_chat, make_requests, make_score_requests
+    from jaxinfer.sampling import SamplingParams
 
-    out = []
-    for r in records:
-        if isinstance(r.prompt, list) or chat:
-            msgs = r.prompt if isinstance(r.prompt, list) else [
-                {"role": "user", "content": r.prompt}]
-            prompt_ids = encode_chat(model, msgs)
-        else:
-            prompt_ids = model.tokenizer.encode(r.prompt, add_bos=True)
-        comp_ids = model.tokenizer.encode(r.completion, add_bos=False)
-        logits = compute_logits(model, prompt_ids + comp_ids)
-        logits = logits - logits.max(-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        start = len(prompt_ids)
-        tok_lp = [float(logp[start + i - 1, t]) for i, t in enumerate(comp_ids)]
-        out.append({"logprob": float(sum(tok_lp)), "token_logprobs": tok_lp,
-                    "num_tokens": len(comp_ids)})
+    out: dict[int, Any] = {}
+    for r in good:
+        try:
+            if args.score:
+                ctx: Any = r.prompt
+                if isinstance(r.prompt, list) or args.chat:
+                    msgs = r.prompt if isinstance(r.prompt, list) else [
+                        {"role": "user", "content": r.prompt}]
+                    ctx = encode_chat(model, msgs)
+                (req,) = make_score_requests(model, [(ctx, r.completion)])
+            else:
+                sp = SamplingParams.from_kwargs(
+                    **options, seed=None if base_seed is None else base_seed + r.line)
+                (req,) = make_requests(model, r.prompt, args.chat, sp, {})
+            out[r.line] = req
+        except InputError as e:
+            out[r.line] = str(e)
     return out
 
 
+def _record(result: Any) -> dict[str, Any]:
+    """The output fields of one finished ``Completion`` or ``ScoreResult``."""
+    from jaxinfer.requests import ScoreResult
+
+    if isinstance(result, ScoreResult):
+        return {"logprob": result.logprob, "token_logprobs": result.token_logprobs,
+                "num_tokens": len(result.token_logprobs), "greedy": result.greedy,
+                "cached_tokens": result.cached_tokens}
+    return {"text": result.text, "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(result.prompt_token_ids),
+            "ttft_s": result.time_to_first_token, "tpot_s": result.time_per_output_token}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the evaluation described by parsed ``args``; returns the exit status."""
+    """Run the evaluation described by parsed ``args``; returns the exit status.
+
+    Every good record goes to the model's one engine at once (continuous batching); results
+    are written as soon as they form a prefix of the input, so the output is always
+    resumable.
+    """
     options = sampling_kwargs(args)
     base_seed = options.pop("seed")
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**options)  # reject bad flags before loading anything
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size={args.batch_size} must be >= 1")
     records = parse_records(args.input, args.score)
     bad = [r for r in records if r.error]
@@ -207,18 +233,27 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes and args.num_processes > 1:
         from jax.experimental import multihost_utils
 
-        # Every process must run the same batches: agree on process 0's resume point.
+        # Every process must run the same requests: agree on process 0's resume point.
         done = int(multihost_utils.broadcast_one_to_all(done))
     if done:
         print(f"batch_eval: resuming after {done} finished record(s) in {args.output}",
               file=sys.stderr)
 
     import jaxinfer
+    from jaxinfer.engine import engine_for
 
     model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
                                 max_batch=args.batch_size, mesh=mesh_from_args(args))
     todo = records[done:]
-    stats = {"requests": 0, "bad": len(bad), "tokens": 0, "ttft": [], "tpot": []}
+    reqs = _requests(model, [r for r in todo if not r.error], args, options, base_seed)
+    for r in todo:
+        if isinstance(reqs.get(r.line), str):
+            r.error = reqs.pop(r.line)
+            print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
+    engine = engine_for(model)
+    rid = {line: engine.add_request(req) for line, req in reqs.items()}
+    stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
+             "ttft": [], "tpot": []}
     bar = None
     if primary and not args.no_progress:
         from tqdm import tqdm
@@ -228,42 +263,39 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     out_f = args.output.open("a", encoding="utf-8") if primary else None
+    finished: dict[int, dict[str, Any]] = {}
+    line_of = {i: line for line, i in rid.items()}
+    written = 0
     try:
-        for start in range(0, len(todo), args.batch_size):
-            chunk = todo[start: start + args.batch_size]
-            good = [r for r in chunk if not r.error]
-            results: dict[int, dict[str, Any]] = {}
-            if good and args.score:
-                results = dict(zip((r.line for r in good), _score(model, good, args.chat),
-                                   strict=True))
-            elif good:
-                sps = [SamplingParams.from_kwargs(
-                    **options, seed=None if base_seed is None else base_seed + r.line)
-                    for r in good]
-                comps = jaxinfer.generate(model, [r.prompt for r in good], chat=args.chat,
-                                          sampling=sps)
-                for r, c in zip(good, comps, strict=True):
-                    results[r.line] = {
-                        "text": c.text, "token_ids": c.token_ids,
-                        "finish_reason": c.finish_reason,
-                        "prompt_tokens": len(c.prompt_token_ids),
-                        "ttft_s": c.time_to_first_token, "tpot_s": c.time_per_output_token}
-                    stats["tokens"] += len(c.token_ids)
-                    stats["ttft"].append(c.time_to_first_token)
-                    if len(c.token_ids) > 1:
-                        stats["tpot"].append(c.time_per_output_token)
-            stats["requests"] += len(good)
-            if out_f is not None:
-                for r in chunk:
-                    rec = {"id": r.id, "line": r.line}
-                    rec.update({"error": r.error} if r.error else results[r.line])
+        while written < len(todo):
+            while written < len(todo) and (todo[written].error
+                                           or todo[written].line in finished):
+                r = todo[written]
+                rec = {"id": r.id, "line": r.line}
+                rec.update({"error": r.error} if r.error else finished.pop(r.line))
+                if out_f is not None:
                     out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                written += 1
+                if bar is not None:
+                    bar.update(1)
+            if out_f is not None:
                 out_f.flush()
                 os.fsync(out_f.fileno())
+            if written == len(todo):
+                break
+            for i, _, is_done in engine.step():
+                if not is_done or i not in line_of:
+                    continue
+                result = engine.result(i)
+                finished[line_of[i]] = _record(result)
+                if not args.score:
+                    stats["tokens"] += len(result.token_ids)
+                    stats["ttft"].append(result.time_to_first_token)
+                    if len(result.token_ids) > 1:
+                        stats["tpot"].append(result.time_per_output_token)
             if bar is not None:
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):.1f} tok/s")
-                bar.update(len(chunk))
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -278,10 +310,12 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     if primary:
         mode = "scored" if args.score else "generated"
+        es = engine.stats()
         print(f"requests {stats['requests']} {mode} (+{done} resumed, {stats['bad']} bad)  "
               f"tokens {stats['tokens']}  wall {wall:.2f} s  "
               f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
-              f"{stats['requests'] / max(wall, 1e-9):.2f} req/s")
+              f"{stats['requests'] / max(wall, 1e-9):.2f} req/s  "
+              f"prefix-cache hits {es.cached_tokens} tokens")
         if not args.score:
             print(f"TTFT  {_percentiles(stats['ttft'])}")
             print(f"TPOT  {_percentiles(stats['tpot'])}")

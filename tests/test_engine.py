@@ -1,9 +1,6 @@
-"""Continuous-batching engine on a tiny random model: every request's output must equal the
-same request generated alone by the static ``generate`` path, whatever the batch, arrival
-order, pool size, chunking or prefix sharing.
-
-Prompt lengths stay <= 16 and max_new_tokens in 9..16 so the reference ``generate`` calls
-hit a single (prompt, cache, output) shape bucket: one compilation for all of them.
+"""The one engine on a tiny random model (float32): every request's output equals the same
+request run alone, whatever the batch, arrival order, pool size, chunking, multi-step decode or
+prefix sharing; and greedy outputs equal an independent argmax loop over ``compute_logits``.
 """
 
 from __future__ import annotations
@@ -14,10 +11,11 @@ import numpy as np
 import pytest
 
 import jaxinfer
+from jaxinfer import runner
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
-from jaxinfer.generate import Model
 from jaxinfer.model import init_params
+from jaxinfer.requests import Model
 
 PAGE = 4
 SLOTS = 8
@@ -78,6 +76,22 @@ def alone200(model, work200) -> list[jaxinfer.Completion]:
     return [jaxinfer.generate(model, [p], max_new_tokens=m)[0] for p, m, _ in work200]
 
 
+def greedy_oracle(model: Model, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy tokens from full recomputation (``compute_logits`` + argmax), no engine."""
+    out: list[int] = []
+    for _ in range(max_new):
+        tok = int(np.argmax(jaxinfer.compute_logits(model, prompt + out)[-1]))
+        if tok in model.config.eos_token_ids:
+            break
+        out.append(tok)
+    return out
+
+
+def test_alone_equals_recomputation_oracle(model, work200, alone200):
+    for (p, m, _), got in list(zip(work200, alone200, strict=True))[:6]:
+        assert got.token_ids == greedy_oracle(model, p, m)
+
+
 def _assert_same(got: list[jaxinfer.Completion], want: list[jaxinfer.Completion]) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason), f"request {i}"
@@ -93,7 +107,9 @@ def test_200_requests_equal_each_alone(model, work200, alone200):
     assert stats.running == stats.waiting == 0 and stats.pages_used == 0
     engine.blocks.check_all_free()
     assert stats.generated_tokens >= sum(len(c.token_ids) for c in got)
-    assert stats.num_compilations <= 1  # one step program for the whole run
+    # One program per token bucket and decode row bucket at most.
+    assert stats.num_programs <= len(engine.token_buckets) + len(engine.row_buckets)
+    assert stats.decode_calls < stats.generated_tokens / 2  # several tokens per round trip
 
 
 def test_small_pool_preempts_and_gives_same_outputs(model, work200, alone200):
@@ -149,17 +165,58 @@ def test_prefix_sharing_uses_fewer_pages_same_outputs(model):
     assert s_on.computed_tokens < s_off.computed_tokens  # the shared prefix was read once
 
 
-def test_fully_cached_prompt_copy_on_write(model):
+def test_fully_cached_prompt_maps_pages_before_its_last_token(model):
     prompt = np.random.default_rng(3).integers(3, 128, size=12).tolist()  # 3 full pages
     engine = _engine(model)
     first = engine.submit(prompt, max_new_tokens=9)
     engine.run_until_done()
-    again = engine.submit(prompt, max_new_tokens=9)  # all pages cached: recomputes token 11
+    again = engine.submit(prompt, max_new_tokens=9)  # cached; token 11 must be recomputed
     engine.run_until_done()
-    assert engine.request_metrics(again).cached_prompt_tokens == 11
+    # Pages before the one holding the first output position (11) are mapped: 2 x 4 tokens.
+    assert engine.request_metrics(again).cached_prompt_tokens == 8
     (want,) = jaxinfer.generate(model, [prompt], max_new_tokens=9)
     assert engine.result(first).token_ids == engine.result(again).token_ids == want.token_ids
     engine.blocks.check_all_free()
+
+
+def test_multi_step_decode_equals_single_step(model, work200, alone200):
+    for steps in (1, 5):
+        engine = _engine(model, decode_steps=steps)
+        got, _ = _serve(engine, work200[:40])
+        _assert_same(got, alone200[:40])
+        if steps == 1:
+            assert engine.stats().decode_calls >= engine.stats().generated_tokens // 8
+
+
+def test_no_token_after_a_stop_token(model, work200, alone200):
+    # Stops that fire inside a multi-step decode call: the device keeps no token past them.
+    cases = [(p, m, a) for (p, m, _), a in zip(work200, alone200, strict=True)
+             if len(a.token_ids) >= 8][:8]
+    engine = _engine(model, decode_steps=16)
+    ids = []
+    for p, m, a in cases:
+        stop = a.token_ids[5]
+        ids.append((engine.submit(p, max_new_tokens=m, stop_token_ids=[stop]), stop, a))
+    engine.run_until_done()
+    for rid, stop, a in ids:
+        got = engine.result(rid)
+        assert got.finish_reason == "stop" and stop not in got.token_ids
+        assert got.token_ids == a.token_ids[: a.token_ids.index(stop)]
+
+
+def test_ignore_eos_runs_to_length(model, work200, alone200):
+    import dataclasses
+
+    # Make a token the model emits early its eos, then ask to ignore it.
+    p, m, _ = work200[0]
+    eos = alone200[0].token_ids[2]
+    cfg = dataclasses.replace(model.config, eos_token_ids=(eos,))
+    eos_model = dataclasses.replace(model, config=cfg)
+    (stopped,) = jaxinfer.generate(eos_model, [p], max_new_tokens=m)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == alone200[0].token_ids[: alone200[0].token_ids.index(eos)]
+    (full,) = jaxinfer.generate(eos_model, [p], max_new_tokens=m, ignore_eos=True)
+    assert full.finish_reason == "length" and len(full.token_ids) == m
 
 
 def test_chunked_prefill_equals_unchunked(model):
@@ -181,15 +238,18 @@ def test_chunked_prefill_equals_unchunked(model):
     assert chunked_steps > 55 // SLOTS  # the long prompts really were split
 
 
-def test_compile_count_fixed_in_steady_state(model):
+def test_compile_count_fixed_after_warmup(model):
     engine = _engine(model)
-    engine.submit([5, 6, 7], max_new_tokens=9)
-    engine.step()
-    warm = engine.stats().num_compilations
+    engine.warmup(score=True)
+    sizes = (runner.mixed_step._cache_size(), runner.decode_steps._cache_size())
+    warm = engine.stats().num_programs
+    assert warm == 2 * len(engine.token_buckets) + len(engine.row_buckets)
     for prompt, max_new, _ in _workload(5, 30):  # new lengths, batch sizes, page counts
         engine.submit(prompt, max_new_tokens=max_new, temperature=0.5, seed=1)
     engine.run_until_done()
-    assert engine.stats().num_compilations == warm <= 1
+    jaxinfer.score(model, [([3, 4, 5], [6, 7])])
+    assert engine.stats().num_programs == warm
+    assert (runner.mixed_step._cache_size(), runner.decode_steps._cache_size()) == sizes
 
 
 def test_metrics(model):
@@ -204,7 +264,7 @@ def test_metrics(model):
     assert len(completion.token_ids) == m.num_generated
     assert completion.time_to_first_token == pytest.approx(m.time_to_first_token)
     s = engine.stats()
-    assert s.tokens_per_second > 0 and s.steps >= m.num_generated
+    assert s.tokens_per_second > 0 and s.decode_calls < m.num_generated
     assert s.tokens_capacity == 64 * PAGE and s.pages_used == 0 and s.pages_cached > 0
 
 
@@ -226,19 +286,34 @@ def test_bad_input_is_one_line_error(model):
                                                                        max_new_tokens=9)
 
 
-def test_generate_routes_many_prompts_through_engine(model, work200, alone200, monkeypatch):
-    import jaxinfer.engine
+def test_generate_and_stream_share_the_models_engine(model, work200, alone200):
+    from jaxinfer.engine import engine_for
 
-    calls = []
-    real = jaxinfer.engine.generate_with_engine
-    monkeypatch.setattr(jaxinfer.engine, "generate_with_engine",
-                        lambda m, reqs: calls.append(len(reqs)) or real(m, reqs))
-    work = work200[:20]  # more prompts than max_batch=8
+    work = work200[:20]
     sampling = [jaxinfer.SamplingParams(max_new_tokens=m) for _, m, _ in work]
     got = jaxinfer.generate(model, [p for p, _, _ in work], sampling=sampling)
-    assert calls == [20]
     _assert_same(got, alone200[:20])
-    assert isinstance(jaxinfer.Engine(model, num_pages=8, verbose=False), jaxinfer.Engine)
+    engine = engine_for(model)
+    assert model.engine is engine and engine.max_batch == SLOTS  # model.max_batch slots
+    before = engine.stats().generated_tokens
+    streamed = [t for piece in jaxinfer.stream_tokens(model, work[0][0], chunk_steps=3,
+                                                      max_new_tokens=work[0][1]) for t in piece]
+    assert streamed == alone200[0].token_ids
+    assert engine.stats().generated_tokens == before + len(streamed)
+    assert not engine.has_unfinished() and engine.stats().pages_used == 0
+
+
+def test_engine_needs_no_sizing_arguments(model):
+    from jaxinfer.engine import CPU_KV_CACHE_BYTES
+    from jaxinfer.paged_cache import PagePool
+
+    engine = Engine(model, verbose=False)
+    per_page = PagePool.bytes_per_page(model.config, engine.page_size, model.dtype)
+    assert engine.blocks.num_pages == CPU_KV_CACHE_BYTES // per_page
+    assert engine.max_seq_len == model.config.max_position_embeddings
+    rid = engine.submit([3, 4, 5], max_new_tokens=9)
+    engine.run_until_done()
+    assert engine.result(rid).token_ids == greedy_oracle(model, [3, 4, 5], 9)
 
 
 class _LetterTokenizer:
