@@ -20,8 +20,8 @@ All records go to the model's engine at once (continuous batching over a paged K
 Resuming: finished records are appended as soon as they extend the written prefix (flushed
 and fsynced), so after an interruption the finished records are a prefix of the input.
 Running the same command again checks that prefix against the input, drops a torn last line,
-and continues with the next record. With ``--seed``, record ``i`` samples with seed ``seed + line``, so a
-resumed run draws the same tokens as an uninterrupted one.
+and continues with the next record. With ``--seed``, record ``i`` samples with seed
+``seed + line``, so a resumed run draws the same tokens as an uninterrupted one.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
@@ -152,6 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--score", action="store_true",
                    help="log-likelihood of each record's 'completion' instead of generating")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--compile-cache", default="~/.cache/jaxinfer/xla",
+                   help="persistent XLA compilation cache folder ('' turns it off)")
     p.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
@@ -239,8 +241,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"batch_eval: resuming after {done} finished record(s) in {args.output}",
               file=sys.stderr)
 
+    import jax
+
     import jaxinfer
     from jaxinfer.engine import engine_for
+
+    if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the step shapes
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
 
     model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
                                 max_batch=args.batch_size, mesh=mesh_from_args(args))
