@@ -1,20 +1,29 @@
-"""Serving benchmark: the continuous-batching Engine against static-batch ``generate``.
+"""Serving benchmark of the one engine: a synthetic workload through ``jaxinfer.Engine``.
 
-A synthetic workload (fixed seed): prompt and output lengths drawn log-uniformly from the
-given ranges, arrivals either all at once (``--rate 0``, offline) or Poisson at ``--rate``
-requests/s. Random weights, greedy: a request may end early on the eos id, but both systems
-produce the same tokens, so they do the same work.
+The workload (fixed seed): prompt and output lengths drawn log-uniformly from the given
+ranges, prompts of random token ids (never an eos id), outputs forced with
+``max_new_tokens``; arrivals all at once (``--rate 0``, offline) or Poisson at ``--rate``
+requests/s. Random bf16 weights of the preset's shapes, made on the device and put in the
+execution layout (``--layout auto``: the fused, unstacked "fast" layout on one GPU); greedy.
+Random weights rarely sample an eos id, but when one does the request ends early, so the
+tokens counted are the ones the engine returned.
 
-Reports output tokens/s, requests/s, TTFT and TPOT p50/p99, KV utilisation (tokens held /
-tokens allocatable, averaged over steps) and KV waste (allocated-but-unused slots) for both.
+Before running it prints the workload's device floor (prefill FLOPs at the matmul rate plus
+decode bytes at the read bandwidth, ``workload_floor``), then per rate: output tokens/s and
+its fraction of the floor, requests/s, TTFT/TPOT percentiles and the engine's counters.
+``--batch1-tokens N`` adds one request decoding N tokens alone (the single-stream rate
+against its roofline).
 
-    python scripts/bench_engine.py --preset 8b --requests 1000 --rate 0     # H100, offline
-    python scripts/bench_engine.py --preset 8b --requests 1000 --rate 20    # Poisson arrivals
-    python scripts/bench_engine.py --preset 1b --requests 256 --rate 0,10 --json out.json
-    python scripts/bench_engine.py --preset tiny --requests 64              # CPU smoke run
+Usage:
+    python scripts/bench_engine.py --preset 8b
+    python scripts/bench_engine.py --preset 1b
+    python scripts/bench_engine.py --preset 8b --rate 0,20 --batch1-tokens 512 --json auto
+    JAX_PLATFORMS=cpu python scripts/bench_engine.py --preset tiny --requests 32 --rate 0,50 \
+        --batch1-tokens 16 --json /tmp/x.json                           # CPU smoke run
 
-Several comma-separated rates run in one process (the step program and the static buckets
-compile once); every rate uses the same prompts and output lengths, only arrivals differ.
+Several comma-separated rates run in one process on the same prompts and output lengths
+(only arrivals differ), each on a fresh ``Engine`` so no run hits the previous run's prefix
+cache; compiled programs are reused, so later warm-ups are short.
 """
 
 from __future__ import annotations
@@ -22,24 +31,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer.generate import Model
-from jaxinfer.model import init_params
+from jaxinfer import roofline
+from jaxinfer.benchmark import device_name
+from jaxinfer.model import LAYOUTS, apply_layout, init_params
 
-PRESETS = {
+REPO = Path(__file__).resolve().parents[1]
+
+# Llama-3.1-8B and Llama-3.2-1B shapes with an 8k context (the engine's block tables are
+# as wide as the context), and a CPU-sized model.
+PRESETS: dict[str, jaxinfer.LlamaConfig] = {
     "8b": jaxinfer.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                                rope_theta=500000.0, max_position_embeddings=8192,
                                eos_token_ids=(128001,)),
-    # Llama-3.2-1B shapes (tied embeddings).
     "1b": jaxinfer.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                                rope_theta=500000.0, max_position_embeddings=8192,
@@ -49,17 +66,41 @@ PRESETS = {
                                  max_position_embeddings=512),
 }
 
+# (prompt_min, prompt_max, output_min, output_max) when not given on the command line.
+DEFAULT_LENGTHS: dict[str, tuple[int, int, int, int]] = {
+    "8b": (32, 1024, 16, 512),
+    "1b": (32, 1024, 16, 512),
+    "tiny": (4, 64, 4, 32),
+}
+
+# Page-pool bytes when --kv-bytes is not given (otherwise the engine's default). On CPU every
+# step's time grows with the pool, and the default 128 MiB holds 500k tiny-model tokens.
+DEFAULT_KV_BYTES: dict[str, int] = {"tiny": 2**22}
+
+# Measured ceilings per device kind (bf16 matmul FLOP/s, device-memory read bytes/s): H100
+# from bench/NOTES.md (matmul ~634 TFLOP/s, read ~3.0 TB/s), H200 from the device notes.
+MEASURED_CEILINGS: dict[str, tuple[float, float]] = {
+    "h100": (634e12, 3.0e12),
+    "h200": (790e12, 4.3e12),
+}
+
 
 @dataclasses.dataclass
 class Workload:
+    """Requests of one run: prompt token ids, forced output lengths, arrival times."""
+
     prompts: list[list[int]]
-    outputs: list[int]
-    arrivals: list[float]  # seconds after start
+    output_lens: list[int]
+    arrivals_s: list[float]  # seconds after the start; all 0 offline
 
 
 def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, int],
                   output_range: tuple[int, int], rate: float, seed: int) -> Workload:
-    """Log-uniform lengths (many short, some long, like chat traffic), Poisson arrivals."""
+    """Log-uniform lengths (many short, some long, like chat traffic), Poisson arrivals.
+
+    The lengths are drawn before the arrivals, so every rate gets the same prompts and
+    output lengths from the same seed.
+    """
     rng = np.random.default_rng(seed)
 
     def lengths(lo: int, hi: int) -> list[int]:
@@ -68,173 +109,318 @@ def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, in
     eos = set(cfg.eos_token_ids)
     vocab = [t for t in range(3, min(cfg.vocab_size, 30000)) if t not in eos]
     prompts = [rng.choice(vocab, size=p).tolist() for p in lengths(*prompt_range)]
-    outputs = lengths(*output_range)  # before the arrivals: the same for every rate
+    output_lens = lengths(*output_range)
     arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist() if rate > 0 else [0.0] * n
-    return Workload(prompts, outputs, arrivals)
+    return Workload(prompts, output_lens, arrivals)
 
 
-def percentiles(xs: list[float]) -> str:
-    a = np.asarray(xs) * 1e3
-    return f"p50 {np.percentile(a, 50):8.1f} ms  p99 {np.percentile(a, 99):8.1f} ms"
+def ceilings(device_kind: str, matmul_tflops: float | None, read_tbps: float | None
+             ) -> tuple[float, float, str]:
+    """``(matmul FLOP/s, read bytes/s, where they come from)`` for the floor.
+
+    Command-line values win; otherwise the measured numbers of this device kind, or the
+    H100's on a device without any (CPU), which the returned note says.
+    """
+    kind = device_kind.lower()
+    known = next((k for k in MEASURED_CEILINGS if k in kind), None)
+    flops, bandwidth = MEASURED_CEILINGS[known or "h100"]
+    note = f"measured on {known}" if known else f"no measured ceilings for {device_kind!r}: H100's"
+    if matmul_tflops is not None or read_tbps is not None:
+        note += " (overridden on the command line)"
+    return (flops if matmul_tflops is None else matmul_tflops * 1e12,
+            bandwidth if read_tbps is None else read_tbps * 1e12, note)
 
 
-def run_engine(model: Model, w: Workload, args: argparse.Namespace) -> dict:
-    engine = jaxinfer.Engine(model, max_batch=args.max_batch, kv_cache_bytes=args.kv_bytes,
-                             page_size=args.page_size, max_tokens_per_step=args.token_budget,
-                             max_seq_len=args.prompt_max + args.output_max)
-    # Warm-up: compile the one step program outside the measurement.
-    engine.submit(w.prompts[0][:8], max_new_tokens=2)
-    engine.run_until_done()
-    util, waste = [], []
+def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
+                   matmul_flops_per_s: float, read_bytes_per_s: float,
+                   dtype_bytes: int) -> dict[str, Any]:
+    """The device time no engine can beat on this workload, and the output tok/s it allows.
+
+    * Prefill: every prompt's ``roofline.prefill_flops`` (layer matmuls, causal attention,
+      the LM head on its last token) at the matmul rate.
+    * Decode: each request's first token comes out of its prefill, the other
+      ``output_len - 1`` from decode steps. The engine decodes all running sequences in one
+      step, which reads the weights once, so we assume ``decode_tokens / batch_eff`` steps
+      with ``batch_eff = min(slots, requests)`` (every slot always busy: an offline-best
+      assumption, optimistic for Poisson arrivals and for the tail of a run) at
+      ``roofline.weight_bytes_per_step`` each, plus every decode token's K/V read: its
+      context (prompt + tokens before it) x K/V bytes per position. All at the read bandwidth.
+
+    The two times add up (the engine interleaves the phases but never overlaps their
+    floors on one device).
+    """
+    prefill_flops = sum(roofline.prefill_flops(cfg, 1, len(p)) for p in w.prompts)
+    decode_tokens = sum(o - 1 for o in w.output_lens)
+    batch_eff = min(num_slots, len(w.prompts))
+    decode_steps = decode_tokens / batch_eff
+    weight_bytes = decode_steps * roofline.weight_bytes_per_step(cfg, dtype_bytes)
+    # Decode token i (1..o-1) of a prompt of p tokens attends to p + i positions.
+    kv_positions = sum((o - 1) * len(p) + o * (o - 1) // 2
+                       for p, o in zip(w.prompts, w.output_lens, strict=True))
+    kv_bytes = roofline.kv_bytes_per_seq(cfg, kv_positions, dtype_bytes)
+    prefill_s = prefill_flops / matmul_flops_per_s
+    decode_s = (weight_bytes + kv_bytes) / read_bytes_per_s
+    floor_s = prefill_s + decode_s
+    output_tokens = sum(w.output_lens)
+    return dict(
+        prefill_flops=prefill_flops, prefill_s=prefill_s, decode_tokens=decode_tokens,
+        batch_eff=batch_eff, decode_steps=decode_steps, decode_weight_bytes=weight_bytes,
+        decode_kv_bytes=kv_bytes, decode_s=decode_s, floor_s=floor_s,
+        output_tokens=output_tokens, floor_output_tok_per_s=output_tokens / floor_s,
+        matmul_flops_per_s=matmul_flops_per_s, read_bytes_per_s=read_bytes_per_s,
+        assumption="decode steps = sum(output_len - 1) / min(slots, requests); weights read "
+                   "once per step; each decode token reads its context's K/V")
+
+
+def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: str,
+                seed: int) -> jaxinfer.Model:
+    """Random bf16 weights of ``cfg``'s shapes, made on the default device, in ``layout``.
+
+    ``init_params`` draws each weight on the device; ``apply_layout(donate=True)`` frees each
+    stored-layout buffer as soon as it is copied, so the device holds one model plus one
+    stacked weight kind at most (8B: 16 GB of weights).
+    """
+    params = init_params(cfg, jax.random.PRNGKey(seed), jnp.bfloat16)
+    params = apply_layout(params, layout, donate=True)
+    return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.bfloat16,
+                          name=preset, backend=backend)
+
+
+def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Engine:
+    """``jaxinfer.Engine(model)`` with only the sizing flags that were given."""
+    gc.collect()  # free the previous run's page pool before this one sizes itself on free memory
+    overrides = dict(max_batch=args.max_batch, max_tokens_per_step=args.token_budget,
+                     kv_cache_bytes=None if args.kv_bytes is None else int(args.kv_bytes),
+                     decode_steps=args.decode_steps, page_size=args.page_size)
+    return jaxinfer.Engine(model, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def warmup(engine: jaxinfer.Engine) -> float:
+    """Compile every step shape (``engine.warmup``); return the seconds it took."""
+    t0 = time.perf_counter()
+    engine.warmup()
+    return time.perf_counter() - t0
+
+
+def _percentiles_ms(xs_s: Sequence[float]) -> dict[str, float | None]:
+    a_ms = np.asarray(xs_s, float) * 1e3
+    return {f"p{q}": float(np.percentile(a_ms, q)) if a_ms.size else None for q in (50, 90, 99)}
+
+
+def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
+    """Submit each request at its arrival time and step until all finish; the run's figures.
+
+    TTFT counts from the scheduled arrival (a request that arrives during a step is submitted
+    after it). Engine counters are differences over the timed run, excluding the warm-up.
+    """
+    before = engine.stats()
     ids: list[int] = []
+    late_s: list[float] = []  # submission time - scheduled arrival
     t0 = time.perf_counter()
     nxt = 0
     while nxt < len(w.prompts) or engine.has_unfinished():
         now = time.perf_counter() - t0
-        while nxt < len(w.prompts) and w.arrivals[nxt] <= now:
-            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.outputs[nxt]))
+        while nxt < len(w.prompts) and w.arrivals_s[nxt] <= now:
+            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt]))
+            late_s.append(time.perf_counter() - t0 - w.arrivals_s[nxt])
             nxt += 1
-        if not engine.has_unfinished():
-            time.sleep(min(0.01, max(0.0, w.arrivals[nxt] - now)))
-            continue
-        engine.step()
-        s = engine.stats()
-        allocated = s.pages_used * args.page_size
-        util.append(s.tokens_held / s.tokens_capacity)
-        if allocated:
-            waste.append(max(0.0, 1 - s.tokens_held / allocated))
-    elapsed = time.perf_counter() - t0
+        if engine.has_unfinished():
+            engine.step()
+        else:
+            time.sleep(max(0.0, w.arrivals_s[nxt] - now))
+    elapsed_s = time.perf_counter() - t0
     metrics = [engine.request_metrics(i) for i in ids]
-    outs = [engine.result(i) for i in ids]
+    output_tokens = sum(len(engine.result(i).token_ids) for i in ids)
     s = engine.stats()
+    computed, padded = (s.computed_tokens - before.computed_tokens,
+                        s.padded_tokens - before.padded_tokens)
     return dict(
-        system="engine", elapsed=elapsed, tokens=sum(len(o.token_ids) for o in outs),
-        ttft=[m.time_to_first_token for m in metrics],
-        tpot=[m.time_per_output_token for m in metrics if m.time_per_output_token],
-        kv_util=float(np.mean(util)), kv_waste=float(np.mean(waste)),
-        preemptions=s.num_preemptions, compilations=s.num_compilations,
-        hit_rate=s.prefix_cache_hit_rate, kv_pages_total=s.pages_total,
-        kv_peak_pages_used=s.peak_pages_used,
-        kv_peak_tokens_allocated=s.peak_pages_used * args.page_size,
-        kv_tokens_capacity=s.tokens_capacity)
+        elapsed_s=elapsed_s, output_tokens=output_tokens,
+        planned_output_tokens=sum(w.output_lens),
+        output_tok_per_s=output_tokens / elapsed_s, req_per_s=len(ids) / elapsed_s,
+        ttft_ms=_percentiles_ms([m.time_to_first_token + late
+                                 for m, late in zip(metrics, late_s, strict=True)]),
+        tpot_ms=_percentiles_ms([m.time_per_output_token for m in metrics
+                                 if m.time_per_output_token is not None]),
+        steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
+        computed_tokens=computed, padded_tokens=padded,
+        padding_fraction=1 - computed / padded if padded else 0.0,
+        preemptions=s.num_preemptions - before.num_preemptions,
+        num_programs=s.num_programs, programs_compiled_in_run=s.num_programs - before.num_programs,
+        peak_pages_used=s.peak_pages_used, pages_total=s.pages_total,
+        cached_tokens=s.cached_tokens - before.cached_tokens,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens)
 
 
-def run_static(model: Model, w: Workload, args: argparse.Namespace) -> dict:
-    """Static batches of ``max_batch`` in arrival order; a batch starts when its last request
-    has arrived and the previous batch is done (what ``generate`` does per call)."""
-    b = args.max_batch
-    jaxinfer.generate(model, [w.prompts[0][:8]], max_new_tokens=2)
-    ttft, tpot, waste, slot_counts = [], [], [], []
-    tokens = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(w.prompts), b):
-        idx = range(start, min(start + b, len(w.prompts)))
-        ready = max(w.arrivals[i] for i in idx)
-        wait = ready - (time.perf_counter() - t0)
-        if wait > 0:
-            time.sleep(wait)
-        began = time.perf_counter() - t0
-        outs = jaxinfer.generate(model, [w.prompts[i] for i in idx], sampling=[
-            jaxinfer.SamplingParams(max_new_tokens=w.outputs[i]) for i in idx])
-        for i, o in zip(idx, outs, strict=True):
-            ttft.append(began - w.arrivals[i] + o.time_to_first_token)
-            if len(o.token_ids) > 1:
-                tpot.append(o.time_per_output_token)
-            tokens += len(o.token_ids)
-        # The static cache reserves batch x bucketed (prompt + max_new) slots for the whole
-        # batch; at best (its last step) it holds each sequence's prompt + output.
-        need = max(len(w.prompts[i]) + w.outputs[i] for i in idx)
-        slots = (1 << (len(idx) - 1).bit_length()) * max(64, 1 << (need - 1).bit_length())
-        held = sum(len(w.prompts[i]) + w.outputs[i] for i in idx)
-        waste.append(1 - held / slots)
-        slot_counts.append(slots)
-    return dict(system="static generate", elapsed=time.perf_counter() - t0, tokens=tokens,
-                ttft=ttft, tpot=tpot, kv_util=float("nan"), kv_waste=float(np.mean(waste)),
-                kv_peak_tokens_allocated=max(slot_counts))
+def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: int,
+               new_tokens: int, read_bytes_per_s: float, dtype_bytes: int) -> dict[str, Any]:
+    """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
+
+    The roofline reads the weights (``roofline.weight_bytes_per_step``) and the K/V of the
+    mean context once per token, at the read bandwidth.
+    """
+    vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
+    prompt = np.random.default_rng(1).choice(vocab, size=prompt_len).tolist()
+    rid = engine.submit(prompt, max_new_tokens=new_tokens)
+    engine.run_until_done()
+    m = engine.request_metrics(rid)
+    tokens = len(engine.result(rid).token_ids)
+    decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
+    step_bytes = roofline.decode_step_bytes(cfg, 1, prompt_len + tokens // 2, dtype_bytes)
+    floor_tok_per_s = read_bytes_per_s / step_bytes
+    return dict(prompt_len=prompt_len, max_new_tokens=new_tokens, tokens=tokens,
+                ttft_ms=m.time_to_first_token * 1e3, decode_tok_per_s=decode_tok_per_s,
+                step_bytes=step_bytes, floor_tok_per_s=floor_tok_per_s,
+                fraction_of_floor=(decode_tok_per_s / floor_tok_per_s
+                                   if decode_tok_per_s else None))
 
 
-def report(r: dict, n: int) -> None:
-    print(f"\n{r['system']}: {r['elapsed']:.1f} s, {r['tokens'] / r['elapsed']:.0f} output "
-          f"tok/s, {n / r['elapsed']:.2f} req/s")
-    print(f"  TTFT {percentiles(r['ttft'])}   TPOT {percentiles(r['tpot'])}")
-    print(f"  KV utilisation {r['kv_util']:.1%}, KV waste (allocated, unused) "
-          f"{r['kv_waste']:.1%}")
-    extra = {k: r[k] for k in ("preemptions", "compilations", "hit_rate", "kv_pages_total",
-                                "kv_peak_pages_used", "kv_peak_tokens_allocated") if k in r}
-    if extra:
-        print(f"  {json.dumps(extra)}")
+def _fmt_ms(p: dict[str, float | None]) -> str:
+    return "  ".join(f"{k} {v:7.1f}" if v is not None else f"{k}   -" for k, v in p.items())
 
 
-def summary(r: dict, n: int) -> dict:
-    """JSON-ready figures of one run (percentiles in ms instead of the raw lists)."""
-    out = {k: v for k, v in r.items() if k not in ("ttft", "tpot")}
-    out.update(output_tok_per_s=r["tokens"] / r["elapsed"], req_per_s=n / r["elapsed"])
-    for name in ("ttft", "tpot"):
-        a = np.asarray(r[name]) * 1e3
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}_ms"] = float(np.percentile(a, q)) if a.size else None
-    return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
+    """Print one run's figures."""
+    print(f"  {run['elapsed_s']:.2f} s (warm-up {run['warmup_s']:.1f} s before): "
+          f"{run['output_tokens']} tokens, {run['output_tok_per_s']:.0f} output tok/s, "
+          f"{run['req_per_s']:.2f} req/s")
+    print(f"  floor {floor['floor_s']:.4g} s -> {floor['floor_output_tok_per_s']:.4g} output "
+          f"tok/s; measured {run['output_tok_per_s']:.0f} tok/s = "
+          f"{100 * run['fraction_of_floor']:.3g}% of the floor")
+    if run["output_tokens"] != run["planned_output_tokens"]:
+        print(f"  note: {run['planned_output_tokens'] - run['output_tokens']} planned tokens not "
+              "generated (eos sampled); the floor counts the planned ones")
+    print(f"  TTFT ms {_fmt_ms(run['ttft_ms'])}   TPOT ms {_fmt_ms(run['tpot_ms'])}")
+    print(f"  steps {run['steps']} (decode calls {run['decode_calls']}), tokens computed "
+          f"{run['computed_tokens']} of {run['padded_tokens']} padded "
+          f"({run['padding_fraction']:.1%} padding), preemptions {run['preemptions']}, "
+          f"programs {run['num_programs']} ({run['programs_compiled_in_run']} compiled in the "
+          f"run), peak pages {run['peak_pages_used']}/{run['pages_total']}, prefix-cache hits "
+          f"{run['cached_tokens']} tokens ({run['prefix_cache_hit_rate']:.1%})", flush=True)
 
 
-def main() -> None:
+def json_path(arg: str, preset: str, date: str) -> Path:
+    """``--json`` as a path; ``auto`` is ``bench/results/<device>/engine_<preset>_<date>.json``."""
+    if arg == "auto":
+        return REPO / "bench" / "results" / device_name() / f"engine_{preset}_{date}.json"
+    return Path(arg)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line flags; unset length ranges take the preset's ``DEFAULT_LENGTHS``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rate", default="0", help="requests/s; 0 = all at once; a comma-"
                     "separated list runs each in turn (same lengths, compiled once)")
-    ap.add_argument("--prompt-min", type=int, default=64)
-    ap.add_argument("--prompt-max", type=int, default=2048)
-    ap.add_argument("--output-min", type=int, default=16)
-    ap.add_argument("--output-max", type=int, default=1024)
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--token-budget", type=int, default=512)
-    ap.add_argument("--kv-bytes", type=float, default=None, help="default: 90%% of free memory")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--skip-static", action="store_true")
-    ap.add_argument("--static-passes", type=int, default=2,
-                    help="time the last pass: the first compiles every shape bucket it meets")
+    for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help="default 32-1024 prompt, 16-512 output tokens (tiny: 4-64, 4-32)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the figures here (after each rate)")
-    args = ap.parse_args()
-    if args.preset == "tiny":  # CPU smoke run: small everything unless overridden
-        args.prompt_max, args.prompt_min = min(args.prompt_max, 64), min(args.prompt_min, 4)
-        args.output_max, args.output_min = min(args.output_max, 32), min(args.output_min, 4)
-        args.kv_bytes = args.kv_bytes or 2**22
-        args.max_batch, args.token_budget = min(args.max_batch, 16), min(args.token_budget, 64)
-    if args.kv_bytes is not None:
-        args.kv_bytes = int(args.kv_bytes)
+    ap.add_argument("--layout", choices=LAYOUTS, default="auto",
+                    help="execution layout of the weights (auto: fast on one GPU)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "pallas", "reference"))
+    # Engine sizing: unset flags keep the engine's own choice (``Engine(model)``).
+    ap.add_argument("--max-batch", type=int, default=None, help="engine slots")
+    ap.add_argument("--token-budget", type=int, default=None, help="max_tokens_per_step")
+    ap.add_argument("--kv-bytes", type=float, default=None,
+                    help="page pool bytes (tiny: 4 MiB)")
+    ap.add_argument("--decode-steps", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--matmul-tflops", type=float, default=None,
+                    help="bf16 matmul rate for the floor (default: measured H100 634, H200 790)")
+    ap.add_argument("--read-tbps", type=float, default=None,
+                    help="read bandwidth for the floor (default: measured H100 3.0, H200 4.3)")
+    ap.add_argument("--batch1-tokens", type=int, default=0,
+                    help="> 0: also decode this many tokens for one request alone")
+    ap.add_argument("--batch1-prompt", type=int, default=128,
+                    help="prompt tokens of the batch-1 request")
+    ap.add_argument("--compile-cache", default=None,
+                    help="JAX persistent compilation cache folder (reused across processes)")
+    ap.add_argument("--json", default=None,
+                    help="write the record here after each run; 'auto' = bench/results/"
+                         "<device>/engine_<preset>_<date>.json")
+    args = ap.parse_args(argv)
+    if args.kv_bytes is None:
+        args.kv_bytes = DEFAULT_KV_BYTES.get(args.preset)
+    for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
+                           DEFAULT_LENGTHS[args.preset], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; return the JSON record (also written to ``--json``)."""
+    args = parse_args(argv)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     cfg = PRESETS[args.preset]
-    dtype = jnp.float32 if args.preset == "tiny" else jnp.bfloat16
-    params = init_params(cfg, jax.random.PRNGKey(0), dtype)
-    model = Model(config=cfg, params=params, tokenizer=None, dtype=dtype,
-                  backend=args.backend, max_batch=args.max_batch)
-    record: dict = dict(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        device=jax.devices()[0].device_kind, jax=jax.__version__,
-        command="python " + " ".join(sys.argv), preset=args.preset, dtype=str(dtype.dtype),
-        args={k: v for k, v in vars(args).items() if k != "json"}, runs=[])
-    static_passes = args.static_passes
+    dtype_bytes = jnp.dtype(jnp.bfloat16).itemsize
+    kind = jax.devices()[0].device_kind
+    flops, bandwidth, ceiling_note = ceilings(kind, args.matmul_tflops, args.read_tbps)
+    now = datetime.datetime.now(datetime.UTC)
+    out_path = json_path(args.json, args.preset, now.strftime("%Y%m%d")) if args.json else None
+    command = " ".join(["python", *(sys.argv if argv is None else ["scripts/bench_engine.py",
+                                                                  *argv])])
+    model = build_model(cfg, args.preset, args.layout, args.backend, args.seed)
+    record: dict[str, Any] = dict(
+        date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
+        command=command, preset=args.preset, layout=model.layout, dtype="bfloat16",
+        args={k: v for k, v in vars(args).items() if k != "json"},
+        ceilings=dict(matmul_flops_per_s=flops, read_bytes_per_s=bandwidth, source=ceiling_note),
+        floor=None, runs=[], batch1=None)
+
+    def save() -> None:
+        if out_path is not None:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    print(f"== {args.preset} ({model.layout} layout) on {kind}: {args.requests} requests, "
+          f"prompts {args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-"
+          f"{args.output_max}; ceilings {flops / 1e12:.0f} TFLOP/s, {bandwidth / 1e12:.2f} TB/s "
+          f"({ceiling_note})", flush=True)
     for rate in (float(x) for x in args.rate.split(",")):
         w = make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
                           (args.output_min, args.output_max), rate, args.seed)
-        print(f"\n== {args.preset}: {args.requests} requests, prompts {args.prompt_min}-"
-              f"{args.prompt_max}, outputs {args.output_min}-{args.output_max}, rate "
-              f"{rate or 'offline'}, {jax.devices()[0].device_kind}", flush=True)
-        eng = run_engine(model, w, args)
-        report(eng, args.requests)
-        run = dict(rate=rate, engine=summary(eng, args.requests))
-        if not args.skip_static:
-            for _ in range(static_passes):
-                static = run_static(model, w, args)
-            static_passes = 1  # the same buckets are compiled now
-            report(static, args.requests)
-            run["static"] = summary(static, args.requests)
+        engine = make_engine(model, args)
+        if record["floor"] is None:  # the same prompts and lengths, slots and rates every run
+            record["floor"] = workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
+                                             dtype_bytes)
+            f = record["floor"]
+            print(f"floor {f['floor_s']:.4g} s -> {f['floor_output_tok_per_s']:.4g} output tok/s"
+                  f" (prefill {f['prefill_flops'] / 1e12:.4g} TFLOP = {f['prefill_s']:.4g} s; "
+                  f"decode {f['decode_tokens']} tokens in ~{f['decode_steps']:.0f} steps of "
+                  f"{f['batch_eff']}: {(f['decode_weight_bytes'] + f['decode_kv_bytes']) / 1e9:.1f}"
+                  f" GB = {f['decode_s']:.4g} s)", flush=True)
+        warmup_s = warmup(engine)
+        print(f"\n-- rate {rate or 'offline'}: {engine.max_batch} slots, {engine.max_tokens} "
+              f"tokens per step", flush=True)
+        run = dict(rate=rate, warmup_s=warmup_s, **run_workload(engine, w))
+        run["fraction_of_floor"] = (run["output_tok_per_s"]
+                                    / record["floor"]["floor_output_tok_per_s"])
+        report(run, record["floor"])
         record["runs"].append(run)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(record, f, indent=1)
-        sys.stdout.flush()
+        save()
+        del engine
+    if args.batch1_tokens > 0:
+        engine = make_engine(model, args)
+        warmup_s = warmup(engine)
+        b1 = dict(warmup_s=warmup_s, **run_batch1(engine, cfg, args.batch1_prompt,
+                                                 args.batch1_tokens, bandwidth, dtype_bytes))
+        b1_tok_per_s = b1["decode_tok_per_s"]
+        print(f"\n-- batch 1: {b1['tokens']} tokens after a {b1['prompt_len']}-token prompt: "
+              + (f"decode {b1_tok_per_s:.1f} tok/s, roofline {b1['floor_tok_per_s']:.4g} tok/s "
+                 f"({b1['step_bytes'] / 1e9:.3f} GB per step) = "
+                 f"{100 * b1['fraction_of_floor']:.3g}%"
+                 if b1_tok_per_s else "under 2 tokens, no decode rate")
+              + f"; TTFT {b1['ttft_ms']:.1f} ms", flush=True)
+        record["batch1"] = b1
+        save()
+    if out_path is not None:
+        print(f"\nwrote {out_path}")
+    return record
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""scripts/bench_engine.py: the tiny preset end to end on CPU, and the floor's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_engine",
+                                                  REPO / "scripts" / "bench_engine.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_engine"] = mod  # dataclasses look their module up while being defined
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_workload_floor_by_hand(bench):
+    cfg = bench.PRESETS["tiny"]
+    w = bench.Workload(prompts=[[5] * 3, [6] * 5], output_lens=[2, 4], arrivals_s=[0.0, 0.0])
+    f = bench.workload_floor(cfg, w, num_slots=1, matmul_flops_per_s=1e12,
+                             read_bytes_per_s=1e9, dtype_bytes=2)
+    # One slot: every decode token is its own step. Contexts: 3+1; 5+1, 5+2, 5+3 positions.
+    assert (f["batch_eff"], f["decode_tokens"], f["decode_steps"]) == (1, 4, 4)
+    kv_per_position = 2 * cfg.num_kv_heads * cfg.num_layers * cfg.head_dim * 2
+    assert f["decode_kv_bytes"] == (4 + 6 + 7 + 8) * kv_per_position
+    weights = cfg.num_params() * 2 - cfg.vocab_size * cfg.hidden_size * 2  # untied table
+    assert f["decode_weight_bytes"] == 4 * weights
+    assert f["decode_s"] == pytest.approx((4 * weights + 25 * kv_per_position) / 1e9)
+    assert f["floor_s"] == pytest.approx(f["prefill_s"] + f["decode_s"])
+    assert f["floor_output_tok_per_s"] == pytest.approx(6 / f["floor_s"])
+    # More slots than requests: both decode together.
+    assert bench.workload_floor(cfg, w, 8, 1e12, 1e9, 2)["decode_steps"] == 2
+
+
+def test_ceilings(bench):
+    assert bench.ceilings("NVIDIA H200", None, None)[:2] == (790e12, 4.3e12)
+    flops, bandwidth, note = bench.ceilings("cpu", None, 2.0)
+    assert (flops, bandwidth) == (634e12, 2.0e12) and "H100" in note
+
+
+def test_tiny_end_to_end(bench, tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["--preset", "tiny", "--requests", "8", "--rate", "0,200", "--max-batch", "4",
+            "--token-budget", "16", "--batch1-tokens", "6", "--json", str(out)]
+    record = bench.main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert record["command"].endswith(" ".join(argv))
+    floor = record["floor"]
+    w = bench.make_workload(bench.PRESETS["tiny"], 8, (4, 64), (4, 32), 0.0, 0)
+    assert floor["output_tokens"] == sum(w.output_lens) and floor["batch_eff"] == 4
+    assert floor["floor_s"] == pytest.approx(floor["prefill_s"] + floor["decode_s"])
+
+    # The tokens counted are the engine's: the same workload run again gives as many.
+    args = bench.parse_args(argv)
+    engine = bench.make_engine(bench.build_model(bench.PRESETS["tiny"], "tiny", "auto", "auto",
+                                                 0), args)
+    ids = [engine.submit(p, max_new_tokens=n)
+           for p, n in zip(w.prompts, w.output_lens, strict=True)]
+    engine.run_until_done()
+    tokens = sum(len(engine.result(i).token_ids) for i in ids)
+    assert [r["rate"] for r in record["runs"]] == [0.0, 200.0]
+    for run in record["runs"]:
+        assert run["output_tokens"] == tokens <= run["planned_output_tokens"]
+        assert run["output_tok_per_s"] == pytest.approx(tokens / run["elapsed_s"])
+        assert run["fraction_of_floor"] == pytest.approx(
+            run["output_tok_per_s"] / floor["floor_output_tok_per_s"])
+        assert run["computed_tokens"] <= run["padded_tokens"]
+        assert run["programs_compiled_in_run"] == 0  # warmup() compiled every step shape
+        assert run["slots"] == 4 and run["max_tokens_per_step"] == 16
+
+    b1 = record["batch1"]
+    assert b1["tokens"] == 6 and b1["decode_tok_per_s"] > 0
+    assert b1["fraction_of_floor"] == pytest.approx(b1["decode_tok_per_s"]
+                                                    / b1["floor_tok_per_s"])
