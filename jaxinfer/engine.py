@@ -75,6 +75,22 @@ CPU_KV_CACHE_BYTES = 128 * 2**20
 """KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
 
 
+def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
+    """Device bytes the steps need besides weights and pool: kept free when sizing the pool.
+
+    Activations of the largest mixed step (float32 upper bound on its widest tensors), the
+    sampling rows ``[slots, vocab]`` (logits, log-softmax, penalised and filtered copies),
+    one scoring chunk of logits, and 1 GiB for XLA/cuBLAS workspaces and autotuning.
+    """
+    c = config
+    width = 3 * c.hidden_size + 2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) \
+        * c.head_dim
+    activations = 2 * max_tokens * width * 4
+    sampling = 4 * slots * c.vocab_size * 4
+    scoring = 2 * min(512, max_tokens) * c.vocab_size * 4
+    return activations + sampling + scoring + 2**30
+
+
 @dataclasses.dataclass
 class RequestMetrics:
     """Timings of one request, in seconds from its submission (None until they happen)."""
@@ -99,6 +115,8 @@ class EngineStats:
     computed_tokens: int  # tokens run through the model (prefill + decode), padding excluded
     padded_tokens: int  # token slots the compiled shapes computed, padding included
     tokens_per_second: float
+    step_seconds: float  # wall time inside step()
+    device_seconds: float  # of which: from launching a step program to its results on the host
     pages_total: int
     pages_used: int  # referenced by live sequences
     pages_cached: int  # unreferenced, kept for the prefix cache (evictable)
@@ -197,7 +215,9 @@ class Engine:
         verbose: bool = True,
     ) -> None:
         cfg = model.config
-        self.model = model
+        # A copy sharing params and tokenizer: the model may keep this engine (engine_for)
+        # without a reference cycle, so dropping the model frees the pool at once.
+        self.model = dataclasses.replace(model)
         accelerator = jax.default_backend() != "cpu"
         if page_size < 1 or page_size & (page_size - 1):
             raise InputError(f"page_size={page_size} must be a power of two")
@@ -205,19 +225,22 @@ class Engine:
             raise InputError(f"decode_steps={decode_steps} must be >= 1")
         self.mesh = model.mesh
         _, model_size = mesh_sizes(self.mesh)
+        default_slots = 256 if accelerator else 32
+        slots = max_batch or model.max_batch
+        budget = max_tokens_per_step or max(4096 if accelerator else 256, slots or 0)
         if num_pages is None:
             if kv_cache_bytes is None and not (jax.devices()[0].memory_stats() or {}):
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
+            reserve = step_workspace_bytes(cfg, slots or default_slots, budget)
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
-                                         memory_fraction, model_shards=model_size)
+                                         memory_fraction, model_shards=model_size,
+                                         reserve_bytes=reserve)
         elif num_pages < 1:
             raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
-        slots = max_batch or model.max_batch or max(1, min(256 if accelerator else 32,
-                                                           capacity // 256))
+        slots = slots or max(1, min(default_slots, capacity // 256))
         if slots < 1:
             raise InputError(f"max_batch={slots} must be >= 1")
-        budget = max_tokens_per_step or max(4096 if accelerator else 256, slots)
         if budget < slots:
             raise InputError(f"max_tokens_per_step={budget} must be >= max_batch={slots} so "
                              "every running sequence can decode each step")
@@ -233,9 +256,11 @@ class Engine:
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16))
         self.row_buckets = row_buckets(slots)
         self.blocks = BlockManager(num_pages, page_size, prefix_caching)
-        pool_sharding = None if self.mesh is None else engine_pool_sharding(self.mesh, cfg)
+        stacked = not isinstance(model.params["layers"], list | tuple)  # as the weights
+        pool_sharding = (None if self.mesh is None
+                         else engine_pool_sharding(self.mesh, cfg, stacked))
         self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype,
-                                    sharding=pool_sharding)
+                                    sharding=pool_sharding, stacked=stacked)
         self._seen = put_replicated(self.mesh, np.zeros((slots, cfg.vocab_size), bool))
         if verbose:
             mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
@@ -261,7 +286,7 @@ class Engine:
         self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
         self._steps = self._decode_calls = 0
-        self._step_time = 0.0
+        self._step_time = self._device_time = 0.0
         self._generated = self._computed = self._padded = 0
         self._peak_used = 0
         self._lookup_tokens = self._hit_tokens = 0
@@ -396,6 +421,7 @@ class Engine:
             waiting=len(self._waiting), generated_tokens=self._generated,
             computed_tokens=self._computed, padded_tokens=self._padded,
             tokens_per_second=self._generated / self._step_time if self._step_time else 0.0,
+            step_seconds=self._step_time, device_seconds=self._device_time,
             pages_total=bm.num_pages, pages_used=bm.num_used, pages_cached=bm.num_cached,
             pages_free=bm.num_free - bm.num_cached, peak_pages_used=self._peak_used,
             tokens_capacity=bm.num_pages * self.page_size,
@@ -606,8 +632,6 @@ class Engine:
             last[s.slot] = cursor - 1
             gen[s.slot] = len(s.progress.tokens)
             samples[s.slot] = not s.req.is_score and start + n == len(s.tokens)
-        self._computed += cursor
-        self._padded += t
         return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
             write_offsets=write_offsets, targets=targets, block_tables=tables, kv_lens=kv_lens,
@@ -617,12 +641,15 @@ class Engine:
 
     def _run_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, np.ndarray]:
         self._programs.add(("mixed", t, score))
+        t0 = time.perf_counter()
         with on_mesh(self.mesh):
             self.pool, self._seen, out = mixed_step(
                 self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_q_len=t, score=score)
-        return to_host(out)
+        out = to_host(out)
+        self._device_time += time.perf_counter() - t0
+        return out
 
     def _mixed(self) -> list[Event]:
         plan = self._plan_mixed()
@@ -636,6 +663,8 @@ class Engine:
         score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
         out = self._run_mixed(self._mixed_inputs(plan, t, score), t, score)
         now = time.perf_counter()
+        self._computed += total
+        self._padded += t
         events: list[Event] = []
         cursor = 0
         for s, n in sorted(plan, key=lambda p: p[0].slot):
@@ -723,12 +752,15 @@ class Engine:
     def _run_decode(self, inp: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
         b = inp.tokens.shape[0]
         self._programs.add(("decode", b, self._stop_width))
+        t0 = time.perf_counter()
         with on_mesh(self.mesh):
             self.pool, self._seen, out_t, out_lp = decode_steps(
                 self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self.decode_steps)
-        return to_host((out_t, out_lp))
+        out = to_host((out_t, out_lp))
+        self._device_time += time.perf_counter() - t0
+        return out
 
     def _decode(self, max_steps: int) -> list[Event]:
         k = self._plan_decode(min(max_steps, self.decode_steps))

@@ -191,7 +191,8 @@ def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
     through the engine's forward pass over a private pool of ``T / page_size`` pages."""
     t = tokens.shape[0]
     pages = t // page_size
-    pool = PagePool.create(config, pages, page_size, dtype)
+    pool = PagePool.create(config, pages, page_size, dtype,
+                           stacked=not isinstance(params["layers"], list | tuple))
     pos = jnp.arange(t, dtype=jnp.int32)
     h, _, _ = forward_ragged(params, config, tokens, pos, pool.k, pool.v,
                              jnp.where(pos < length, pos // page_size, pages), pos % page_size,

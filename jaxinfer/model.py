@@ -392,11 +392,59 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     return gather_vocab(logits)  # on a mesh the head is vocab-split; sampling wants whole rows
 
 
-def layer_params(layers: Params | list[Params], i: int) -> Params:
-    """Layer ``i``'s weights from either layout (a list entry, or a static slice of stacks)."""
-    if isinstance(layers, list | tuple):
-        return layers[i]
-    return {name: w[i] for name, w in layers.items()}
+def _write_kv(pages: jax.Array, layer: int | jax.Array | None, new: jax.Array,
+              write_pages: jax.Array, write_offsets: jax.Array) -> jax.Array:
+    """Scatter ``new [T, KVH, D]`` into one layer's pages, in place.
+
+    ``pages`` is that layer's ``[KVH, P, page_size, D]`` buffer (``layer`` None) or the
+    stacked ``[L, KVH, P, page_size, D]`` pool with ``layer`` its index. Padding tokens name
+    page ``P`` and are dropped.
+    """
+    new = new.astype(pages.dtype)
+    if layer is None:  # index (:, page[T], offset[T]) keeps heads first: updates [KVH, T, D]
+        return pages.at[:, write_pages, write_offsets].set(new.swapaxes(0, 1), mode="drop")
+    # (layer, :, page[T], offset[T]): the scalar splits the advanced indices, so T comes first.
+    return pages.at[layer, :, write_pages, write_offsets].set(new, mode="drop")
+
+
+def decoder_layer(
+    lp: Params,
+    config: LlamaConfig,
+    h: jax.Array,
+    positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    layer: int | jax.Array | None,
+    batch: dict[str, Any],
+    *,
+    max_q_len: int | None,
+    backend: Literal["reference", "pallas"],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The one layer body: ``h [1, T, hidden]`` -> ``h``, K/V written to pages, attended.
+
+    A pure function of the layer's weights ``lp`` and its inputs. ``k_pages``/``v_pages``
+    and ``layer`` as in ``_write_kv``; ``batch`` holds the packed step's ``write_pages``,
+    ``write_offsets`` ``[T]``, ``block_tables [S, P]``, ``kv_lens [S]``, ``cu_q_lens
+    [S + 1]``. Returns ``(h, k_pages, v_pages)``.
+    """
+    c = config
+    t = h.shape[1]
+    inv_freq = rope_inv_freq(config)
+    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+    q, k, v = _qkv(x, lp, c)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    # Scatter first, then attend: a chunk's queries see its own keys through the pages.
+    k_pages = _write_kv(k_pages, layer, k[0], batch["write_pages"], batch["write_offsets"])
+    v_pages = _write_kv(v_pages, layer, v[0], batch["write_pages"], batch["write_offsets"])
+    k_l = k_pages if layer is None else k_pages[layer]
+    v_l = v_pages if layer is None else v_pages[layer]
+    # Per model shard under a mesh (shard_map); plain ``attention`` on one device.
+    attn = mesh_ragged_attention(q[0], k_l, v_l, batch["kv_lens"], batch["block_tables"],
+                                 batch["cu_q_lens"], backend=backend, max_q_len=max_q_len)
+    h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
+    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+    return h + _dense(_gated_mlp(x, lp), lp["w_down"]), k_pages, v_pages
 
 
 def forward_ragged(
@@ -404,8 +452,8 @@ def forward_ragged(
     config: LlamaConfig,
     tokens: jax.Array,
     positions: jax.Array,
-    k_pages: Sequence[jax.Array],
-    v_pages: Sequence[jax.Array],
+    k_pages: jax.Array | Sequence[jax.Array],
+    v_pages: jax.Array | Sequence[jax.Array],
     write_pages: jax.Array,
     write_offsets: jax.Array,
     block_tables: jax.Array,
@@ -415,16 +463,18 @@ def forward_ragged(
     max_q_len: int | None = None,
     backend: Literal["reference", "pallas"] = "reference",
     dtype: Any = jnp.bfloat16,
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, Any, Any]:
     """Decoder over a packed mix of prefill chunks and decode tokens, K/V in a page pool.
 
     The engine's one forward pass: sequence s owns tokens ``[cu_q_lens[s], cu_q_lens[s+1])``.
-    The layer loop is unrolled over per-layer pool buffers, so every layer writes and reads
-    its own pages in place (stacked params are sliced statically per layer).
+    The pool follows the weights' layout: per-layer weights (``prepare_params(unstack=True)``)
+    run an unrolled loop over one ``[KVH, num_pages, page_size, D]`` buffer per layer, so
+    every kernel reads its layer's pages in place; stacked weights run one ``lax.scan`` over
+    a stacked ``[L, KVH, num_pages, page_size, D]`` pool, so compile time stays flat in depth.
 
     Args:
       tokens, positions: ``[T]`` int32, each token's id and absolute position in its sequence.
-      k_pages, v_pages: one ``[KVH, num_pages, page_size, D]`` buffer per layer.
+      k_pages, v_pages: the pool (see above).
       write_pages, write_offsets: ``[T]`` int32, where each token's K/V go; padding tokens
         use page ``num_pages`` (out of range, so the write is dropped).
       block_tables: ``[S, pages_per_seq]`` int32; kv_lens ``[S]`` keys per sequence
@@ -436,27 +486,25 @@ def forward_ragged(
       ``(hidden [T, hidden] after the final norm, k_pages, v_pages)``.
     """
     c = config
-    t = tokens.shape[0]
-    inv_freq = rope_inv_freq(config)
     h = params["embed"].astype(dtype)[tokens][None]  # [1, T, hidden]: apply_rope wants a batch
     pos = positions[None]
-    k_out, v_out = list(k_pages), list(v_pages)
-    for i in range(c.num_layers):
-        lp = layer_params(params["layers"], i)
-        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = _qkv(x, lp, c)
-        q = apply_rope(q, pos, inv_freq)
-        k = apply_rope(k, pos, inv_freq)
-        # Scatter first, then attend: a chunk's queries see its own keys through the pages.
-        # Index (:, page[T], offset[T]) keeps heads first: updates are [KVH, T, D].
-        k_out[i] = k_out[i].at[:, write_pages, write_offsets].set(
-            k[0].swapaxes(0, 1).astype(k_out[i].dtype), mode="drop")
-        v_out[i] = v_out[i].at[:, write_pages, write_offsets].set(
-            v[0].swapaxes(0, 1).astype(v_out[i].dtype), mode="drop")
-        # Per model shard under a mesh (shard_map); plain ``attention`` on one device.
-        attn = mesh_ragged_attention(q[0], k_out[i], v_out[i], kv_lens, block_tables,
-                                     cu_q_lens, backend=backend, max_q_len=max_q_len)
-        h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
-        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        h = h + _dense(_gated_mlp(x, lp), lp["w_down"])
-    return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), tuple(k_out), tuple(v_out)
+    batch = {"write_pages": write_pages, "write_offsets": write_offsets,
+             "block_tables": block_tables, "kv_lens": kv_lens, "cu_q_lens": cu_q_lens}
+    kw = {"max_q_len": max_q_len, "backend": backend}
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        k_out, v_out = list(k_pages), list(v_pages)
+        for i, lp in enumerate(layers):
+            h, k_out[i], v_out[i] = decoder_layer(lp, c, h, pos, k_out[i], v_out[i], None,
+                                                  batch, **kw)
+        k_pages, v_pages = tuple(k_out), tuple(v_out)
+    else:
+        def body(carry, xs):
+            h, k_all, v_all = carry
+            lp, i = xs
+            return decoder_layer(lp, c, h, pos, k_all, v_all, i, batch, **kw), None
+
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_pages, v_pages), _ = jax.lax.scan(body, (h, k_pages, v_pages),
+                                                (layers, layer_ids))
+    return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), k_pages, v_pages

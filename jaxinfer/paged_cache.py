@@ -1,7 +1,8 @@
 """Paged KV cache: a device pool of fixed-size pages and the host-side block manager.
 
-The pool holds K and V for every layer, one ``[kv_heads, num_pages, page_size, head_dim]``
-buffer per layer: the layout the paged/ragged kernels in ``pallas_kernels`` read. A sequence
+The pool holds K and V for every layer (one buffer per layer, or stacked over layers, as
+the weights are); per layer that is the ``[kv_heads, num_pages, page_size, head_dim]`` layout
+the paged/ragged kernels in ``pallas_kernels`` read. A sequence
 owns a *block table*: the list of physical pages holding its logical pages 0, 1, 2, ... so a
 sequence only ever holds
 ``ceil(length / page_size)`` pages instead of a ``max_len`` reservation.
@@ -38,34 +39,48 @@ from jaxinfer.errors import InputError
 
 @struct.dataclass
 class PagePool:
-    """K/V pages, one buffer per layer: ``k[i]``, ``v[i]`` are ``[KVH, num_pages, page_size, D]``.
+    """K/V pages of every layer, in one of two layouts matching the weights':
 
-    Per-layer buffers (not one ``[L, ...]`` array) so that a layer's attention kernel reads
-    its pool in place: slicing layer i out of a stacked pool for a custom call makes XLA copy
-    the whole layer's pool on every step.
+    * per layer (``stacked=False``): ``k``, ``v`` are tuples of one ``[KVH, num_pages,
+      page_size, D]`` buffer per layer, so each layer's attention kernel reads its pool in
+      place (slicing layer i out of a stacked pool for a custom call copies it);
+    * stacked: ``k``, ``v`` are ``[L, KVH, num_pages, page_size, D]``, for the layer scan
+      over stacked weights (compile time flat in depth).
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the layers are stacked on a leading axis of one buffer."""
+        return not isinstance(self.k, tuple)
 
     @property
     def num_pages(self) -> int:
         """Physical pages in the pool."""
-        return self.k[0].shape[1]
+        return (self.k if self.stacked else self.k[0]).shape[-3]
 
     @property
     def page_size(self) -> int:
         """Token positions per page."""
-        return self.k[0].shape[2]
+        return (self.k if self.stacked else self.k[0]).shape[-2]
 
     @classmethod
     def create(cls, config: LlamaConfig, num_pages: int, page_size: int,
-               dtype: jnp.dtype = jnp.bfloat16, sharding: jax.sharding.Sharding | None = None
-               ) -> PagePool:
-        """Allocate a zeroed pool, directly in shards when ``sharding`` is given (a mesh)."""
+               dtype: jnp.dtype = jnp.bfloat16, sharding: jax.sharding.Sharding | None = None,
+               stacked: bool = True) -> PagePool:
+        """Allocate a zeroed pool, directly in shards when ``sharding`` is given (a mesh).
+
+        ``sharding`` is that of one buffer (``sharding.rules.engine_pool_sharding``).
+        """
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         n = config.num_layers
+        if stacked:
+            shape = (n, *shape)
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        if stacked:
+            return cls(k=make(), v=make())
         return cls(k=tuple(make() for _ in range(n)), v=tuple(make() for _ in range(n)))
 
     @staticmethod
@@ -82,8 +97,10 @@ def pages_for_budget(
     kv_cache_bytes: int | None = None,
     memory_fraction: float = 0.9,
     model_shards: int = 1,
+    reserve_bytes: int = 0,
 ) -> int:
-    """How many pages fit ``kv_cache_bytes``, or ``memory_fraction`` of free device memory.
+    """How many pages fit ``kv_cache_bytes``, or ``memory_fraction`` of the free device memory
+    left after ``reserve_bytes`` (the steps' activations and workspace).
 
     With ``model_shards`` > 1 (a mesh's model size) each device holds that fraction of every
     page's K/V heads, and ``kv_cache_bytes`` is per device.
@@ -99,8 +116,8 @@ def pages_for_budget(
                              "or num_pages=... to size the KV cache")
         if not 0 < memory_fraction <= 1:
             raise InputError(f"memory_fraction={memory_fraction} must be in (0, 1]")
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        kv_cache_bytes = int(free * memory_fraction)
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserve_bytes
+        kv_cache_bytes = max(0, int(free * memory_fraction))
     pages = int(kv_cache_bytes) // per_page
     if pages < 1:
         raise InputError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {per_page} bytes; "

@@ -94,13 +94,13 @@ class DecodeInputs:
     sampling: SamplingArrays  # [B]
 
 
-def _constrain_pool(k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]):
-    """On a mesh, keep each layer's pool split by K/V heads (same shardings in and out)."""
+def _constrain_pool(k: Any, v: Any) -> tuple[Any, Any]:
+    """On a mesh, keep the pool split by K/V heads (same shardings in and out)."""
     if jax.sharding.get_abstract_mesh().empty:
         return k, v
-    spec = engine_pool_spec()
-    return (tuple(jax.lax.with_sharding_constraint(a, spec) for a in k),
-            tuple(jax.lax.with_sharding_constraint(a, spec) for a in v))
+    spec = engine_pool_spec(stacked=not isinstance(k, tuple))
+    return (jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), k),
+            jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), v))
 
 
 def _replicated(x: jax.Array) -> jax.Array:

@@ -201,18 +201,19 @@ def paged_cache_spec() -> P:
     return P(None, MODEL, DATA, None, None)
 
 
-def engine_pool_spec() -> P:
-    """Spec of one layer's buffer of the engine's page pool ``[kv_heads, num_pages, page_size, D]``.
+def engine_pool_spec(stacked: bool) -> P:
+    """Spec of a buffer of the engine's page pool: one layer's ``[kv_heads, num_pages,
+    page_size, D]``, or with ``stacked`` all layers' ``[L, kv_heads, ...]``.
 
     Heads on model; replicated over data. Unlike ``paged_cache_spec`` (one disjoint pool per
     data replica), the ``Engine`` keeps one pool whose pages any slot may map (prefix sharing,
     preemption), so on a data>1 mesh every data replica runs the same step on the same pool:
     correct, but data adds no throughput there (run one engine per replica for that).
     """
-    return P(MODEL, None, None, None)
+    return P(None, MODEL, None, None, None) if stacked else P(MODEL, None, None, None)
 
 
-def engine_pool_sharding(mesh: Mesh, config: LlamaConfig) -> NamedSharding:
+def engine_pool_sharding(mesh: Mesh, config: LlamaConfig, stacked: bool) -> NamedSharding:
     """``NamedSharding`` of the engine's pool on ``mesh`` (``engine_pool_spec``).
 
     Raises ``InputError`` naming the mesh when the K/V heads do not divide the model size
@@ -223,7 +224,7 @@ def engine_pool_sharding(mesh: Mesh, config: LlamaConfig) -> NamedSharding:
         raise InputError(f"the engine cannot shard {config.num_kv_heads} K/V heads over the "
                          f"data={data} x model={model} mesh; load the model with "
                          "load_model(mesh=...) so K/V heads are repeated to fit")
-    return NamedSharding(mesh, engine_pool_spec())
+    return NamedSharding(mesh, engine_pool_spec(stacked))
 
 
 def create_cache(config: LlamaConfig, batch_size: int, max_len: int, dtype: Any, mesh: Mesh

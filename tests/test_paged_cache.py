@@ -92,3 +92,6 @@ def test_pool_size_from_budget():
         pages_for_budget(cfg, 16, jnp.float32, kv_cache_bytes=per_page - 1)
     pool = PagePool.create(cfg, 10, 16, jnp.float32)
     assert pool.k.shape == (2, 1, 10, 16, 8) and pool.num_pages == 10 and pool.page_size == 16
+    per_layer = PagePool.create(cfg, 10, 16, jnp.float32, stacked=False)
+    assert [a.shape for a in per_layer.v] == [(1, 10, 16, 8)] * 2 and not per_layer.stacked
+    assert per_layer.num_pages == 10 and per_layer.page_size == 16
