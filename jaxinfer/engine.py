@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
+from jaxinfer.model import pool_is_stacked
 from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
 from jaxinfer.requests import (
     Completion,
@@ -178,7 +179,8 @@ class Engine:
     Args:
       model: a ``jaxinfer.Model`` (``load_model`` or hand-built).
       max_batch: sequences running at once (slots). Default ``model.max_batch`` if set, else
-        256 on an accelerator (32 on CPU), capped at one slot per 256 pool tokens.
+        256 on an accelerator (32 on CPU), 512 when the pool holds 512k tokens, capped at one
+        slot per 256 pool tokens.
       kv_cache_bytes: device bytes for the page pool (per device on a mesh).
         ``num_pages`` sets the pool size directly instead.
       page_size: tokens per page (a power of two for the Pallas kernel).
@@ -238,7 +240,9 @@ class Engine:
         elif num_pages < 1:
             raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
-        slots = slots or max(1, min(default_slots, capacity // 256))
+        # Hundreds of sequences when the pool holds them: 512 slots for >= 1,024 tokens each.
+        slots = slots or max(1, min(2 * default_slots if capacity >= 2**19 else default_slots,
+                                    capacity // 256))
         if slots < 1:
             raise InputError(f"max_batch={slots} must be >= 1")
         if budget < slots:
@@ -256,7 +260,7 @@ class Engine:
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16))
         self.row_buckets = row_buckets(slots)
         self.blocks = BlockManager(num_pages, page_size, prefix_caching)
-        stacked = not isinstance(model.params["layers"], list | tuple)  # as the weights
+        stacked = pool_is_stacked(model.params, self.backend)
         pool_sharding = (None if self.mesh is None
                          else engine_pool_sharding(self.mesh, cfg, stacked))
         self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype,

@@ -20,7 +20,7 @@ from jaxinfer.attention import resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.engine import engine_for
 from jaxinfer.errors import InputError
-from jaxinfer.model import Params, forward_ragged, lm_head
+from jaxinfer.model import Params, forward_ragged, lm_head, pool_is_stacked
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.requests import (
     Completion,
@@ -192,7 +192,7 @@ def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
     t = tokens.shape[0]
     pages = t // page_size
     pool = PagePool.create(config, pages, page_size, dtype,
-                           stacked=not isinstance(params["layers"], list | tuple))
+                           stacked=pool_is_stacked(params, backend))
     pos = jnp.arange(t, dtype=jnp.int32)
     h, _, _ = forward_ragged(params, config, tokens, pos, pool.k, pool.v,
                              jnp.where(pos < length, pos // page_size, pages), pos % page_size,

@@ -392,6 +392,22 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     return gather_vocab(logits)  # on a mesh the head is vocab-split; sampling wants whole rows
 
 
+def pool_is_stacked(params: Params, backend: str) -> bool:
+    """Whether the page pool for ``params`` is stacked over layers (run by a layer scan).
+
+    Only for stacked weights on the reference backend: a Pallas kernel given one layer of a
+    stacked pool gets a copy of that layer's whole pool (gigabytes) on every call.
+    """
+    return backend == "reference" and not isinstance(params["layers"], list | tuple)
+
+
+def layer_params(layers: Params | list[Params], i: int) -> Params:
+    """Layer ``i``'s weights from either layout (a list entry, or a static slice of stacks)."""
+    if isinstance(layers, list | tuple):
+        return layers[i]
+    return {name: w[i] for name, w in layers.items()}
+
+
 def _write_kv(pages: jax.Array, layer: int | jax.Array | None, new: jax.Array,
               write_pages: jax.Array, write_offsets: jax.Array) -> jax.Array:
     """Scatter ``new [T, KVH, D]`` into one layer's pages, in place.
@@ -467,10 +483,11 @@ def forward_ragged(
     """Decoder over a packed mix of prefill chunks and decode tokens, K/V in a page pool.
 
     The engine's one forward pass: sequence s owns tokens ``[cu_q_lens[s], cu_q_lens[s+1])``.
-    The pool follows the weights' layout: per-layer weights (``prepare_params(unstack=True)``)
-    run an unrolled loop over one ``[KVH, num_pages, page_size, D]`` buffer per layer, so
-    every kernel reads its layer's pages in place; stacked weights run one ``lax.scan`` over
-    a stacked ``[L, KVH, num_pages, page_size, D]`` pool, so compile time stays flat in depth.
+    The pool's layout picks the loop (``pool_is_stacked`` says which one a model gets): a
+    tuple of per-layer ``[KVH, num_pages, page_size, D]`` buffers runs an unrolled loop, so
+    every kernel reads its layer's pages in place (stacked weights are then sliced per layer);
+    a stacked ``[L, KVH, num_pages, page_size, D]`` pool runs one ``lax.scan`` over stacked
+    weights, so compile time stays flat in depth.
 
     Args:
       tokens, positions: ``[T]`` int32, each token's id and absolute position in its sequence.
@@ -492,11 +509,11 @@ def forward_ragged(
              "block_tables": block_tables, "kv_lens": kv_lens, "cu_q_lens": cu_q_lens}
     kw = {"max_q_len": max_q_len, "backend": backend}
     layers = params["layers"]
-    if isinstance(layers, list | tuple):
+    if isinstance(k_pages, list | tuple):
         k_out, v_out = list(k_pages), list(v_pages)
-        for i, lp in enumerate(layers):
-            h, k_out[i], v_out[i] = decoder_layer(lp, c, h, pos, k_out[i], v_out[i], None,
-                                                  batch, **kw)
+        for i in range(c.num_layers):
+            h, k_out[i], v_out[i] = decoder_layer(layer_params(layers, i), c, h, pos, k_out[i],
+                                                  v_out[i], None, batch, **kw)
         k_pages, v_pages = tuple(k_out), tuple(v_out)
     else:
         def body(carry, xs):
