@@ -287,6 +287,10 @@ class Engine:
         self._rep_penalty = np.ones(slots, np.float32)
         self._keys = np.zeros((slots, 2), np.uint32)
         self._stop_width = 4
+        # Host mirror of each slot's block table, extended as pages are reserved, so step
+        # inputs are built with array indexing instead of a loop over sequences.
+        self._tables = np.zeros((slots, self.pages_per_seq), np.int32)
+        self._table_len = np.zeros(slots, np.int64)
         self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
         self._steps = self._decode_calls = 0
@@ -520,6 +524,10 @@ class Engine:
         if copies:
             raise RuntimeError(f"unexpected copy-on-write {copies} for request {s.rid}; "
                                "this is a scheduler bug")
+        table, known = self.blocks.tables[s.rid], self._table_len[s.slot]
+        if len(table) > known:  # mirror the new pages into the slot's row of the host table
+            self._tables[s.slot, known: len(table)] = table[known:]
+            self._table_len[s.slot] = len(table)
 
     def _admit(self, plan: list[tuple[_Seq, int]], budget: int) -> None:
         """Move waiting requests into free slots (FCFS) while budget and pages allow."""
@@ -540,8 +548,9 @@ class Engine:
             self._waiting.popleft()
             bm.admit(s.rid, s.tokens, hits)
             s.num_computed = start
-            self._reserve(s, start + n)
             s.slot = heapq.heappop(self._free_slots)
+            self._table_len[s.slot] = 0
+            self._reserve(s, start + n)
             if s.admitted is None:
                 s.admitted = time.perf_counter()
                 s.cached_tokens = start
@@ -603,44 +612,58 @@ class Engine:
             repetition_penalty=self._rep_penalty[:rows], keys=self._keys[:rows])
 
     def _mixed_inputs(self, plan: list[tuple[_Seq, int]], t: int, score: bool) -> MixedInputs:
+        """Packed inputs in slot order; one-token entries (decodes) are filled with array
+        indexing, only prompt chunks loop over their sequences."""
         s_rows, n_pages, ps = self.max_batch, self.blocks.num_pages, self.page_size
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_pages = np.full(t, n_pages, np.int32)
         write_offsets = np.zeros(t, np.int32)
         targets = np.full(t, -1, np.int32)
-        tables = np.zeros((s_rows, self.pages_per_seq), np.int32)
         kv_lens = np.zeros(s_rows, np.int32)
         q_lens = np.zeros(s_rows, np.int32)
         last = np.zeros(s_rows, np.int32)
         gen = np.zeros(s_rows, np.int32)
         samples = np.zeros(s_rows, bool)
-        cursor = 0
-        for s, n in sorted(plan, key=lambda p: p[0].slot):  # slot order, as cu_q_lens needs
-            start = s.num_computed
-            table = np.asarray(self.blocks.tables[s.rid], np.int32)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            sl = slice(cursor, cursor + n)
-            seq_tokens = np.asarray(s.tokens[start: start + n + 1], np.int32)
-            tokens[sl] = seq_tokens[:n]
-            positions[sl] = pos
-            write_pages[sl] = table[pos // ps]
-            write_offsets[sl] = pos % ps
-            if s.req.is_score:  # position p predicts token p + 1 from first_output on
-                want = pos >= s.first_output
-                targets[sl] = np.where(want, seq_tokens[1: n + 1], -1)
-            tables[s.slot, : len(table)] = table
-            kv_lens[s.slot] = start + n
-            q_lens[s.slot] = n
-            cursor += n
-            last[s.slot] = cursor - 1
-            gen[s.slot] = len(s.progress.tokens)
-            samples[s.slot] = not s.req.is_score and start + n == len(s.tokens)
+        if plan:
+            m = len(plan)
+            slots = np.fromiter((q.slot for q, _ in plan), np.int64, m)
+            ns = np.fromiter((n for _, n in plan), np.int32, m)
+            starts = np.fromiter((q.num_computed for q, _ in plan), np.int32, m)
+            q_lens[slots] = ns
+            cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            off = cu[slots]  # packed index of each entry's first token
+            kv_lens[slots] = starts + ns
+            last[slots] = off + ns - 1
+            gen[slots] = np.fromiter((len(q.progress.tokens) for q, _ in plan), np.int32, m)
+            samples[slots] = np.fromiter(
+                (not q.req.is_score and q.num_computed + n == len(q.tokens) for q, n in plan),
+                bool, m)
+            one = ns == 1
+            idx = off[one]
+            tokens[idx] = np.fromiter((q.tokens[q.num_computed] for q, n in plan if n == 1),
+                                      np.int32, int(one.sum()))
+            positions[idx] = starts[one]
+            write_pages[idx] = self._tables[slots[one], starts[one] // ps]
+            write_offsets[idx] = starts[one] % ps
+            for i in np.flatnonzero(~one | np.fromiter((q.req.is_score for q, _ in plan), bool,
+                                                        m)):
+                q, n, o, start = plan[i][0], int(ns[i]), int(off[i]), int(starts[i])
+                pos = np.arange(start, start + n, dtype=np.int32)
+                sl = slice(o, o + n)
+                seq_tokens = np.asarray(q.tokens[start: start + n + 1], np.int32)
+                tokens[sl] = seq_tokens[:n]
+                positions[sl] = pos
+                write_pages[sl] = self._tables[q.slot, pos // ps]
+                write_offsets[sl] = pos % ps
+                if q.req.is_score:  # position p predicts token p + 1 from first_output on
+                    targets[sl] = np.where(pos >= q.first_output, seq_tokens[1: n + 1], -1)
+        else:
+            cu = np.zeros(s_rows + 1, np.int32)
         return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
-            write_offsets=write_offsets, targets=targets, block_tables=tables, kv_lens=kv_lens,
-            cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-            last_index=last, gen_index=gen, samples=samples,
+            write_offsets=write_offsets, targets=targets, block_tables=self._tables,
+            kv_lens=kv_lens, cu_q_lens=cu, last_index=last, gen_index=gen, samples=samples,
             sampling=self._sampling(s_rows))
 
     def _run_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, np.ndarray]:
@@ -731,27 +754,26 @@ class Engine:
         return 0
 
     def _decode_inputs(self, rows: list[_Seq], b: int, k: int) -> DecodeInputs:
-        ps = self.page_size
+        """Inputs of a decode call over slots ``[0, b)``, built with array indexing."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
-        tables = np.zeros((b, self.pages_per_seq), np.int32)
         active = np.zeros(b, bool)
         remaining = np.zeros(b, np.int32)
-        limit = np.zeros(b, np.int32)
         gen = np.zeros(b, np.int32)
-        for s in rows:
-            table = self.blocks.tables[s.rid]
-            i = s.slot
-            tokens[i], positions[i] = s.tokens[-1], s.num_computed
-            tables[i, : len(table)] = table
-            active[i] = True
-            remaining[i] = s.req.sampling.max_new_tokens - len(s.progress.tokens)
-            limit[i] = len(table) * ps
-            gen[i] = len(s.progress.tokens)
+        if rows:
+            m = len(rows)
+            slots = np.fromiter((q.slot for q in rows), np.int64, m)
+            tokens[slots] = np.fromiter((q.tokens[-1] for q in rows), np.int32, m)
+            positions[slots] = np.fromiter((q.num_computed for q in rows), np.int32, m)
+            active[slots] = True
+            gen[slots] = np.fromiter((len(q.progress.tokens) for q in rows), np.int32, m)
+            remaining[slots] = np.fromiter((q.req.sampling.max_new_tokens for q in rows),
+                                           np.int32, m) - gen[slots]
         return DecodeInputs(
-            tokens=tokens, positions=positions, block_tables=tables, active=active,
-            remaining=remaining, limit=limit, gen_index=gen, stop_ids=self._stop_ids[:b],
-            num_steps=np.int32(k), sampling=self._sampling(b))
+            tokens=tokens, positions=positions, block_tables=self._tables[:b], active=active,
+            remaining=remaining, limit=(self._table_len[:b] * self.page_size).astype(np.int32),
+            gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
+            sampling=self._sampling(b))
 
     def _run_decode(self, inp: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
         b = inp.tokens.shape[0]
