@@ -6,13 +6,16 @@ What one run measures, in order:
    a device copy (read + write counted) and a large bf16 matmul. Achieved bandwidth of
    decode is reported against the higher of read/copy, MFU against the matmul rate.
 2. For every implementation (``--impl``, e.g. ``reference`` or ``pallas+fused``) and model:
-   * decode: for each (batch, context) a cache of random K/V holding ``context`` positions
-     per sequence, then ``--decode-steps`` steps inside one ``steps.decode_loop`` call (the
-     on-device loop: no host dispatch per token). ms/step = call time / steps, median of
-     ``--repeats`` calls after a warm-up call. MBU counts the weights plus the live K/V
-     (``roofline.decode_step_bytes``).
-   * prefill: TTFT of one ``steps.prefill`` call per prompt length (random token ids), and
-     MFU = ``roofline.prefill_flops`` / time / measured matmul rate.
+   * decode: for each (batch, context) the engine's device function on a page pool
+     (``runner.decode_steps``, the pool per layer or stacked as the engine makes it for that
+     implementation) of random K/V: B active rows whose block tables point at distinct
+     pages holding ``context`` positions each, then ``--decode-steps`` steps inside one
+     call (the on-device loop: no host dispatch per token). ms/step = call time / steps,
+     median of ``--repeats`` calls after a warm-up call. MBU counts the weights plus the
+     live K/V (``roofline.decode_step_bytes``).
+   * prefill: TTFT of one ``runner.mixed_step`` over one prompt per prompt length (random
+     token ids, pages in a random pool), and MFU = ``roofline.prefill_flops`` / time /
+     measured matmul rate.
    * compile: wall time of each program's first call minus its median run time.
    * the decode program's compiled HLO: launches per step (kernels in the loop bodies
      times their trip counts) and the largest buffers written inside the layer loop (a
@@ -43,13 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import roofline
+from jaxinfer import roofline, runner
 from jaxinfer.config import LlamaConfig
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.model import Params, init_params, prepare_params
+from jaxinfer.model import Params, init_params, pool_is_stacked, prepare_params
+from jaxinfer.paged_cache import PagePool
 from jaxinfer.presets import resolve_config
+from jaxinfer.runner import DecodeInputs, MixedInputs
+from jaxinfer.sampling import SamplingArrays, SamplingParams
 
-_OPTIONS = ("fused", "unrolled", "sliced")
+_OPTIONS = ("fused", "unrolled")
 
 
 def log(msg: str) -> None:
@@ -62,15 +67,14 @@ class Impl:
     """One implementation to time: an attention backend plus execution-layout options.
 
     Written ``backend[+option...]``: ``reference``, ``pallas``, ``pallas+fused``,
-    ``pallas+fused+unrolled`` (see ``model.prepare_params``); ``+sliced`` passes the Pallas
-    decode kernel the per-layer slice ``k_all[i]`` instead of the whole cache plus the layer
-    index (``attention.DECODE_LAYER_KERNEL = False``).
+    ``pallas+fused+unrolled`` (see ``model.prepare_params``). The page pool's layout follows
+    as in the engine (``model.pool_is_stacked``): per layer for ``pallas`` or unrolled
+    weights, stacked for ``reference`` with stacked weights.
     """
 
     backend: str
     fused: bool = False
     unrolled: bool = False
-    sliced: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Impl:
@@ -81,8 +85,7 @@ class Impl:
         bad = [o for o in opts if o not in _OPTIONS]
         if bad:
             raise ValueError(f"impl {text!r}: unknown option {bad[0]!r}; known: {_OPTIONS}")
-        return cls(backend, fused="fused" in opts, unrolled="unrolled" in opts,
-                   sliced="sliced" in opts)
+        return cls(backend, fused="fused" in opts, unrolled="unrolled" in opts)
 
     @property
     def name(self) -> str:
@@ -249,64 +252,126 @@ def _op_counts(instrs: list[tuple[str, str, int]]) -> dict[str, int]:
 # --------------------------------------------------------------------------- model runs
 
 
-def random_cache(config: LlamaConfig, batch: int, max_len: int, context: int,
-                 key: jax.Array) -> KVCache:
-    """A cache whose first ``context`` positions per sequence hold random K/V."""
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-    fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16), out_shardings=None)
-    kk, kv = jax.random.split(key)
-    return KVCache(k=fill(kk), v=fill(kv), lengths=jnp.full((batch,), context, jnp.int32))
+def random_pool(config: LlamaConfig, num_pages: int, page_size: int, *, stacked: bool,
+                key: jax.Array, dtype: Any = jnp.bfloat16) -> PagePool:
+    """A page pool (the engine's layout: per layer or stacked) of random non-zero K/V."""
+    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    if stacked:
+        shape = (config.num_layers, *shape)
+    fill = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
+    keys = iter(jax.random.split(key, 2 * config.num_layers))
+    if stacked:
+        return PagePool(k=fill(next(keys)), v=fill(next(keys)))
+    return PagePool(k=tuple(fill(next(keys)) for _ in range(config.num_layers)),
+                    v=tuple(fill(next(keys)) for _ in range(config.num_layers)))
 
 
-def greedy_state(config: LlamaConfig, batch: int, out_len: int, key: jax.Array) -> Any:
-    """A decode state of random input tokens, greedy sampling, never done."""
-    from jaxinfer.sampling import SamplingArrays, SamplingParams
-    from jaxinfer.steps import DecodeState
+def page_tables(batch: int, pages_per_seq: int, key: jax.Array) -> np.ndarray:
+    """Block tables ``[batch, pages_per_seq]``: distinct pages, shuffled over the pool."""
+    perm = np.asarray(jax.random.permutation(key, batch * pages_per_seq))
+    return perm.reshape(batch, pages_per_seq).astype(np.int32)
 
-    return DecodeState(
-        tokens=jax.random.randint(key, (batch,), 0, config.vocab_size, jnp.int32),
-        num_generated=jnp.ones((batch,), jnp.int32),
-        done=jnp.zeros((batch,), bool),
-        out_tokens=jnp.full((batch, out_len), -1, jnp.int32),
-        out_logprobs=jnp.zeros((batch, out_len), jnp.float32),
-        seen=jnp.zeros((batch, config.vocab_size), bool),
-        max_new_tokens=jnp.full((batch,), 2**30, jnp.int32),
+
+def greedy_sampling(batch: int) -> SamplingArrays:
+    """Greedy sampling rows (temperature 0)."""
+    return SamplingArrays.from_params([SamplingParams(seed=0)] * batch)
+
+
+@dataclasses.dataclass
+class DecodeCase:
+    """One ``runner.decode_steps`` workload: B rows at ``context`` keys each, in a pool."""
+
+    pool: PagePool
+    seen: jax.Array  # [B, vocab] bool (the engine's repetition-penalty table)
+    inputs: DecodeInputs
+    max_steps: int
+    page_size: int
+
+
+def decode_case(config: LlamaConfig, params: Params, backend: str, batch: int, context: int,
+                steps: int, key: jax.Array, *, page_size: int = 16,
+                dtype: Any = jnp.bfloat16) -> DecodeCase:
+    """B active rows whose first ``context`` positions hold random K/V in distinct pages.
+
+    The pool is per layer or stacked as the engine would make it for ``params`` and
+    ``backend`` (``model.pool_is_stacked``). Row b feeds a random token at position
+    ``context`` and may decode ``steps`` tokens (no stop token, pages reserved for all).
+    """
+    pages_per_seq = math.ceil((context + steps + 1) / page_size)
+    kp, kt, kx = jax.random.split(key, 3)
+    pool = random_pool(config, batch * pages_per_seq, page_size,
+                       stacked=pool_is_stacked(params, backend), key=kp, dtype=dtype)
+    tables = page_tables(batch, pages_per_seq, kt)
+    inputs = DecodeInputs(
+        tokens=jax.random.randint(kx, (batch,), 0, config.vocab_size, jnp.int32),
+        positions=jnp.full((batch,), context, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        active=jnp.ones((batch,), bool),
+        remaining=jnp.full((batch,), steps, jnp.int32),
+        limit=jnp.full((batch,), pages_per_seq * page_size, jnp.int32),
+        gen_index=jnp.ones((batch,), jnp.int32),
         stop_ids=jnp.full((batch, 1), -1, jnp.int32),
-        sampling=SamplingArrays.from_params([SamplingParams(seed=0)] * batch),
+        num_steps=jnp.int32(steps),
+        sampling=greedy_sampling(batch),
     )
+    seen = jnp.zeros((batch, config.vocab_size), bool)
+    return DecodeCase(pool, seen, inputs, steps, page_size)
+
+
+def run_decode(params: Params, config: LlamaConfig, backend: str, case: DecodeCase,
+               dtype: Any = jnp.bfloat16) -> jax.Array:
+    """One ``runner.decode_steps`` call on ``case``; returns its tokens ``[steps, B]`` (ready).
+
+    Every call starts from the same positions: the K/V the previous call wrote past
+    ``context`` are overwritten, so each call does identical work. The pool and ``seen``
+    are donated, so ``case`` takes the returned ones.
+    """
+    case.pool, case.seen, tokens, _ = runner.decode_steps(
+        params, case.pool, case.seen, case.inputs, config=config, backend=backend,
+        dtype=dtype, max_steps=case.max_steps)
+    return jax.block_until_ready(tokens)
+
+
+def prefill_inputs(prompts: Sequence[np.ndarray], tables: np.ndarray, page_size: int
+                   ) -> MixedInputs:
+    """``runner.mixed_step`` inputs reading whole prompts (one per row of ``tables``) at once,
+    each sampling its first token greedily."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.concatenate(prompts).astype(np.int32)
+    positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+    seq = np.repeat(np.arange(len(prompts)), lens)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return MixedInputs(
+        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions),
+        write_pages=jnp.asarray(tables[seq, positions // page_size]),
+        write_offsets=jnp.asarray(positions % page_size),
+        targets=jnp.full(tokens.shape, -1, jnp.int32),
+        block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(lens), cu_q_lens=jnp.asarray(cu),
+        last_index=jnp.asarray(cu[1:] - 1), gen_index=jnp.zeros(len(prompts), jnp.int32),
+        samples=jnp.ones(len(prompts), bool), sampling=greedy_sampling(len(prompts)))
 
 
 def bench_decode(params: Params, config: LlamaConfig, impl: Impl, batch: int, context: int,
                  steps_per_call: int, repeats: int, ceilings: dict[str, float],
                  census: bool) -> dict[str, Any]:
-    """Time ``steps_per_call`` decode steps inside one ``decode_loop`` call."""
-    from jaxinfer import steps
-
-    max_len = context + steps_per_call + 1
+    """Time ``steps_per_call`` decode steps inside one ``runner.decode_steps`` call."""
     key = jax.random.PRNGKey(batch * 7919 + context)
-    cache = random_cache(config, batch, max_len, context, key)
-    state = greedy_state(config, batch, steps_per_call + 1, key)
-    n = jnp.int32(steps_per_call)
-    kwargs = dict(config=config, backend=impl.backend, dtype=jnp.bfloat16)
+    case = decode_case(config, params, impl.backend, batch, context, steps_per_call, key)
     row: dict[str, Any] = {"impl": impl.name, "batch": batch, "context": context,
-                           "steps_per_call": steps_per_call}
+                           "steps_per_call": steps_per_call,
+                           "pool": "stacked" if case.pool.stacked else "per_layer"}
     compile_s = None
     if census:
         t0 = time.perf_counter()
-        compiled = steps.decode_loop.lower(params, cache, state, n, **kwargs).compile()
-        compile_s = time.perf_counter() - t0  # the jitted call below reuses this executable
+        compiled = runner.decode_steps.lower(
+            params, case.pool, case.seen, case.inputs, config=config, backend=impl.backend,
+            dtype=jnp.bfloat16, max_steps=steps_per_call).compile()
+        compile_s = time.perf_counter() - t0
         row["hlo"] = hlo_census(compiled.as_text())
         row["_hlo_text"] = compiled.as_text()
-    lengths0 = cache.lengths
-    holder = {"cache": cache, "state": state}
 
     def call() -> None:
-        # Every call starts from the same context (lengths reset); the K/V written by the
-        # previous call sit past it and are overwritten, so each call does identical work.
-        c = holder["cache"].replace(lengths=lengths0 + 0)
-        c, s = steps.decode_loop(params, c, holder["state"], n, **kwargs)
-        jax.block_until_ready(s.tokens)
-        holder["cache"], holder["state"] = c, s
+        run_decode(params, config, impl.backend, case)
 
     t0 = time.perf_counter()
     call()
@@ -332,20 +397,27 @@ def bench_decode(params: Params, config: LlamaConfig, impl: Impl, batch: int, co
 
 
 def bench_prefill(params: Params, config: LlamaConfig, impl: Impl, prompt_len: int,
-                  batch: int, repeats: int, ceilings: dict[str, float]) -> dict[str, Any]:
-    """Time one ``steps.prefill`` call on random prompts of ``prompt_len`` tokens."""
-    from jaxinfer import steps
-
+                  batch: int, repeats: int, ceilings: dict[str, float],
+                  page_size: int = 16) -> dict[str, Any]:
+    """Time one ``runner.mixed_step`` over ``batch`` random prompts of ``prompt_len`` tokens."""
     key = jax.random.PRNGKey(prompt_len)
-    tokens = jax.random.randint(key, (batch, prompt_len), 0, config.vocab_size, jnp.int32)
-    lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    holder = {"cache": KVCache.create(config, batch, prompt_len)}
-    kwargs = dict(config=config, backend=impl.backend, dtype=jnp.bfloat16)
+    kp, kt, kx = jax.random.split(key, 3)
+    pages_per_seq = math.ceil(prompt_len / page_size)
+    num_pages = batch * pages_per_seq
+    tables = page_tables(batch, pages_per_seq, kt)
+    prompts = list(np.asarray(jax.random.randint(kx, (batch, prompt_len), 0,
+                                                 config.vocab_size, jnp.int32)))
+    inputs = prefill_inputs(prompts, tables, page_size)
+    holder = {"pool": random_pool(config, num_pages, page_size, key=kp,
+                                  stacked=pool_is_stacked(params, impl.backend)),
+              "seen": jnp.zeros((batch, config.vocab_size), bool)}
 
     def call() -> None:
-        cache, logits = steps.prefill(params, holder["cache"], tokens, lengths, **kwargs)
-        jax.block_until_ready(logits)
-        holder["cache"] = cache
+        pool, seen, out = runner.mixed_step(
+            params, holder["pool"], holder["seen"], inputs, config=config,
+            backend=impl.backend, dtype=jnp.bfloat16, max_q_len=prompt_len, score=False)
+        jax.block_until_ready(out["tokens"])
+        holder["pool"], holder["seen"] = pool, seen
 
     t0 = time.perf_counter()
     call()
@@ -428,10 +500,6 @@ def run_bench(
     jax.block_until_ready(base)
     result["init_params_s"] = time.perf_counter() - t0
     for impl in parsed:
-        from jaxinfer import attention as attention_lib
-
-        attention_lib.DECODE_LAYER_KERNEL = not impl.sliced
-        jax.clear_caches()  # the flag is read at trace time
         try:
             params = prepare_params(base, fuse=impl.fused, unstack=impl.unrolled)
         except Exception as e:  # report and go on with the other implementations
@@ -474,7 +542,6 @@ def run_bench(
             result["prefill"].append(row)
         del params
         jax.clear_caches()  # each implementation compiles its own programs
-    attention_lib.DECODE_LAYER_KERNEL = True
     return result
 
 
