@@ -243,6 +243,8 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
         tpot_ms=_percentiles_ms([m.time_per_output_token for m in metrics
                                  if m.time_per_output_token is not None]),
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
+        step_s=s.step_seconds - before.step_seconds,
+        device_s=s.device_seconds - before.device_seconds,
         computed_tokens=computed, padded_tokens=padded,
         padding_fraction=1 - computed / padded if padded else 0.0,
         preemptions=s.num_preemptions - before.num_preemptions,
@@ -292,6 +294,8 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
         print(f"  note: {run['planned_output_tokens'] - run['output_tokens']} planned tokens not "
               "generated (eos sampled); the floor counts the planned ones")
     print(f"  TTFT ms {_fmt_ms(run['ttft_ms'])}   TPOT ms {_fmt_ms(run['tpot_ms'])}")
+    print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
+          f"{run['device_s']:.2f} s (the rest is host planning and output handling)")
     print(f"  steps {run['steps']} (decode calls {run['decode_calls']}), tokens computed "
           f"{run['computed_tokens']} of {run['padded_tokens']} padded "
           f"({run['padding_fraction']:.1%} padding), preemptions {run['preemptions']}, "
