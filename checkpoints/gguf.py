@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.model import param_shapes
+from jaxinfer.params import param_shapes
 
 # GGUF per-block tensor name -> (our key, whether it is a weight matrix to transpose).
 _BLOCK_TENSORS: dict[str, tuple[str, bool]] = {

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.model import param_shapes
+from jaxinfer.params import param_shapes
 
 # HF per-layer tensor name suffix -> (our key, whether the torch weight is transposed).
 _LAYER_TENSORS: dict[str, tuple[str, bool]] = {

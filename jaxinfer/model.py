@@ -15,7 +15,8 @@ Q/K weights use HF's non-interleaved ("rotate half") RoPE convention.
 
 This stored layout is what checkpoints and the sharding rules use. ``prepare_params`` derives
 execution layouts from it (fused matmuls, per-layer buffers; ``LAYOUTS`` names the choices
-``load_model(layout=...)`` offers); ``forward`` and ``forward_ragged`` run any of them.
+``load_model(layout=...)`` offers); ``forward_ragged`` (the engine's forward pass) runs any
+of them.
 """
 
 from __future__ import annotations
@@ -28,55 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention as attention_lib
 from jaxinfer.config import LlamaConfig
-from jaxinfer.kv_cache import KVCache
-from sharding.attention import (  # Pallas per shard on a mesh
-    gather_vocab,
-    mesh_attention,
-    mesh_ragged_attention,
-)
-
-Params = dict[str, Any]
-
-
-def param_shapes(config: LlamaConfig) -> Params:
-    """The expected shape of every parameter, as a pytree of tuples."""
-    c = config
-    n, d, f = c.num_layers, c.hidden_size, c.intermediate_size
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: Params = {
-        "embed": (c.vocab_size, d),
-        "layers": {
-            "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv),
-            "wo": (n, q, d), "mlp_norm": (n, d),
-            "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
-        },
-        "final_norm": (d,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (d, c.vocab_size)
-    return shapes
-
-
-def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> Params:
-    """Random parameters of the right shapes for tests and benchmarks (never all zeros).
-
-    Matrices are scaled by 1/sqrt(fan_in) and norm weights drawn near 1, so activations stay
-    in a realistic range through many layers.
-    """
-    shapes = param_shapes(config)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(flat))
-    leaves = []
-    for k, (path, shape) in zip(keys, flat, strict=True):
-        noise = jax.random.normal(k, shape, jnp.float32)
-        if "norm" in jax.tree_util.keystr(path):
-            leaves.append((1.0 + 0.1 * noise).astype(dtype))
-        else:
-            leaves.append((noise / math.sqrt(shape[-2])).astype(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
+from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -118,86 +73,6 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
-def forward(
-    params: Params,
-    config: LlamaConfig,
-    tokens: jax.Array,
-    cache: KVCache,
-    *,
-    mode: Literal["prefill", "decode"],
-    backend: Literal["reference", "pallas"] = "reference",
-    dtype: Any = jnp.bfloat16,
-) -> tuple[jax.Array, KVCache]:
-    """Run the decoder on new tokens and write their K/V into the cache.
-
-    Args:
-      tokens: ``[B, T]`` int32. In ``"prefill"`` mode, each sequence's prompt starts at position
-        0 and ``cache.lengths [B]`` must already hold the prompt lengths (positions past them
-        are padding whose outputs are garbage). In ``"decode"`` mode ``T == 1`` and the token of
-        sequence b sits at position ``cache.lengths[b]``; its K/V are written there.
-      cache: the KV cache, ``T <= cache.max_len``.
-
-    Returns:
-      ``(hidden [B, T, hidden] after the final norm, cache)``; the cache lengths are unchanged
-      (the caller decides which sequences advance).
-    """
-    b, t = tokens.shape
-    if t > cache.max_len:
-        raise ValueError(f"{t} new tokens do not fit a cache of {cache.max_len} positions")
-    inv_freq = rope_inv_freq(config)
-    c = config
-    if mode == "prefill":
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    else:
-        positions = cache.lengths[:, None]
-    h = params["embed"].astype(dtype)[tokens]  # [B, T, hidden]
-
-    def layer(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[Params, jax.Array]):
-        # The whole cache [L, B, KVH, S, D] is carried and updated in place; stacking per-layer
-        # caches as scan outputs would rewrite every layer's cache on every step.
-        h, k_all, v_all = carry
-        lp, i = xs
-        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = _qkv(x, lp, c)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        k_new = k.astype(k_all.dtype).transpose(0, 2, 1, 3)  # [B, KVH, T, D], only new rows
-        v_new = v.astype(v_all.dtype).transpose(0, 2, 1, 3)
-        if mode == "prefill":
-            k_all = jax.lax.dynamic_update_slice(k_all, k_new[None], (i, 0, 0, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(v_all, v_new[None], (i, 0, 0, 0, 0))
-            attn = mesh_attention(q, k, v, cache.lengths, mode="prefill", backend=backend)
-        else:
-            rows = jnp.arange(b)
-            k_all = k_all.at[i, rows, :, cache.lengths].set(k_new[:, :, 0], mode="drop")
-            v_all = v_all.at[i, rows, :, cache.lengths].set(v_new[:, :, 0], mode="drop")
-            if backend == "pallas" and attention_lib.DECODE_LAYER_KERNEL and _no_mesh():
-                # Read layer i inside the kernel: k_all[i] would be copied for the call.
-                attn = attention_lib.decode_attention_layer(
-                    q[:, 0], k_all, v_all, i, cache.lengths + 1)[:, None]
-            else:
-                attn = mesh_attention(q[:, 0], k_all[i], v_all[i], cache.lengths + 1,
-                                      mode="decode", backend=backend)[:, None]
-        h = h + _dense(attn.reshape(b, t, c.num_heads * c.head_dim), lp["wo"])
-        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-        h = h + _dense(_gated_mlp(x, lp), lp["w_down"])
-        return (h, k_all, v_all), None
-
-    layers = params["layers"]
-    if isinstance(layers, list | tuple):
-        # Unstacked execution layout (``prepare_params(unstack=True)``): one straight-line
-        # layer per entry, each reading its own weight buffers.
-        carry = (h, cache.k, cache.v)
-        for i, lp in enumerate(layers):
-            carry, _ = layer(carry, (lp, i))
-        h, k_all, v_all = carry
-    else:
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (h, k_all, v_all), _ = jax.lax.scan(layer, (h, cache.k, cache.v), (layers, layer_ids))
-    h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
-    return h, cache.replace(k=k_all, v=v_all)
-
-
 def _qkv(x: jax.Array, lp: Params, c: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
     b, t = x.shape[:2]
@@ -218,11 +93,6 @@ def _gated_mlp(x: jax.Array, lp: Params) -> jax.Array:
         f = gu.shape[-1] // 2
         return jax.nn.silu(gu[..., :f]) * gu[..., f:]
     return jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
-
-
-def _no_mesh() -> bool:
-    """True outside ``jax.set_mesh`` (the layer-indexed kernel is not run per shard)."""
-    return jax.sharding.get_abstract_mesh().empty
 
 
 LAYOUTS = ("auto", "stacked", "fast")
@@ -298,17 +168,19 @@ def prepare_params(
     place: Any = None,
     donate: bool = False,
 ) -> Params:
-    """An execution layout of ``params`` for ``forward``, built once outside the jitted steps.
+    """An execution layout of ``params`` for ``forward_ragged``, built once outside the jitted
+    steps.
 
     The stored layout (``param_shapes``) stays the contract for checkpoints and sharding;
-    this derives from it, and ``forward`` and ``forward_ragged`` accept either.
+    this derives from it, and ``forward_ragged`` accepts either.
 
     Args:
       fuse: concatenate ``wq|wk|wv`` into ``wqkv`` and ``w_gate|w_up`` into ``w_gate_up``
         along the output axis, so each layer runs two fewer matmuls (fewer launches; larger
         matmuls keep more of the GPU busy at batch 1).
       unstack: split the stacked ``[L, ...]`` layer arrays into a list of per-layer dicts, so
-        ``forward`` unrolls the layer loop and no weight is sliced out of a stacked buffer.
+        ``forward_ragged`` unrolls the layer loop and no weight is sliced out of a stacked
+        buffer.
       place: optional ``array -> jax.Array`` applied to every leaf of the result (e.g. cast
         and put on the device). With host (numpy) params, each layer's slice is placed as it
         is made, so the device never holds the stacked copy.

@@ -1,5 +1,6 @@
 """Pallas attention kernels for jaxinfer (GPU Triton + TPU Mosaic), each with a jnp reference."""
 
+from pallas_kernels._common import SUPPORTED_HEAD_DIMS
 from pallas_kernels.decode_attention import (
     decode_attention,
     decode_attention_layer,
@@ -11,6 +12,7 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
 __all__ = [
+    "SUPPORTED_HEAD_DIMS",
     "decode_attention",
     "decode_attention_layer",
     "decode_attention_layer_reference",

@@ -3,8 +3,10 @@
 Usage: ``PYTHONPATH=. python scripts/profile_decode.py --model llama-3.1-8b --batch 1
 --context 1024 --steps 32 --out profile.json``
 
-Runs ``--steps`` decode steps inside one ``steps.decode_loop`` call (random bf16 weights in
-the fast layout, random K/V, greedy) under ``jax.profiler.trace``, reads the trace back with
+Runs ``--steps`` decode steps inside one ``runner.decode_steps`` call, the engine's decode
+program (random bf16 weights in the fast layout, a per-layer page pool of random K/V with
+``--context`` positions per row, greedy; ``jaxinfer.benchmark.decode_case``) under
+``jax.profiler.trace``, reads the trace back with
 ``jax.profiler.ProfileData`` and reports, per step: wall time, summed device kernel time, the
 gap between them (launch and scheduling overhead), the number of kernels, and the kernels
 that take the most time. A record for bench/NOTES.md, not a test.
@@ -22,8 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import steps
-from jaxinfer.benchmark import greedy_state, random_cache
+from jaxinfer.benchmark import decode_case, run_decode
 from jaxinfer.model import init_params, prepare_params
 from jaxinfer.presets import resolve_config
 
@@ -57,17 +58,14 @@ def main() -> None:
     config = resolve_config(args.model)
     params = prepare_params(init_params(config, jax.random.PRNGKey(0), jnp.bfloat16),
                             fuse=True, unstack=True)
-    max_len = args.context + 2 * args.steps + 2
-    key = jax.random.PRNGKey(1)
-    kwargs = dict(config=config, backend=args.backend, dtype=jnp.bfloat16)
-    n = jnp.int32(args.steps)
+    case = decode_case(config, params, args.backend, args.batch, args.context, args.steps,
+                       jax.random.PRNGKey(1))
+    jax.block_until_ready((case.pool, case.inputs))
 
     def run() -> float:
-        cache = random_cache(config, args.batch, max_len, args.context, key)
-        state = greedy_state(config, args.batch, args.steps + 1, key)
-        jax.block_until_ready((cache, state))
+        # Each call restarts at --context (the pool is donated and handed back).
         t0 = time.perf_counter()
-        jax.block_until_ready(steps.decode_loop(params, cache, state, n, **kwargs))
+        run_decode(params, config, args.backend, case)
         return time.perf_counter() - t0
 
     run()  # compile

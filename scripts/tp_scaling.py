@@ -8,7 +8,7 @@
 Random bf16 weights are made directly in shards (``sharding.random_init.random_params``), in
 the stacked layout, on a ``make_mesh(data=1, model=tp)`` mesh (tp=1: one device, no mesh).
 Decode is timed inside the on-device loop: ``generate`` with ``stop_token_ids=[]`` runs the
-whole decode of ``--new`` tokens as one ``steps.decode_loop`` call; TPOT is
+whole decode of ``--new`` tokens in the engine's multi-step ``runner.decode_steps`` calls; TPOT is
 ``Completion.time_per_output_token`` of a warm call (best of ``--repeats``, after a compile
 call). Per case the per-GPU memory roofline is ``jaxinfer.roofline.decode_step_bytes / tp``
 (weights + live K/V at the mean decode context) over the datasheet bandwidth and over the

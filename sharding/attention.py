@@ -1,4 +1,4 @@
-"""Attention on a mesh: the Pallas kernels run per shard inside ``shard_map``.
+"""Attention on a mesh: the attention kernels run per shard inside ``shard_map``.
 
 XLA's GSPMD partitioner cannot split a Pallas custom call, so under a mesh it would gather
 q/k/v onto every device. Every shard already owns whole query heads and the K/V heads they
@@ -9,7 +9,6 @@ unchanged kernel on each shard's slice is exact and needs no communication.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -44,61 +43,6 @@ def gather_vocab(logits: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, P(DATA, *lead, None))
 
 
-def per_shard_attention(
-    fn: Callable[..., jax.Array],
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    mode: Literal["prefill", "decode"],
-    mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
-) -> jax.Array:
-    """Run ``fn(q, k, v, lengths)`` on each (data, model) shard with ``shard_map``.
-
-    Args:
-      fn: attention on local shards, same signature and shapes as ``jaxinfer.attention``.
-      q: prefill ``[B, T, H, D]`` / decode ``[B, H, D]``; B split on data, H on model.
-      k, v: prefill ``[B, T, KVH, D]`` / decode ``[B, KVH, S, D]``; KVH split on model.
-      lengths: ``[B]`` int32, split on data.
-      mode: ``"prefill"`` or ``"decode"`` (selects the layouts above).
-      mesh: defaults to the context mesh (``jax.set_mesh``).
-
-    Returns:
-      Attention output shaped like ``q``, sharded like ``q``.
-    """
-    if mode == "prefill":
-        q_spec = kv_spec = P(DATA, None, MODEL, None)
-    else:
-        q_spec, kv_spec = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
-    # check_vma=False: Pallas calls carry no varying-manual-axes annotations; the kernel is a
-    # pure per-shard function so nothing needs checking.
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(DATA)),
-                           out_specs=q_spec, check_vma=False)
-    return mapped(q, k, v, lengths)
-
-
-def mesh_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    lengths: jax.Array,
-    *,
-    mode: Literal["prefill", "decode"],
-    backend: Literal["reference", "pallas"] = "reference",
-) -> jax.Array:
-    """``jaxinfer.attention.attention``, run per shard when a Pallas kernel meets a mesh.
-
-    Without a context mesh, or for the ``"reference"`` backend (plain jnp, which GSPMD
-    partitions on its own), this is exactly ``attention``.
-    """
-    mesh = _context_mesh() if backend == "pallas" else None
-    if mesh is None:
-        return attention(q, k, v, lengths, mode=mode, backend=backend)
-    fn = functools.partial(attention, mode=mode, backend=backend)
-    return per_shard_attention(fn, q, k, v, lengths, mode=mode)
-
-
 def mesh_ragged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -127,7 +71,7 @@ def mesh_ragged_attention(
     the same block tables, so the result is exact and needs no communication, and GSPMD
     never sees the page gather (or the Pallas custom call it cannot split).
     """
-    fn = functools.partial(_ragged, backend=backend, max_q_len=max_q_len)
+    fn = functools.partial(attention, backend=backend, max_q_len=max_q_len)
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
@@ -135,11 +79,3 @@ def mesh_ragged_attention(
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()),
                            out_specs=q_spec, check_vma=False)
     return mapped(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
-
-
-def _ragged(q: jax.Array, k: jax.Array, v: jax.Array, kv_lens: jax.Array,
-            block_tables: jax.Array, cu_q_lens: jax.Array, *,
-            backend: Literal["reference", "pallas"],
-            max_q_len: int | None = None) -> jax.Array:
-    return attention(q, k, v, kv_lens, mode="ragged", backend=backend,
-                     block_tables=block_tables, cu_q_lens=cu_q_lens, max_q_len=max_q_len)

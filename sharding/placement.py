@@ -1,5 +1,5 @@
-"""Host <-> mesh transfers used by ``generate`` (and the engine): each is a no-op wrapper of the
-single-device behaviour when ``mesh`` is None.
+"""Host <-> mesh transfers used by the engine (and ``compute_logits``): each is a no-op
+wrapper of the single-device behaviour when ``mesh`` is None.
 
 Multi-host note: with ``jax.distributed`` every process runs the same program on the same
 host-side inputs (single-program multiple-data). Global arrays are built from each process's
@@ -19,11 +19,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import LlamaConfig
-from jaxinfer.kv_cache import KVCache
-from sharding.mesh import DATA, mesh_sizes
-from sharding.rules import create_cache
-
 
 @contextlib.contextmanager
 def on_mesh(mesh: Mesh | None) -> Iterator[None]:
@@ -35,50 +30,11 @@ def on_mesh(mesh: Mesh | None) -> Iterator[None]:
         yield
 
 
-def round_batch(mesh: Mesh | None, batch: int) -> int:
-    """``batch`` rounded up to a multiple of the data-parallel size."""
-    data, _ = mesh_sizes(mesh)
-    return -(-batch // data) * data
-
-
-def put_batch(mesh: Mesh | None, tree: Any) -> Any:
-    """Place host arrays (leaves ``[B, ...]``) with B split over data; ``jnp.asarray`` if no mesh.
-
-    ``B`` must be a multiple of the data size (see ``round_batch``).
-    """
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, tree)
-    return jax.tree.map(
-        lambda a: jax.device_put(np.asarray(a), NamedSharding(
-            mesh, P(DATA, *([None] * (np.ndim(a) - 1))))), tree)
-
-
-def put_batch_from_primary(mesh: Mesh | None, tree: Any) -> Any:
-    """``put_batch`` of process 0's values: for host data that may differ between processes.
-
-    Sampling keys of requests without a seed are drawn at random on each host; every process
-    must feed the same global array, so multi-process runs take process 0's draw.
-    """
-    if mesh is not None and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        tree = multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, tree))
-    return put_batch(mesh, tree)
-
-
 def put_replicated(mesh: Mesh | None, tree: Any) -> Any:
     """Place host arrays whole on every device of ``mesh`` (``jnp.asarray`` if no mesh)."""
     if mesh is None:
         return jax.tree.map(jnp.asarray, tree)
     return jax.tree.map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P())), tree)
-
-
-def new_cache(mesh: Mesh | None, config: LlamaConfig, batch: int, max_len: int, dtype: Any
-              ) -> KVCache:
-    """An empty ``KVCache`` ``[L, batch, kv_heads, max_len, D]``, in shards on ``mesh``."""
-    if mesh is None:
-        return KVCache.create(config, batch, max_len, dtype)
-    return create_cache(config, batch, max_len, dtype, mesh)
 
 
 def to_host(tree: Any) -> Any:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxinfer.config import LlamaConfig
-from jaxinfer.model import param_shapes
+from jaxinfer.params import param_shapes
 from sharding.mesh import mesh_sizes
 from sharding.rules import kv_repeat_factor, param_shardings
 

@@ -20,10 +20,10 @@ full-vocab float32 partial logits. Tied models use one array for both, so the em
 the head (the lookup becomes a masked local gather plus one all-reduce of ``[B, T, hidden]``).
 When vocab does not divide the model size the split falls back to hidden, then to replication.
 
-KV cache ``[L, B, kv_heads, S, D]``: batch on "data", kv heads on "model". When a model has
-fewer K/V heads than the model axis, the K/V projection columns are repeated so each shard
-holds the whole K/V head its query heads read (``expand_kv_heads``); the model's config then
-reports the repeated head count and the cache grows accordingly.
+The engine's page pool (``engine_pool_spec``): kv heads on "model". When a model has fewer
+K/V heads than the model axis, the K/V projection columns are repeated so each shard holds the
+whole K/V head its query heads read (``expand_kv_heads``); the model's config then reports the
+repeated head count and the pool grows accordingly.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import InputError
-from jaxinfer.kv_cache import KVCache
-from sharding.mesh import DATA, MODEL, mesh_sizes
+from sharding.mesh import MODEL, mesh_sizes
 
 log = logging.getLogger("jaxinfer.sharding")
 
@@ -186,29 +185,14 @@ def shard_params(config: LlamaConfig, params: Params, mesh: Mesh, dtype: Any
     return new_config, jax.tree.map(place, host, shardings)
 
 
-def cache_shardings(mesh: Mesh) -> KVCache:
-    """Shardings of a ``KVCache``: K/V ``[L, B, KVH, S, D]`` batch on data, heads on model."""
-    kv = NamedSharding(mesh, P(None, DATA, MODEL, None, None))
-    return KVCache(k=kv, v=kv, lengths=NamedSharding(mesh, P(DATA)))
-
-
-def paged_cache_spec() -> P:
-    """Spec of a paged K/V pool ``[L, kv_heads, num_pages, page_size, D]``.
-
-    Heads on model as for the preallocated cache; pages on data, so each data replica owns a
-    disjoint page pool and its block tables hold page indices local to that pool.
-    """
-    return P(None, MODEL, DATA, None, None)
-
-
 def engine_pool_spec(stacked: bool) -> P:
     """Spec of a buffer of the engine's page pool: one layer's ``[kv_heads, num_pages,
     page_size, D]``, or with ``stacked`` all layers' ``[L, kv_heads, ...]``.
 
-    Heads on model; replicated over data. Unlike ``paged_cache_spec`` (one disjoint pool per
-    data replica), the ``Engine`` keeps one pool whose pages any slot may map (prefix sharing,
-    preemption), so on a data>1 mesh every data replica runs the same step on the same pool:
-    correct, but data adds no throughput there (run one engine per replica for that).
+    Heads on model; replicated over data: the ``Engine`` keeps one pool whose pages any slot
+    may map (prefix sharing, preemption), so on a data>1 mesh every data replica runs the same
+    step on the same pool: correct, but data adds no throughput there (run one engine per
+    replica for that).
     """
     return P(None, MODEL, None, None, None) if stacked else P(MODEL, None, None, None)
 
@@ -225,24 +209,3 @@ def engine_pool_sharding(mesh: Mesh, config: LlamaConfig, stacked: bool) -> Name
                          f"data={data} x model={model} mesh; load the model with "
                          "load_model(mesh=...) so K/V heads are repeated to fit")
     return NamedSharding(mesh, engine_pool_spec(stacked))
-
-
-def create_cache(config: LlamaConfig, batch_size: int, max_len: int, dtype: Any, mesh: Mesh
-                 ) -> KVCache:
-    """An empty ``KVCache`` allocated directly in shards (no device holds the whole cache).
-
-    ``batch_size`` must be a multiple of the data size and ``config.num_kv_heads`` of the
-    model size (true after ``shard_params``).
-    """
-    data, model = mesh_sizes(mesh)
-    if batch_size % data or config.num_kv_heads % model:
-        raise InputError(f"cache batch {batch_size} / kv heads {config.num_kv_heads} do not "
-                         f"divide the data={data} x model={model} mesh")
-    make = jax.jit(lambda: KVCache.create(config, batch_size, max_len, dtype),
-                   out_shardings=cache_shardings(mesh))
-    return make()
-
-
-def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-    """Sharding of a per-sequence array ``[B, ...]`` (``ndim`` axes): batch split on data."""
-    return NamedSharding(mesh, P(DATA, *([None] * (ndim - 1))))

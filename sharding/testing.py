@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.config import LlamaConfig
-from jaxinfer.model import param_shapes
+from jaxinfer.params import param_shapes
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "<|assistant|>")

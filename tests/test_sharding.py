@@ -106,13 +106,15 @@ def test_meshes_match_single_device():
         assert r["tokens_equal"], f"mesh {mesh}: {r['tokens']} != {res['ref_tokens']}"
         assert r["logits_max_err"] < 1e-4, f"mesh {mesh}: logits differ by {r['logits_max_err']}"
         assert r["wq_shard"] == [2, 64, 64 // r["model"]], mesh
-        assert r["cache_shard"][1:3] == [r["cache_batch"] // r["data"], r["kv_per_shard"]], mesh
+        # The engine's pool [L, KVH, pages, page_size, D]: K/V heads split on model.
+        assert r["pool_shard"][1] == r["kv_per_shard"], mesh
+        assert r["pool_shard"][2:] == r["pool_shape"][2:], mesh
         assert r["kv_heads"] == max(2, r["model"]), mesh
     # kv_heads=2 < model for (1, 8) and (2, 4): repeated, and said so in the log.
     assert "repeating each K/V head 4 times" in res["meshes"]["1x8"]["log"]
     assert "repeating each K/V head 2 times" in res["meshes"]["2x4"]["log"]
     assert res["meshes"]["8x1"]["log"] == ""
-    assert res["per_shard_attention_err"] < 1e-5
+    assert res["mesh_ragged_attention_err"] < 1e-5
 
 
 def _worker() -> None:
@@ -124,7 +126,7 @@ def _worker() -> None:
 
     import jaxinfer
     from sharding import make_mesh
-    from sharding.attention import per_shard_attention
+    from sharding.attention import mesh_ragged_attention
     from sharding.testing import write_tiny_model
 
     assert jax.device_count() == 8, jax.devices()
@@ -150,37 +152,33 @@ def _worker() -> None:
                                 mesh=make_mesh(data=data, model=model))
         toks = [c.token_ids for c in jaxinfer.generate(m, prompts, **kw)]
         logits = jaxinfer.compute_logits(m, probe)
-        from sharding.placement import new_cache
-        cache = new_cache(m.mesh, m.config, 8, 64, jnp.float32)
+        pool_k = m.engine.pool.k
         out["meshes"][f"{data}x{model}"] = {
             "data": data, "model": model, "tokens": toks, "tokens_equal": toks == ref,
             "logits_max_err": float(np.abs(logits - ref_logits).max()),
             "wq_shard": list(m.params["layers"]["wq"].addressable_shards[0].data.shape),
-            "cache_shard": list(cache.k.addressable_shards[0].data.shape), "cache_batch": 8,
+            "pool_shard": list(pool_k.addressable_shards[0].data.shape),
+            "pool_shape": list(pool_k.shape),
             "kv_heads": m.config.num_kv_heads,
             "kv_per_shard": m.config.num_kv_heads // model,
             "log": "\n".join(records),
         }
 
-    # shard_map wrapper (what the Pallas backend uses), checked with the jnp attention.
+    # shard_map wrapper of ragged attention (per model shard), checked against one device.
     from jaxinfer.attention import attention
 
     mesh = make_mesh(data=2, model=4)
     rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.standard_normal((4, 8, 8, 16)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((4, 8, 4, 16)), jnp.float32)
-    lengths = jnp.asarray([8, 3, 5, 1], jnp.int32)
-    qd = q[:, 0]
-    kc = jnp.asarray(rng.standard_normal((4, 4, 32, 16)), jnp.float32)
-    errs = []
-    for mode, args in (("prefill", (q, k, k * 0.5, lengths)), ("decode", (qd, kc, kc, lengths))):
-        fn = lambda *a, mode=mode: attention(*a, mode=mode, backend="reference")
-        want = fn(*args)
-        with jax.set_mesh(mesh):
-            got = jax.jit(lambda *a, fn=fn, mode=mode: per_shard_attention(fn, *a, mode=mode))(
-                *args)
-        errs.append(float(jnp.abs(got - want).max()))
-    out["per_shard_attention_err"] = max(errs)
+    q = jnp.asarray(rng.standard_normal((7, 8, 16)), jnp.float32)  # 4 + 2 + 1 tokens
+    k = jnp.asarray(rng.standard_normal((4, 12, 4, 16)), jnp.float32)  # [KVH, pages, ps, D]
+    v = k * 0.5 + 1
+    kv_lens = jnp.asarray([4, 9, 6], jnp.int32)
+    tables = jnp.asarray([[0, 1, 2], [5, 3, 7], [11, 4, 8]], jnp.int32)
+    cu = jnp.asarray([0, 4, 6, 7], jnp.int32)
+    want = attention(q, k, v, kv_lens, tables, cu)
+    with jax.set_mesh(mesh):
+        got = jax.jit(mesh_ragged_attention)(q, k, v, kv_lens, tables, cu)
+    out["mesh_ragged_attention_err"] = float(jnp.abs(got - want).max())
     print(json.dumps(out))
 
 
