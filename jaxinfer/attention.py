@@ -63,12 +63,18 @@ def attention(
       backend: ``"reference"`` (plain jnp) or ``"pallas"`` (``pallas_kernels``; off-GPU the
         kernel runs in the Pallas interpreter: slow, but exact, which tests use).
       max_q_len: static bound on any sequence's query count (default ``T``), passed to the
-        Pallas kernel, which sizes its query blocks by it (1 for a decode-only step); the
-        reference ignores it.
+        Pallas kernel, which sizes its query blocks by it; 1 with one row per sequence (a
+        decode-only step) runs the split-K paged decode kernel. The reference ignores it.
 
     Returns:
       ``[T, H, D]`` like ``q``.
     """
+    if backend == "pallas" and max_q_len == 1 and q.shape[0] == block_tables.shape[0]:
+        # Decode-only step, row s = sequence s: the split-K paged kernel (Flash-Decoding)
+        # keeps the GPU busy with few sequences, where the ragged kernel has one program per
+        # (sequence, kv head). Inactive rows (length 0) give zeros.
+        return pallas_kernels.paged_attention(q, k_pages, v_pages, block_tables, lengths,
+                                              interpret=jax.default_backend() != "gpu")
     if backend == "pallas":
         return pallas_kernels.ragged_attention(q, k_pages, v_pages, block_tables, lengths,
                                                cu_q_lens, max_q_len=max_q_len,

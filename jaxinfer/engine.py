@@ -53,6 +53,7 @@ from jaxinfer.requests import (
     add_tokens,
     completion,
     make_requests,
+    prng_key_data,
     score_result,
 )
 from jaxinfer.runner import (
@@ -179,8 +180,8 @@ class Engine:
     Args:
       model: a ``jaxinfer.Model`` (``load_model`` or hand-built).
       max_batch: sequences running at once (slots). Default ``model.max_batch`` if set, else
-        256 on an accelerator (32 on CPU), 512 when the pool holds 512k tokens, capped at one
-        slot per 256 pool tokens.
+        256 on an accelerator (32 on CPU), capped at one slot per 256 pool tokens (H100, 1B
+        shapes: 512 slots ran slower than 256, bench/NOTES.md).
       kv_cache_bytes: device bytes for the page pool (per device on a mesh).
         ``num_pages`` sets the pool size directly instead.
       page_size: tokens per page (a power of two for the Pallas kernel).
@@ -240,9 +241,7 @@ class Engine:
         elif num_pages < 1:
             raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
-        # Hundreds of sequences when the pool holds them: 512 slots for >= 1,024 tokens each.
-        slots = slots or max(1, min(2 * default_slots if capacity >= 2**19 else default_slots,
-                                    capacity // 256))
+        slots = slots or max(1, min(default_slots, capacity // 256))
         if slots < 1:
             raise InputError(f"max_batch={slots} must be >= 1")
         if budget < slots:
@@ -336,7 +335,7 @@ class Engine:
         if req.sampling.seed is None:
             raise InputError("requests reach the engine with a resolved seed; build them with "
                              "requests.make_requests")
-        key = np.asarray(SamplingArrays.from_params([req.sampling]).keys[0])
+        key = prng_key_data(req.sampling.seed)
         rid = self._next_id
         self._next_id += 1
         seq = _Seq(rid=rid, req=req, key=key, tokens=list(req.prompt_ids),
@@ -491,15 +490,29 @@ class Engine:
         return self.chunked_prefill or s.preemptions > 0
 
     def _plan_mixed(self) -> list[tuple[_Seq, int]]:
-        """Tokens per sequence for a mixed step: running ones first, then admissions."""
-        bm = self.blocks
+        """Tokens per sequence for a mixed step: running ones first, then admissions.
+
+        Decoding sequences (one token each, a new page only at a page boundary) go first so
+        a long prompt never stalls them; prompt chunks of the oldest sequences follow.
+        """
+        bm, ps = self.blocks, self.page_size
         while True:  # restarts after each preemption, which frees pages
             plan: list[tuple[_Seq, int]] = []
             budget, free = self.max_tokens, bm.num_free
-            # Decodes first so that a long prompt never stalls them (bounded decode latency).
-            order = sorted(self._running, key=lambda s: s.pending > 1)
             victim = None
-            for s in order:
+            for s in self._running:
+                if s.pending != 1 or budget == 0:
+                    continue
+                need = int(s.num_computed >= self._table_len[s.slot] * ps)
+                if need > free:
+                    victim = self._running[-1]
+                    break
+                plan.append((s, 1))
+                budget -= 1
+                free -= need
+            for s in self._running if victim is None else ():
+                if s.pending == 1:
+                    continue
                 n = self._fit(s, s.num_computed, min(s.pending, budget), free, ())
                 if n == 0 and budget > 0:
                     victim = self._running[-1]
@@ -512,7 +525,8 @@ class Engine:
                 break
             self._preempt(victim)
         for s, n in plan:
-            self._reserve(s, s.num_computed + n)
+            if n > 1 or s.num_computed >= self._table_len[s.slot] * ps:
+                self._reserve(s, s.num_computed + n)
         self._admit(plan, budget)
         return plan
 
@@ -697,7 +711,8 @@ class Engine:
         for s, n in sorted(plan, key=lambda p: p[0].slot):
             start, end = s.num_computed, s.num_computed + n
             s.num_computed = end
-            self.blocks.commit(s.rid, s.tokens, end)
+            if end // self.page_size > start // self.page_size:  # a page filled: hash it
+                self.blocks.commit(s.rid, s.tokens, end)
             if s.req.is_score:
                 lo = max(start, s.first_output)
                 if score and lo < end:
@@ -803,9 +818,10 @@ class Engine:
             col = out_t[:, s.slot]
             n = int(np.count_nonzero(col >= 0))
             computed += n
+            start = s.num_computed
             s.num_computed += n
             events.append(self._emit(s, col[:n].tolist(), out_lp[:n, s.slot].tolist(), now))
-            if s.slot >= 0:
+            if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
         self._computed += computed
         self._padded += b * k

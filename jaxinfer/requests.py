@@ -182,6 +182,15 @@ def resolve_seed(sp: SamplingParams) -> SamplingParams:
     return dataclasses.replace(sp, seed=seed)
 
 
+def prng_key_data(seed: int) -> np.ndarray:
+    """A request's PRNG key as ``uint32[2]`` threefry key data, made on the host.
+
+    ``(seed >> 32, seed & 0xffffffff)``: what ``jax.random.PRNGKey(seed)`` gives with 64-bit
+    types enabled, so every 63-bit seed gets its own key, without a device call per request.
+    """
+    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
 def _eos_ids(model: Model) -> tuple[int, ...]:
     if model.tokenizer is not None:
         return tuple(model.tokenizer.eos_ids)

@@ -35,12 +35,13 @@ _SCORE_CHUNK = 512  # rows of scoring logits materialised at once ([rows, vocab]
 
 
 def token_buckets(max_tokens: int, smallest: int) -> tuple[int, ...]:
-    """Packed-token counts a mixed step is padded to: powers of two up to ``max_tokens``."""
+    """Packed-token counts a mixed step is padded to: ``n`` and ``3n/2`` for powers of two
+    ``n`` from ``smallest``, up to ``max_tokens`` (at most a third of a step is padding)."""
     out, n = [], smallest
     while n < max_tokens:
-        out.append(n)
+        out += [n, 3 * n // 2]
         n *= 2
-    return (*out, max_tokens)
+    return tuple(sorted({b for b in out if b < max_tokens} | {max_tokens}))
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:

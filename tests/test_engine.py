@@ -348,3 +348,19 @@ def test_stop_strings_and_text_equal_generate(model, work200, alone200):
         assert (got.text, got.token_ids, got.finish_reason) == (
             want.text, want.token_ids, want.finish_reason)
         assert got.finish_reason == "stop" and s not in got.text
+
+
+def test_pallas_kernels_give_the_reference_tokens():
+    # Interpret mode on CPU: mixed steps run the ragged kernel, decode calls the paged one.
+    cfg = jaxinfer.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=128,
+                               num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                               max_position_embeddings=64)
+    params = init_params(cfg, jax.random.PRNGKey(2), jnp.float32)
+    prompts = [[5, 6, 7], list(range(10, 30)), [40]]
+    outs = {}
+    for backend in ("reference", "pallas"):
+        m = Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
+                  backend=backend, max_batch=4)
+        outs[backend] = [c.token_ids for c in jaxinfer.generate(
+            m, prompts, max_new_tokens=6, ignore_eos=True)]
+    assert outs["pallas"] == outs["reference"]
