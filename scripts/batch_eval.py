@@ -322,7 +322,9 @@ def run(args: argparse.Namespace) -> int:
               f"tokens {stats['tokens']}  wall {wall:.2f} s  "
               f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
               f"{stats['requests'] / max(wall, 1e-9):.2f} req/s  "
-              f"prefix-cache hits {es.cached_tokens} tokens")
+              f"prefix-cache hits {es.cached_tokens} tokens  "
+              f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
+              f"{es.device_seconds:.2f} s waiting on the device)")
         if not args.score:
             print(f"TTFT  {_percentiles(stats['ttft'])}")
             print(f"TPOT  {_percentiles(stats['tpot'])}")
