@@ -1,0 +1,118 @@
+"""Profile the engine's steps on a serving workload: where device time goes, kernel by kernel.
+
+Usage: ``PYTHONPATH=. python scripts/profile_engine.py --model llama-3.2-1b --requests 512
+--trace-steps 12 --out profile_engine.json`` (``--score`` profiles scoring requests instead)
+
+Random bf16 weights in the execution layout ``load_model`` would pick, ``Engine(model)`` with
+its defaults, a log-uniform workload (prompts 32-1,024 tokens, outputs 16-512, all at once, as
+``scripts/bench_engine.py``). After ``--skip-steps`` untraced steps it traces
+``--trace-steps`` engine steps with ``jax.profiler.trace``, reads the trace back with
+``jax.profiler.ProfileData`` and prints: the wall time of each traced step and its kind
+(mixed step with its token bucket, or decode call with its rows and iterations), the summed
+kernel time, and the kernels that take the most time. A record for bench/NOTES.md, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxinfer
+from jaxinfer.model import apply_layout, init_params
+from jaxinfer.presets import preset_config
+from jaxinfer.requests import Model
+
+
+def device_events(trace_dir: Path) -> list[tuple[str, float, float]]:
+    """Kernel events ``(name, start_ns, duration_ns)`` on the accelerator stream lines."""
+    (path,) = trace_dir.rglob("*.xplane.pb")
+    data = jax.profiler.ProfileData.from_file(str(path))
+    return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
+            if plane.name.startswith("/device:") for line in plane.lines
+            if "stream" in line.name.lower() for e in line.events]
+
+
+def main() -> None:
+    """Run the workload, trace some steps, print and record the kernel summary."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b", help="a jaxinfer.presets name")
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--skip-steps", type=int, default=20)
+    ap.add_argument("--trace-steps", type=int, default=12)
+    ap.add_argument("--score", action="store_true", help="scoring requests (8-token tails)")
+    ap.add_argument("--out", default="profile_engine.json")
+    args = ap.parse_args()
+
+    # An 8k context, as bench_engine's presets: block tables are as wide as the context.
+    cfg = dataclasses.replace(preset_config(args.model), max_position_embeddings=8192)
+    params = apply_layout(init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16), "auto",
+                          donate=True)
+    model = Model(cfg, params, None, jnp.bfloat16, name=args.model)
+    engine = jaxinfer.Engine(model)
+    engine.warmup(score=args.score)
+    rng = np.random.default_rng(0)
+    lens = np.exp(rng.uniform(np.log(32), np.log(1025), args.requests)).astype(int)
+    outs = np.exp(rng.uniform(np.log(16), np.log(513), args.requests)).astype(int)
+    eos = set(cfg.eos_token_ids)
+    vocab = np.array([t for t in range(3, 30000) if t not in eos])
+    if args.score:
+        pairs = [(rng.choice(vocab, int(n)).tolist(), rng.choice(vocab, 8).tolist())
+                 for n in lens]
+        from jaxinfer.requests import make_score_requests
+
+        for r in make_score_requests(model, pairs):
+            engine.add_request(r)
+    else:
+        for n, o in zip(lens, outs, strict=True):
+            engine.submit(rng.choice(vocab, int(n)).tolist(), max_new_tokens=int(o),
+                          ignore_eos=True)
+    for _ in range(args.skip_steps):
+        engine.step()
+    steps = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(args.trace_steps):
+                before = engine.stats()
+                t0 = time.perf_counter()
+                engine.step()
+                s = engine.stats()
+                kind = ("decode" if s.decode_calls > before.decode_calls else "mixed")
+                steps.append({"kind": kind, "wall_ms": 1e3 * (time.perf_counter() - t0),
+                              "device_ms": 1e3 * (s.device_seconds - before.device_seconds),
+                              "padded_tokens": s.padded_tokens - before.padded_tokens,
+                              "computed_tokens": s.computed_tokens - before.computed_tokens})
+        events = device_events(Path(tmp))
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, _, d in events:
+        by_name[name].append(d)
+    total_ms = sum(d for _, _, d in events) / 1e6
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    record = {
+        "model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "score": args.score,
+        "slots": engine.max_batch, "token_buckets": engine.token_buckets,
+        "steps": steps, "kernel_ms_total": total_ms,
+        "top_kernels": [{"name": n[:100], "count": len(ds), "ms": sum(ds) / 1e6,
+                         "mean_us": sum(ds) / len(ds) / 1e3} for n, ds in top],
+    }
+    for s in steps:
+        print(f"{s['kind']:6s} wall {s['wall_ms']:8.2f} ms  device {s['device_ms']:8.2f} ms  "
+              f"tokens {s['computed_tokens']}/{s['padded_tokens']}")
+    print(f"kernel time {total_ms:.1f} ms over {len(steps)} steps "
+          f"(wall {sum(s['wall_ms'] for s in steps):.1f} ms)")
+    for k in record["top_kernels"]:
+        print(f"{k['ms']:9.2f} ms {k['count']:6d}x {k['mean_us']:9.1f} us  {k['name']}")
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
