@@ -437,25 +437,36 @@ class Engine:
             cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
             num_programs=len(self._programs))
 
-    def warmup(self, score: bool = False) -> None:
-        """Compile every step shape now (each token bucket, each decode row bucket).
+    def warmup(self, generate: bool = True, score: bool = False) -> float:
+        """Compile (or load from JAX's compilation cache) every step shape now; return the
+        seconds it took.
 
-        Runs them on all-padding inputs, which write no page and sample for no slot, so the
-        engine's state is unchanged. Benchmarks call this before timing.
+        ``generate``: each token bucket's mixed step and each decode row bucket; ``score``:
+        each token bucket's scoring variant. Runs them on all-padding inputs, which write no
+        page and sample for no slot, so the engine's state is unchanged. Benchmarks and
+        ``batch_eval`` call this before timing.
         """
         if self.has_unfinished():
             raise InputError("warmup() runs on an idle engine; call it before submitting")
+        t0 = time.perf_counter()
+        variants = (False,) * generate + (True,) * score
         for t in self.token_buckets:
-            for sc in (False, True) if score else (False,):
+            for sc in variants:
                 self._run_mixed(self._mixed_inputs([], t, sc), t, sc)
-        for b in self.row_buckets:
+        for b in self.row_buckets if generate else ():
             self._run_decode(self._decode_inputs([], b, 1))
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ scheduling
     def _prompt_work_pending(self) -> bool:
+        """Whether the next step is a mixed one: a prompt is being read, or waiting requests
+        can be admitted. Admissions are batched: with a backlog, the engine keeps decoding
+        several tokens per call until an eighth of the slots are free, so prompts are read
+        in large, efficient steps rather than one small step per finished request."""
         if any(s.pending > 1 or s.req.is_score for s in self._running):
             return True
-        if not (self._waiting and self._free_slots):
+        enough = min(len(self._waiting), max(1, self.max_batch // 8))
+        if not self._waiting or len(self._free_slots) < enough:
             return False
         s = self._waiting[0]
         start = min(len(self.blocks.match_prefix(s.rid, s.tokens)) * self.page_size,

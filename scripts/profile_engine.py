@@ -58,7 +58,7 @@ def main() -> None:
                           donate=True)
     model = Model(cfg, params, None, jnp.bfloat16, name=args.model)
     engine = jaxinfer.Engine(model)
-    engine.warmup(score=args.score)
+    engine.warmup(generate=not args.score, score=args.score)
     rng = np.random.default_rng(0)
     lens = np.exp(rng.uniform(np.log(32), np.log(1025), args.requests)).astype(int)
     outs = np.exp(rng.uniform(np.log(16), np.log(513), args.requests)).astype(int)
