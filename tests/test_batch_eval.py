@@ -51,8 +51,6 @@ def _args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatch):
-    import jaxinfer
-
     be = _load_script()
     inp = tmp_path / "in.jsonl"
     write_input(inp, 12)
@@ -70,33 +68,44 @@ def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatc
     assert be.main(_args(tiny_dir, inp, failed, "--on-bad-record", "fail")) == 2
     assert "2 bad record(s)" in capsys.readouterr().err and not failed.exists()
 
-    # Interrupt during the second batch, then tear the last line as a crash mid-write would.
-    real = jaxinfer.generate
-    calls: list[int] = []
+    # Interrupt once some records have finished (all of them go to the engine at once and
+    # finished ones are written as they extend the prefix), then tear the next line as a
+    # crash mid-write would.
+    from jaxinfer.engine import Engine
 
-    def interrupted(model, prompts, **kw):
-        calls.append(len(prompts))
-        if len(calls) == 2:
+    real_step, real_add = Engine.step, Engine.add_request
+    finished = 0
+
+    def interrupted(self, *a, **kw):
+        nonlocal finished
+        if finished >= 4:
             raise KeyboardInterrupt
-        return real(model, prompts, **kw)
+        events = real_step(self, *a, **kw)
+        finished += sum(done for _, _, done in events)
+        return events
 
-    monkeypatch.setattr(jaxinfer, "generate", interrupted)
+    monkeypatch.setattr(Engine, "step", interrupted)
     part = tmp_path / "part.jsonl"
     assert be.main(_args(tiny_dir, inp, part)) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
-    assert len(part.read_text().splitlines()) == 4
+    written = [json.loads(x) for x in part.read_text().splitlines()]
+    n = len(written)
+    assert 4 <= n < 12 and [r["line"] for r in written] == list(range(1, n + 1))
     with part.open("a") as f:
-        f.write('{"id": "r4", "line": 5, "te')
+        f.write(f'{{"id": "r{n}", "line": {n + 1}, "te')
 
-    def counting(model, prompts, **kw):
-        calls.append(len(prompts))
-        return real(model, prompts, **kw)
+    added: list[int] = []
 
-    calls.clear()
-    monkeypatch.setattr(jaxinfer, "generate", counting)
+    def counting(self, req):
+        added.append(len(req.prompt_ids))
+        return real_add(self, req)
+
+    monkeypatch.setattr(Engine, "step", real_step)
+    monkeypatch.setattr(Engine, "add_request", counting)
     assert be.main(_args(tiny_dir, inp, part)) == 0
-    assert "resuming after 4 finished" in capsys.readouterr().err
-    assert sum(calls) == 7  # records 5..12 minus the bad line 7; none of 1..4 redone
+    assert f"resuming after {n} finished" in capsys.readouterr().err
+    # Only the good records after the written prefix run again; none of 1..n is redone.
+    assert len(added) == sum(1 for i in range(n, 12) if i not in (3, 6))
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")}
                           for r in rows]
     assert strip(map(json.loads, part.read_text().splitlines())) == strip(rows)
@@ -128,6 +137,7 @@ def test_score_mode(tiny_dir, tmp_path):
     assert row["num_tokens"] == len(c) and abs(row["logprob"] - want) < 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_batch_eval_matches_single_device(tmp_path):
     from test_sharding import run_with_devices
 

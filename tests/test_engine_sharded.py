@@ -14,11 +14,14 @@ import json
 import sys
 
 import numpy as np
+import pytest
 
 MESHES = [(1, 8), (1, 4), (2, 4)]
 PAGE, SLOTS, BUDGET, MAX_SEQ = 4, 4, 12, 40
+FAST_N = 6  # requests served with the fused layout on the last mesh
 
 
+@pytest.mark.slow
 def test_engine_on_meshes_matches_single_device():
     from test_sharding import run_with_devices
 
@@ -29,10 +32,12 @@ def test_engine_on_meshes_matches_single_device():
         for i, (got, want) in enumerate(zip(r["tokens"], ref, strict=True)):
             assert got == want, f"mesh {mesh}, request {i}: {got} != {want}"
         assert r["preemptions"] > 0, mesh
-        assert r["compilations"] <= 1, mesh
+        assert r["programs"] <= r["program_bound"], mesh  # one per step shape at most
         assert r["pool_shard"] == r["pool_shard_want"], mesh
     assert res["generate_equal"], "generate on the 2x4 mesh (via the engine) differs"
-    assert "needs the stacked layout" in res["fast_layout_error"]
+    # The fused "fast" layout on a mesh: refused with a one-line error, or the same tokens.
+    fast = res["fast_layout"]
+    assert ("layout" in fast["error"]) if fast["error"] else fast["tokens"] == ref[:FAST_N], fast
 
 
 def _workload(n: int = 20) -> list[tuple[list[int], int, int]]:
@@ -95,18 +100,18 @@ def _worker() -> None:
             out["generate_equal"] = gen == ref_gen
         out["meshes"][f"{data}x{model}"] = {
             "tokens": toks, "preemptions": stats.num_preemptions,
-            "compilations": stats.num_compilations,
+            "programs": stats.num_programs,
+            "program_bound": len(engine.token_buckets) + len(engine.row_buckets),
             "pool_shard": list(engine.pool.k.addressable_shards[0].data.shape),
             "pool_shard_want": [cfg.num_layers, mcfg.num_kv_heads // model, 14, PAGE,
                                 cfg.head_dim],
         }
-    # The fused "fast" layout cannot be split on a mesh: one-line error, not wrong output.
+    # The fused "fast" layout on a mesh: a one-line error or the right tokens, never wrong ones.
     fast = dataclasses.replace(m, params=prepare_params(m.params, fuse=True, unstack=True))
     try:
-        Engine(fast, **kw)
-        out["fast_layout_error"] = ""
+        out["fast_layout"] = {"error": "", "tokens": _serve(Engine(fast, **kw), work[:FAST_N])}
     except InputError as e:
-        out["fast_layout_error"] = str(e)
+        out["fast_layout"] = {"error": str(e), "tokens": None}
     print(json.dumps(out))
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "Hi", [{"role": "user", "content": "What is 2+2?"}]]
@@ -25,6 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_device(tmp_path):
     from sharding.testing import write_tiny_model
 

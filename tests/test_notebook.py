@@ -21,6 +21,7 @@ def test_notebook_is_committed_without_outputs():
                        "'jupyter nbconvert --clear-output --inplace notebooks/sampling.ipynb'")
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom(monkeypatch):
     """Executes every cell in a fresh kernel; any cell error fails with that cell's traceback."""
     import nbformat

@@ -64,12 +64,11 @@ def test_repetition_penalty_generation_matches_transformers(gqa_model):
     model, torch_model = gqa_model
     prompt = [5, 9, 9, 17, 5, 40]
     (out,) = jaxinfer.generate(model, [prompt], max_new_tokens=16, repetition_penalty=1.5,
-                               stop_token_ids=[])
+                               ignore_eos=True)
     with torch.no_grad():
         ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                    repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
-    ref_tokens = ref[0, len(prompt):].tolist()
-    assert out.token_ids == ref_tokens[: len(out.token_ids)]
+    assert out.token_ids == ref[0, len(prompt):].tolist() and len(out.token_ids) == 16
     (plain,) = jaxinfer.generate(model, [prompt], max_new_tokens=16)
     assert plain.token_ids != out.token_ids
 
@@ -86,11 +85,11 @@ def test_top_k_one_equals_greedy(gqa_model):
 def test_seeds_reproduce_and_differ(gqa_model):
     model, _ = gqa_model
     prompt = [3, 14, 15]
-    opts = dict(max_new_tokens=24, temperature=1.0, stop_token_ids=[])
+    opts = dict(max_new_tokens=24, temperature=1.0, ignore_eos=True)
     a = jaxinfer.generate(model, [prompt], seed=5, **opts)[0].token_ids
     b = jaxinfer.generate(model, [prompt], seed=5, **opts)[0].token_ids
     c = jaxinfer.generate(model, [prompt], seed=6, **opts)[0].token_ids
-    assert a == b
+    assert a == b and len(a) == len(c) == 24
     assert a != c
 
 
@@ -114,7 +113,8 @@ def test_logprobs_are_the_models_log_softmax(gqa_model):
     model, _ = gqa_model
     prompt = [3, 14, 15, 92]
     (out,) = jaxinfer.generate(model, [prompt], max_new_tokens=6, temperature=1.0, seed=3,
-                               logprobs=True, stop_token_ids=[])
+                               logprobs=True, ignore_eos=True)
+    assert len(out.token_ids) == 6
     full = prompt + out.token_ids
     logits = jaxinfer.compute_logits(model, full)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
@@ -128,19 +128,21 @@ def test_logprobs_are_the_models_log_softmax(gqa_model):
 def test_stop_token_ids_and_max_new_tokens(gqa_model):
     model, _ = gqa_model
     prompt = [3, 14, 15, 92]
-    (free,) = jaxinfer.generate(model, [prompt], max_new_tokens=10, stop_token_ids=[])
+    (free,) = jaxinfer.generate(model, [prompt], max_new_tokens=10, ignore_eos=True)
     assert free.finish_reason == "length" and len(free.token_ids) == 10
     stop_at = free.token_ids[3]
     first = free.token_ids.index(stop_at)
-    (stopped,) = jaxinfer.generate(model, [prompt], max_new_tokens=10, stop_token_ids=[stop_at])
+    (stopped,) = jaxinfer.generate(model, [prompt], max_new_tokens=10, stop_token_ids=[stop_at],
+                                   ignore_eos=True)
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[:first]
-    (short,) = jaxinfer.generate(model, [prompt], max_new_tokens=3, stop_token_ids=[])
+    (short,) = jaxinfer.generate(model, [prompt], max_new_tokens=3, ignore_eos=True)
     assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
 
 
 def test_timings_are_reported(gqa_model):
     model, _ = gqa_model
-    (out,) = jaxinfer.generate(model, [[3, 4, 5]], max_new_tokens=5, stop_token_ids=[])
+    (out,) = jaxinfer.generate(model, [[3, 4, 5]], max_new_tokens=5, ignore_eos=True)
+    assert len(out.token_ids) == 5
     assert out.time_to_first_token > 0
     assert out.time_per_output_token >= 0

@@ -12,6 +12,8 @@ import torch
 
 import jaxinfer
 
+# Every test but the last loads or runs the 135M model: tens of seconds each on a CPU.
+slow = pytest.mark.slow
 CHATS = ["What is the capital of France?", "Write a Python function that adds two numbers."]
 
 
@@ -20,12 +22,13 @@ def ours_f32(default_gguf):
     return jaxinfer.load_model(default_gguf, dtype="float32", backend="reference")
 
 
+@slow
 def test_default_model_by_name_is_cached_and_bf16(default_gguf):
     model = jaxinfer.load_model("smollm2-135m-instruct")
     assert model.config.num_layers == 30 and model.config.num_kv_heads == 3
     assert model.config.tie_word_embeddings
     assert model.params["embed"].dtype == jax_bf16()
-    (out,) = jaxinfer.generate(model, CHATS[0], chat=True, max_new_tokens=24)
+    (out,) = jaxinfer.generate(model, CHATS[0], chat=True, max_new_tokens=12)
     assert "Paris" in out.text
 
 
@@ -35,6 +38,7 @@ def jax_bf16():
     return jnp.bfloat16
 
 
+@slow
 def test_logits_match_transformers(ours_f32, hf_smollm2):
     tok, hf = hf_smollm2
     ids = tok.apply_chat_template([{"role": "user", "content": CHATS[1]}],
@@ -46,6 +50,7 @@ def test_logits_match_transformers(ours_f32, hf_smollm2):
     assert np.abs(ours - ref).max() < 1e-4 * np.abs(ref).max()
 
 
+@slow
 def test_greedy_chat_tokens_match_transformers(ours_f32, hf_smollm2):
     tok, hf = hf_smollm2
     outs = jaxinfer.generate(ours_f32, CHATS, chat=True, max_new_tokens=32)
@@ -65,6 +70,7 @@ def test_greedy_chat_tokens_match_transformers(ours_f32, hf_smollm2):
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
 
 
+@slow
 def test_stop_strings_and_streaming(ours_f32):
     (full,) = jaxinfer.generate(ours_f32, CHATS[1], chat=True, max_new_tokens=40)
     words = full.text.split()
@@ -81,11 +87,12 @@ def test_stop_strings_and_streaming(ours_f32):
     assert streamed_cut == cut.text
 
 
+@slow
 def test_cli_generate_answers_a_chat_question():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", CHATS[0], "--chat",
-         "--max-new-tokens", "24"], capture_output=True, text=True, env=env, timeout=600)
+         "--max-new-tokens", "12"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
