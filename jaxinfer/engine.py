@@ -73,6 +73,8 @@ from sharding.rules import engine_pool_sharding
 
 Event = tuple[int, list[int], bool]  # (request_id, new_token_ids, finished)
 
+_ANNOUNCED: set[tuple[Any, ...]] = set()  # step programs this process was told about
+
 CPU_KV_CACHE_BYTES = 128 * 2**20
 """KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
 
@@ -232,7 +234,7 @@ class Engine:
         slots = max_batch or model.max_batch
         budget = max_tokens_per_step or max(4096 if accelerator else 256, slots or 0)
         if num_pages is None:
-            if kv_cache_bytes is None and not (jax.devices()[0].memory_stats() or {}):
+            if kv_cache_bytes is None and not (jax.local_devices()[0].memory_stats() or {}):
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
             reserve = step_workspace_bytes(cfg, slots or default_slots, budget)
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
@@ -299,6 +301,7 @@ class Engine:
         self._lookup_tokens = self._hit_tokens = 0
         self._preemptions = 0
         self._programs: set[tuple[Any, ...]] = set()
+        self._quiet_compiles = False
 
     # ------------------------------------------------------------------ public API
     def submit(
@@ -450,11 +453,16 @@ class Engine:
             raise InputError("warmup() runs on an idle engine; call it before submitting")
         t0 = time.perf_counter()
         variants = (False,) * generate + (True,) * score
+        n = len(self.token_buckets) * len(variants) + len(self.row_buckets) * generate
+        print(f"jaxinfer: compiling {n} engine step programs (once per shape) …",
+              file=sys.stderr, flush=True)
+        self._quiet_compiles = True
         for t in self.token_buckets:
             for sc in variants:
                 self._run_mixed(self._mixed_inputs([], t, sc), t, sc)
         for b in self.row_buckets if generate else ():
             self._run_decode(self._decode_inputs([], b, 1))
+        self._quiet_compiles = False
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ scheduling
@@ -618,6 +626,19 @@ class Engine:
         self._preemptions += 1
         self._waiting.appendleft(s)
 
+    def _announce(self, program: tuple[Any, ...], what: str) -> None:
+        """Count a step program; say on stderr, once per process and shape, that XLA is
+        about to compile it (seconds of silence otherwise look like a hang)."""
+        self._programs.add(program)
+        key = (*program, self.model.config, self.backend, str(self.model.dtype),
+               self.blocks.num_pages, self.max_batch, self.pages_per_seq, self.decode_steps,
+               self.pool.stacked, self.model.layout)
+        if key not in _ANNOUNCED:
+            _ANNOUNCED.add(key)
+            if not self._quiet_compiles:
+                print(f"jaxinfer: compiling the engine's {what} (once per shape) …",
+                      file=sys.stderr, flush=True)
+
     def _finish(self, s: _Seq) -> None:
         self._running.remove(s)
         self.blocks.free(s.rid)
@@ -692,7 +713,8 @@ class Engine:
             sampling=self._sampling(s_rows))
 
     def _run_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, np.ndarray]:
-        self._programs.add(("mixed", t, score))
+        self._announce(("mixed", t, score), f"mixed step for {t} tokens"
+                       + (" with scoring" if score else ""))
         t0 = time.perf_counter()
         with on_mesh(self.mesh):
             self.pool, self._seen, out = mixed_step(
@@ -803,7 +825,7 @@ class Engine:
 
     def _run_decode(self, inp: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
         b = inp.tokens.shape[0]
-        self._programs.add(("decode", b, self._stop_width))
+        self._announce(("decode", b, self._stop_width), f"decode loop for {b} rows")
         t0 = time.perf_counter()
         with on_mesh(self.mesh):
             self.pool, self._seen, out_t, out_lp = decode_steps(

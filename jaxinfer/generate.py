@@ -29,6 +29,7 @@ from jaxinfer.requests import (
     ScorePair,
     ScoreResult,
     encode,
+    find_stop,
     make_requests,
     make_score_requests,
 )
@@ -119,17 +120,19 @@ def stream(
     tokens: list[int] = []
     emitted = ""
     pieces = stream_tokens(model, prompt, chat=chat, chunk_steps=chunk_steps, **sampling_kwargs)
-    for new in pieces:
-        tokens += new
-        # Hold back an incomplete character and anything that could start a stop string.
-        text = model.tokenizer.decode(tokens).rstrip("\ufffd")
-        text = text[: max(len(emitted), len(text) - hold)]
+    for new in [*pieces, None]:  # None: the stream ended, nothing more to hold back
+        tokens += new or []
+        text = model.tokenizer.decode(tokens)
+        cut = find_stop(text, stops)  # the token completing a stop string stays; its text not
+        if cut >= 0:
+            text = text[:cut]
+        elif new is not None:
+            # Hold back an incomplete character and anything that could start a stop string.
+            text = text.rstrip("\ufffd")
+            text = text[: max(len(emitted), len(text) - hold)]
         if text.startswith(emitted) and len(text) > len(emitted):
             yield text[len(emitted):]
             emitted = text
-    text = model.tokenizer.decode(tokens)  # stop strings were already cut by the engine
-    if text.startswith(emitted) and len(text) > len(emitted):
-        yield text[len(emitted):]
 
 
 def score(model: Model, requests: ScorePair | Sequence[ScorePair]) -> list[ScoreResult]:

@@ -110,7 +110,7 @@ def pages_for_budget(
     """
     per_page = PagePool.bytes_per_page(config, page_size, dtype) // model_shards
     if kv_cache_bytes is None:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
             raise InputError("this device reports no free memory; pass kv_cache_bytes=... "
                              "or num_pages=... to size the KV cache")

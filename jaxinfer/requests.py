@@ -178,7 +178,9 @@ def resolve_seed(sp: SamplingParams) -> SamplingParams:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        seed = int(multihost_utils.broadcast_one_to_all(np.int64(seed)))
+        # As two uint32 halves: without 64-bit types an int64 would be cut to int32.
+        hi, lo = multihost_utils.broadcast_one_to_all(prng_key_data(seed))
+        seed = (int(hi) << 32) | int(lo)
     return dataclasses.replace(sp, seed=seed)
 
 
