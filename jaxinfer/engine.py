@@ -10,7 +10,8 @@ the one place stop rules live):
    Admission is first come, first served into free slots; the longest cached prefix of a
    prompt is mapped from the prefix cache, not recomputed. The step is padded to the
    smallest token bucket holding its tokens.
-2. **Decode call** otherwise: every running sequence decodes up to ``decode_steps`` tokens
+2. **Decode call** otherwise: every running sequence decodes several tokens (as many as fit
+   in about ``decode_call_seconds`` of device time, at most ``decode_steps``)
    in one device loop. Pages for those tokens are reserved first; stop tokens, token limits
    and the reserved pages are checked on the device, so the host syncs once per call.
 
@@ -191,7 +192,12 @@ class Engine:
         largest token bucket. Default 4096 on an accelerator (large prefill chunks run near
         the matmul rate), 256 on CPU; at least ``max_batch``.
       max_seq_len: longest prompt + output. Default: the model's context, capped by the pool.
-      decode_steps: most tokens a sequence decodes per host round trip.
+      decode_steps: most tokens a sequence decodes per host round trip (a compiled buffer
+        size).
+      decode_call_seconds: device time one decode call aims at: the engine measures each row
+        bucket's time per iteration and runs ``decode_call_seconds / that`` iterations (at
+        least 4, at most ``decode_steps``). Longer calls spread the per-call host work over
+        more tokens; shorter ones let new requests in sooner.
       chunked_prefill: split long prompts over steps. Without it a prompt is read in one step
         and must fit the token budget.
       prefix_caching: share and cache full pages of equal prefixes.
@@ -214,7 +220,8 @@ class Engine:
         page_size: int = 16,
         max_tokens_per_step: int | None = None,
         max_seq_len: int | None = None,
-        decode_steps: int = 16,
+        decode_steps: int = 64,
+        decode_call_seconds: float = 0.2,
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
         verbose: bool = True,
@@ -253,6 +260,8 @@ class Engine:
         self.page_size = page_size
         self.max_tokens = budget
         self.decode_steps = decode_steps
+        self.decode_call_seconds = decode_call_seconds
+        self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
                                cfg.max_position_embeddings, capacity)
         self.pages_per_seq = math.ceil(self.max_seq_len / page_size)
@@ -355,13 +364,13 @@ class Engine:
 
         ``new_tokens`` is empty when a request ended on a stop token (which is not output) and
         for scoring requests. ``max_decode_steps`` caps this step's decode loop (streaming
-        uses it to yield sooner); default ``decode_steps``.
+        uses it to yield sooner); by default it follows ``decode_call_seconds``.
         """
         t0 = time.perf_counter()
         if self._prompt_work_pending():
             events = self._mixed()
         else:
-            events = self._decode(max_decode_steps or self.decode_steps)
+            events = self._decode(max_decode_steps)
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
@@ -836,13 +845,24 @@ class Engine:
         self._device_time += time.perf_counter() - t0
         return out
 
-    def _decode(self, max_steps: int) -> list[Event]:
+    def _decode(self, max_steps: int | None) -> list[Event]:
+        rows = list(self._running)
+        if not rows:
+            return []
+        b = bucket(max(s.slot for s in rows) + 1, self.row_buckets)
+        if max_steps is None:
+            per = self._iteration_s.get(b)
+            max_steps = 16 if per is None else max(4, round(self.decode_call_seconds / per))
         k = self._plan_decode(min(max_steps, self.decode_steps))
         if k == 0:
             return []
-        rows = list(self._running)
-        b = bucket(max(s.slot for s in rows) + 1, self.row_buckets)
+        rows = list(self._running)  # planning may have preempted some
+        t0 = time.perf_counter()
         out_t, out_lp = self._run_decode(self._decode_inputs(rows, b, k))
+        iterations = int(np.count_nonzero((out_t >= 0).any(axis=1)))
+        if iterations:
+            per = (time.perf_counter() - t0) / iterations
+            self._iteration_s[b] = 0.5 * (self._iteration_s.get(b, per) + per)
         now = time.perf_counter()
         self._decode_calls += 1
         computed = 0
