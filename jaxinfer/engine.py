@@ -485,12 +485,15 @@ class Engine:
         enough = min(len(self._waiting), max(1, self.max_batch // 8))
         if not self._waiting or len(self._free_slots) < enough:
             return False
+        if not self._running:  # an idle engine admits whatever fits (_admit decides)
+            return True
         s = self._waiting[0]
         start = min(len(self.blocks.match_prefix(s.rid, s.tokens)) * self.page_size,
                     s.first_output)
         first = min(s.compute_end - start, self.max_tokens - len(self._running))
-        need = math.ceil(first / self.page_size) + len(self._running)  # + a page per decode
-        return need <= self.blocks.num_free
+        # A chunked prompt can start with one page; a whole prompt needs all of its pages.
+        pages = 1 if self._chunks(s) else math.ceil(first / self.page_size)
+        return pages + len(self._running) <= self.blocks.num_free  # + a page per decode
 
     def _fit(self, s: _Seq, start: int, n: int, free: int, hits: Sequence[int]) -> int:
         """Largest count ``<= n`` of tokens from position ``start`` whose pages fit in ``free``.
