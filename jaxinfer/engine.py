@@ -54,7 +54,6 @@ from jaxinfer.requests import (
     add_tokens,
     completion,
     make_requests,
-    prng_key_data,
     score_result,
 )
 from jaxinfer.runner import (
@@ -67,7 +66,7 @@ from jaxinfer.runner import (
     row_buckets,
     token_buckets,
 )
-from jaxinfer.sampling import SamplingArrays, SamplingParams
+from jaxinfer.sampling import SamplingArrays, SamplingParams, prng_key_data
 from sharding.mesh import mesh_sizes
 from sharding.placement import on_mesh, put_replicated, to_host
 from sharding.rules import engine_pool_sharding

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxinfer.errors import InputError
 from jaxinfer.model import params_layout
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, prng_key_data
 
 Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
 Prompt = str | Sequence[int] | Messages
@@ -182,15 +182,6 @@ def resolve_seed(sp: SamplingParams) -> SamplingParams:
         hi, lo = multihost_utils.broadcast_one_to_all(prng_key_data(seed))
         seed = (int(hi) << 32) | int(lo)
     return dataclasses.replace(sp, seed=seed)
-
-
-def prng_key_data(seed: int) -> np.ndarray:
-    """A request's PRNG key as ``uint32[2]`` threefry key data, made on the host.
-
-    ``(seed >> 32, seed & 0xffffffff)``: what ``jax.random.PRNGKey(seed)`` gives with 64-bit
-    types enabled, so every 63-bit seed gets its own key, without a device call per request.
-    """
-    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
 
 def _eos_ids(model: Model) -> tuple[int, ...]:

@@ -80,6 +80,15 @@ class SamplingParams:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+def prng_key_data(seed: int) -> np.ndarray:
+    """A request's PRNG key as ``uint32[2]`` threefry key data, made on the host.
+
+    ``(seed >> 32, seed & 0xffffffff)``: what ``jax.random.PRNGKey(seed)`` gives with 64-bit
+    types enabled, so every 63-bit seed gets its own key, without a device call per request.
+    """
+    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
 @struct.dataclass
 class SamplingArrays:
     """Device-side sampling settings for a batch: one row per sequence."""
@@ -95,7 +104,7 @@ class SamplingArrays:
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
         """Stack per-request settings (seeds resolved here, so a None seed is random)."""
         seeds = [p.seed if p.seed is not None else secrets.randbits(63) for p in params]
-        keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds])
+        keys = np.stack([prng_key_data(s) for s in seeds])
         return cls(
             temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),

@@ -145,4 +145,15 @@ def test_timings_are_reported(gqa_model):
     (out,) = jaxinfer.generate(model, [[3, 4, 5]], max_new_tokens=5, ignore_eos=True)
     assert len(out.token_ids) == 5
     assert out.time_to_first_token > 0
-    assert out.time_per_output_token >= 0
+    assert out.time_per_output_token > 0  # the later tokens came from a later device call
+
+
+def test_request_keys_are_jax_keys_of_their_seed():
+    import jax
+
+    from jaxinfer.sampling import prng_key_data
+
+    for seed in (0, 7, 2**31 + 3, 2**32 - 1):  # 32-bit seeds: exactly jax.random.PRNGKey's
+        want = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
+        np.testing.assert_array_equal(prng_key_data(seed), want)
+    assert not np.array_equal(prng_key_data(5), prng_key_data(5 + 2**32))  # 63-bit seeds differ
