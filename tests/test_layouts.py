@@ -44,15 +44,15 @@ def _models(backend: str) -> tuple[Model, Model]:
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_fast_layout_equals_stacked(backend):
     stacked, fast = _models(backend)
-    want = jaxinfer.generate(stacked, PROMPTS, max_new_tokens=8, stop_token_ids=[])
-    got = jaxinfer.generate(fast, PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    want = jaxinfer.generate(stacked, PROMPTS, max_new_tokens=8, ignore_eos=True)
+    got = jaxinfer.generate(fast, PROMPTS, max_new_tokens=8, ignore_eos=True)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert all(len(c.token_ids) == 8 for c in got)
     np.testing.assert_allclose(jaxinfer.compute_logits(fast, PROMPTS[0]),
                                jaxinfer.compute_logits(stacked, PROMPTS[0]),
                                rtol=1e-5, atol=1e-5)
     streamed = [t for piece in jaxinfer.stream_tokens(fast, PROMPTS[1], chunk_steps=4,
-                                                      max_new_tokens=8, stop_token_ids=[])
+                                                      max_new_tokens=8, ignore_eos=True)
                 for t in piece]
     assert streamed == want[1].token_ids
 
@@ -63,14 +63,14 @@ def test_engine_runs_the_fast_layout():
     for model in (stacked, fast):
         engine = Engine(model, num_pages=32, page_size=4, max_tokens_per_step=16,
                         max_seq_len=32, verbose=False)
-        ids = [engine.submit(p, max_new_tokens=10, stop_token_ids=[]) for p in PROMPTS]
+        ids = [engine.submit(p, max_new_tokens=10, ignore_eos=True) for p in PROMPTS]
         engine.run_until_done()
         outs.append([engine.result(i).token_ids for i in ids])
     assert outs[1] == outs[0]
     # More prompts than max_batch: generate() hands them to the engine.
     many = [[i + 3, 2 * i + 1] for i in range(6)]
-    want = jaxinfer.generate(stacked, many, max_new_tokens=6, stop_token_ids=[])
-    got = jaxinfer.generate(fast, many, max_new_tokens=6, stop_token_ids=[])
+    want = jaxinfer.generate(stacked, many, max_new_tokens=6, ignore_eos=True)
+    got = jaxinfer.generate(fast, many, max_new_tokens=6, ignore_eos=True)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 

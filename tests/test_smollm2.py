@@ -51,6 +51,25 @@ def test_logits_match_transformers(ours_f32, hf_smollm2):
 
 
 @slow
+def test_score_matches_transformers(ours_f32, hf_smollm2):
+    _, hf = hf_smollm2
+    ctx = "The capital of France is"
+    pairs = [(ctx, " Paris, a city on the Seine."), (ctx, " Berlin.")]  # one shared context
+    results = jaxinfer.score(ours_f32, pairs)
+    for r in results:
+        ids = r.context_token_ids + r.continuation_token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].double()
+        logp = torch.log_softmax(logits, -1).numpy()
+        rows = np.arange(len(r.context_token_ids) - 1, len(ids) - 1)
+        want = logp[rows, r.continuation_token_ids]
+        np.testing.assert_allclose(r.token_logprobs, want, atol=2e-4)
+        assert r.logprob == pytest.approx(float(want.sum()), abs=1e-3)
+        assert r.greedy == bool(np.all(logits.numpy()[rows].argmax(-1)
+                                       == r.continuation_token_ids))
+
+
+@slow
 def test_greedy_chat_tokens_match_transformers(ours_f32, hf_smollm2):
     tok, hf = hf_smollm2
     outs = jaxinfer.generate(ours_f32, CHATS, chat=True, max_new_tokens=32)
