@@ -266,7 +266,10 @@ class Engine:
         self.pages_per_seq = math.ceil(self.max_seq_len / page_size)
         self.chunked_prefill = chunked_prefill
         self.backend = resolve_backend(model.backend, cfg.head_dim)
-        self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16))
+        # Fine buckets where padding costs device time; powers of two on CPU, where compile
+        # time dominates.
+        self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
+                                           fine=accelerator)
         self.row_buckets = row_buckets(slots)
         self.blocks = BlockManager(num_pages, page_size, prefix_caching)
         stacked = pool_is_stacked(model.params, self.backend)
@@ -287,6 +290,7 @@ class Engine:
         self._running: list[_Seq] = []  # admission order: the last one is the youngest
         self._seqs: dict[int, _Seq] = {}
         self._results: dict[int, Completion | ScoreResult] = {}
+        self._taken: set[int] = set()  # ids whose result was handed over
         self._free_slots = list(range(slots))  # a heap: lowest slots first keeps rows packed
         # Per-slot request settings, uploaded with every step (a few bytes per slot).
         self._temperature = np.zeros(slots, np.float32)
@@ -390,25 +394,34 @@ class Engine:
             pass
 
     def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
-        """Step until the given requests finish; return their results in order."""
+        """Step until the given requests finish; return their results in order (and forget
+        them: ``request_metrics`` no longer knows these ids)."""
         pending = set(request_ids)
         while pending:
-            unknown = [i for i in pending if i not in self._seqs and i not in self._results]
+            unknown = [i for i in pending if i not in self._seqs and i not in self._results
+                       or i in self._taken]
             if unknown:
                 raise InputError(f"unknown request id {unknown[0]}")
             pending = {i for i in pending if i not in self._results}
             if pending:
                 self.step()
-        return [self.result(i) for i in request_ids]
+        results = [self.result(i) for i in request_ids]
+        for i in request_ids:  # the caller holds the results; keep no per-request state
+            self.forget(i)
+        return results
 
     def result(self, request_id: int) -> Completion | ScoreResult:
         """The result of a finished request (handed over once, then forgotten)."""
         if request_id in self._results:
+            self._taken.add(request_id)
             return self._results.pop(request_id)
+        if request_id in self._taken:
+            raise InputError(f"the result of request {request_id} was already taken; result() "
+                             "hands each result over once")
         if request_id in self._seqs:
             raise InputError(f"request {request_id} is not finished yet; call step() or "
                              "run_until_done() first")
-        raise InputError(f"unknown request id {request_id} (or its result was already taken)")
+        raise InputError(f"unknown request id {request_id}")
 
     def request_metrics(self, request_id: int) -> RequestMetrics:
         """Queue time, time to first token and time per output token of a live request."""
@@ -426,10 +439,11 @@ class Engine:
             num_preemptions=s.preemptions, cached_prompt_tokens=s.cached_tokens)
 
     def forget(self, request_id: int) -> None:
-        """Drop the metrics of a finished request (long-running servers call this)."""
-        if request_id in self._seqs and self._seqs[request_id].slot < 0 and \
-                request_id not in {s.rid for s in self._waiting}:
-            del self._seqs[request_id]
+        """Drop what the engine keeps of a finished request whose result was taken (its
+        metrics); long-running callers call this so host memory stays bounded."""
+        if request_id in self._taken:
+            self._taken.discard(request_id)
+            self._seqs.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         """Throughput, queue sizes, page usage and prefix-cache hit rate so far."""

@@ -95,7 +95,8 @@ def stream_tokens(
                 done = finished
                 if new:
                     yield new
-    engine.result(rid)  # hand the finished result over so the engine forgets it
+    engine.result(rid)  # hand the finished result over, then let the engine forget it
+    engine.forget(rid)
 
 
 def stream(

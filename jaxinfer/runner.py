@@ -34,12 +34,13 @@ Backend = Literal["reference", "pallas"]
 _SCORE_CHUNK = 512  # rows of scoring logits materialised at once ([rows, vocab] float32)
 
 
-def token_buckets(max_tokens: int, smallest: int) -> tuple[int, ...]:
-    """Packed-token counts a mixed step is padded to: ``n`` and ``3n/2`` for powers of two
-    ``n`` from ``smallest``, up to ``max_tokens`` (at most a third of a step is padding)."""
+def token_buckets(max_tokens: int, smallest: int, fine: bool = True) -> tuple[int, ...]:
+    """Packed-token counts a mixed step is padded to: powers of two ``n`` from ``smallest``
+    up to ``max_tokens`` and, if ``fine``, ``3n/2`` between them (at most a third of a step is
+    padding, for twice the programs to compile)."""
     out, n = [], smallest
     while n < max_tokens:
-        out += [n, 3 * n // 2]
+        out += [n, 3 * n // 2] if fine else [n]
         n *= 2
     return tuple(sorted({b for b in out if b < max_tokens} | {max_tokens}))
 

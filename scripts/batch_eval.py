@@ -296,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
                 if not is_done or i not in line_of:
                     continue
                 result = engine.result(i)
+                engine.forget(i)
                 finished[line_of[i]] = _record(result)
                 if not args.score:
                     stats["tokens"] += len(result.token_ids)

@@ -282,6 +282,16 @@ def test_bad_input_is_one_line_error(model):
     rid = engine.submit([3, 4], max_new_tokens=9)
     with pytest.raises(InputError, match="not finished"):
         engine.result(rid)
+    engine.run_until_done()
+    engine.result(rid)
+    with pytest.raises(InputError, match="already taken"):
+        engine.result(rid)
+    with pytest.raises(InputError, match="unknown request id 999"):
+        engine.result(999)
+    (done,) = engine.run([engine.submit([3, 4], max_new_tokens=9)])  # run() forgets its ids
+    assert done.finish_reason in ("stop", "length")
+    with pytest.raises(InputError, match="unknown request id"):
+        engine.request_metrics(rid + 1)
     with pytest.raises(InputError, match="max_tokens_per_step"):
         Engine(model, num_pages=8, max_batch=8, max_tokens_per_step=4, verbose=False)
     with pytest.raises(InputError, match="without chunked prefill"):
@@ -364,3 +374,13 @@ def test_pallas_kernels_give_the_reference_tokens():
         outs[backend] = [c.token_ids for c in jaxinfer.generate(
             m, prompts, max_new_tokens=6, ignore_eos=True)]
     assert outs["pallas"] == outs["reference"]
+
+
+def test_step_shape_buckets():
+    assert runner.token_buckets(4096, 128) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
+                                                3072, 4096)
+    assert runner.token_buckets(300, 16, fine=False) == (16, 32, 64, 128, 256, 300)
+    assert runner.row_buckets(256) == (1, 8, 16, 32, 64, 128, 256)
+    assert [runner.bucket(n, (1, 8, 16)) for n in (1, 2, 8, 9, 16)] == [1, 8, 8, 16, 16]
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        runner.bucket(17, (1, 8, 16))
