@@ -234,6 +234,12 @@ class Engine:
             raise InputError(f"page_size={page_size} must be a power of two")
         if decode_steps < 1:
             raise InputError(f"decode_steps={decode_steps} must be >= 1")
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len),
+                            ("max_tokens_per_step", max_tokens_per_step)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise InputError(f"{name}={value!r} must be an integer >= 1 (or None for the "
+                                 "default)")
         self.mesh = model.mesh
         _, model_size = mesh_sizes(self.mesh)
         default_slots = 256 if accelerator else 32

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from jaxinfer.errors import InputError
@@ -50,6 +51,14 @@ def run_plan(args: argparse.Namespace) -> None:
     from jaxinfer import roofline
     from jaxinfer.presets import resolve_config
 
+    for flag, value in (("--bandwidth", args.bandwidth), ("--flops", args.flops),
+                        ("--memory", args.memory)):
+        if value is not None and not 0 < value < math.inf:
+            raise InputError(f"{flag} {value} must be a finite number > 0")
+    if args.context < 1:
+        raise InputError(f"--context {args.context} must be >= 1")
+    if args.batch and min(args.batch) < 1:
+        raise InputError(f"--batch {min(args.batch)} must be >= 1")
     config = resolve_config(args.model)
     device = roofline.device_spec(
         args.device,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -115,6 +115,24 @@ def is_messages(prompt: Any) -> bool:
             and all(isinstance(m, dict) for m in prompt))
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: Messages) -> None:
+    """Raise ``InputError`` naming the first message that is not a ``{"role", "content"}`` dict
+    with a known role and string content."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InputError(f"chat message {i} is a {type(m).__name__}; each message is a "
+                             "{'role': ..., 'content': ...} dict")
+        if m.get("role") not in CHAT_ROLES:
+            raise InputError(f"chat message {i} has role {m.get('role')!r}; use one of "
+                             f"{', '.join(CHAT_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise InputError(f"chat message {i} has content {m.get('content')!r}; the content "
+                             "must be a string")
+
+
 def encode_chat(model: Model, messages: Messages) -> list[int]:
     """Token ids of a whole conversation rendered with the model's chat template.
 
@@ -122,6 +140,9 @@ def encode_chat(model: Model, messages: Messages) -> list[int]:
     continued by ``generate``/``stream``; multi-turn chat appends each reply as an
     ``{"role": "assistant", ...}`` message and the next user turn, then re-encodes.
     """
+    if isinstance(messages, str | dict) or not isinstance(messages, Sequence) or not messages:
+        raise InputError("a chat is a non-empty list of {'role', 'content'} dicts")
+    check_messages(messages)
     if model.tokenizer is None:
         raise InputError("this model has no tokenizer; chat messages need one")
     text = model.tokenizer.apply_chat_template(list(messages))
@@ -143,23 +164,47 @@ def encode(model: Model, prompt: Prompt, *, chat: bool = False, add_bos: bool = 
         return model.tokenizer.encode(prompt, add_bos=add_bos)
     if isinstance(prompt, dict):
         raise InputError("a chat is a list of {'role', 'content'} dicts, not one dict")
+    if not isinstance(prompt, Sequence | np.ndarray):
+        raise InputError(f"a prompt is a string, a list of token ids or a chat, not "
+                         f"{type(prompt).__name__} ({prompt!r:.40})")
     ids = list(prompt)
     if not ids:
         raise InputError("prompt is empty; pass a non-empty string or token ids")
+    if isinstance(ids[0], dict):
+        check_messages(ids)  # a chat with a non-dict message: name that message
     vocab = model.config.vocab_size
-    bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
+    bad = [t for t in ids if not isinstance(t, int | np.integer) or isinstance(t, bool | np.bool_)
+           or not 0 <= t < vocab]
     if bad:
-        raise InputError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        raise InputError(f"prompt token id {bad[0]!r:.40} is not an integer in the vocabulary "
+                         f"[0, {vocab})")
     return [int(t) for t in ids]
+
+
+def _encode_at(model: Model, prompt: Prompt, where: str, **kwargs: Any) -> list[int]:
+    """``encode``, with ``where`` (e.g. ``"prompt 3"``) leading any error message."""
+    try:
+        return encode(model, prompt, **kwargs)
+    except InputError as e:
+        if not where:
+            raise
+        raise InputError(f"{where}: {e}") from None
 
 
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt or a list of prompts, as a list (a flat list of ints is one prompt)."""
     if isinstance(prompts, str) or is_messages(prompts):
         return [prompts]
+    if isinstance(prompts, dict):
+        raise InputError("a chat is a list of {'role', 'content'} dicts, not one dict")
+    if not isinstance(prompts, Iterable):
+        raise InputError(f"prompts must be a string, token ids, a chat or a list of them, not "
+                         f"{type(prompts).__name__} ({prompts!r:.40})")
     prompts = list(prompts)
     if not prompts:
         raise InputError("no prompts given; pass a string, token ids, or a list of them")
+    if isinstance(prompts[0], dict):
+        return [prompts]  # a chat with a bad message: encode names it
     if all(isinstance(p, int | np.integer) for p in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
@@ -215,7 +260,9 @@ def make_requests(
     eos = _eos_ids(model)
     requests = []
     for i, (p, sp) in enumerate(zip(plist, sps, strict=True)):
-        ids = encode(model, p, chat=chat)
+        if not isinstance(sp, SamplingParams):
+            raise InputError(f"sampling[{i}] is a {type(sp).__name__}, not a SamplingParams")
+        ids = _encode_at(model, p, f"prompt {i}" if len(plist) > 1 else "", chat=chat)
         if len(ids) >= context:
             raise InputError(f"prompt {i} has {len(ids)} tokens but the model's context is "
                              f"{context}; shorten the prompt")
@@ -251,10 +298,10 @@ def make_score_requests(model: Model, pairs: Sequence[ScorePair]) -> list[Reques
             raise InputError(f"score request {i} must be a (context, continuation) pair, got "
                              f"{type(pair).__name__}")
         ctx, cont = pair
-        ctx_ids = encode(model, ctx)
+        ctx_ids = _encode_at(model, ctx, f"score request {i} context")
         if isinstance(cont, str) and not cont:
             raise InputError(f"score request {i} has an empty continuation; nothing to score")
-        cont_ids = encode(model, cont, add_bos=False)
+        cont_ids = _encode_at(model, cont, f"score request {i} continuation", add_bos=False)
         if len(ctx_ids) + len(cont_ids) > context:
             raise InputError(f"score request {i} has {len(ctx_ids)} context + {len(cont_ids)} "
                              f"continuation tokens, over the model's context of {context}; "

@@ -8,8 +8,10 @@ top-p, min-p; a temperature of 0 means greedy.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,19 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.errors import InputError
+
+_INT32 = 2**31  # top_k and token ids live in int32 device arrays
+
+
+def _is_int(x: object) -> bool:
+    """An integer, numpy integers included; bools are not (``True`` is no token id)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
+
+
+def _is_real(x: object) -> bool:
+    """A real number that is not NaN (bools excluded); ``inf`` is left to the range checks."""
+    return _is_int(x) or (isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
+                          and not math.isnan(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +57,43 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # One string (or one id) is one stop string (or id), never its characters.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, str | int | np.integer):
+                value = (value,)
+            elif value is None:
+                value = ()
+            elif isinstance(value, Iterable) and not isinstance(value, dict):
+                value = tuple(value)
+            else:
+                raise InputError(f"{name}={value!r} must be a list of "
+                                 f"{'strings' if name == 'stop' else 'token ids'}")
+            object.__setattr__(self, name, value)
         checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-             f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"),
-            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 is greedy)"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)"),
-            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
-            (0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1)"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)"),
-            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-             f"seed={self.seed!r} must be a non-negative integer or None"),
+            (_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens < _INT32,
+             f"max_new_tokens={self.max_new_tokens!r} must be an integer in [1, 2**31)"),
+            (_is_real(self.temperature) and 0 <= self.temperature < math.inf,
+             f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)"),
+            (_is_int(self.top_k) and 0 <= self.top_k < _INT32,
+             f"top_k={self.top_k!r} must be an integer in [0, 2**31) (0 disables it)"),
+            (_is_real(self.top_p) and 0 < self.top_p <= 1,
+             f"top_p={self.top_p!r} must be a number in (0, 1]"),
+            (_is_real(self.min_p) and 0 <= self.min_p < 1,
+             f"min_p={self.min_p!r} must be a number in [0, 1)"),
+            (_is_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+             f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 "
+             "(1 disables it)"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+             f"seed={self.seed!r} must be an integer in [0, 2**63) or None"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop={self.stop!r} must be non-empty strings"),
-            (all(isinstance(i, int) and i >= 0 for i in self.stop_token_ids),
-             f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers"),
+            (all(_is_int(i) and 0 <= i < _INT32 for i in self.stop_token_ids),
+             f"stop_token_ids={self.stop_token_ids!r} must be integers in [0, 2**31)"),
+            (isinstance(self.logprobs, bool | np.bool_),
+             f"logprobs={self.logprobs!r} must be True or False"),
+            (isinstance(self.ignore_eos, bool | np.bool_),
+             f"ignore_eos={self.ignore_eos!r} must be True or False"),
         ]
         for ok, message in checks:
             if not ok:
@@ -71,12 +107,6 @@ class SamplingParams:
         if unknown:
             raise InputError(f"unknown sampling option {unknown[0]!r}; valid options: "
                              f"{', '.join(sorted(names))}")
-        for key in ("stop", "stop_token_ids"):
-            value = kwargs.get(key)
-            if isinstance(value, str | int):
-                kwargs[key] = (value,)
-            elif value is not None:
-                kwargs[key] = tuple(value)  # type: ignore[arg-type]
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
