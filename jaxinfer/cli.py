@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     add_parsers(sub)  # plan, bench
     c = sub.add_parser("convert", help="convert a GGUF/HF checkpoint to a jaxinfer folder")
     c.add_argument("src")
-    c.add_argument("dst")
+    c.add_argument("dst", help="a new or empty folder, or a previous conversion with --overwrite")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace DST when it holds a previous jaxinfer conversion")
     return p
 
 
@@ -189,7 +191,7 @@ def _chat(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     from jaxinfer.loading import convert
 
-    out = convert(args.src, args.dst)
+    out = convert(args.src, args.dst, overwrite=args.overwrite)
     print(f"converted {args.src} -> {out}")
 
 

@@ -200,11 +200,53 @@ def _tokenizer_if_any(path: Path) -> Any:
     return None
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    """Convert any format ``load_model`` reads into a converted folder (orbax params)."""
-    from checkpoints.orbax_io import save_converted
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool = False
+            ) -> Path:
+    """Convert any format ``load_model`` reads into a converted folder (orbax params).
 
-    config, params, tokenizer = _load_raw(src)
-    if tokenizer is None:
-        raise CheckpointError(f"{src} has no tokenizer files; a converted folder needs one")
-    return save_converted(dst, config, params, tokenizer, overwrite=True)
+    ``dst`` must be new, empty, or (with ``overwrite=True``) a previous conversion: any other
+    folder is refused untouched. The model is written into a temporary sibling folder that
+    is renamed into place at the end, so an interrupted conversion never leaves a half-written
+    ``dst``.
+    """
+    import shutil
+    import tempfile
+
+    from checkpoints.orbax_io import MARKER, save_converted
+
+    dst = Path(dst).expanduser().resolve()
+    if dst.exists() and not dst.is_dir():
+        raise InputError(f"convert destination {dst} is a file; choose a new folder")
+    if dst.is_dir() and any(dst.iterdir()):
+        if not (dst / MARKER).is_file():
+            raise InputError(f"convert destination {dst} is not empty and not a jaxinfer "
+                             "conversion; choose a new or empty folder")
+        if not overwrite:
+            raise InputError(f"convert destination {dst} already holds a converted model; pass "
+                             "--overwrite (overwrite=True) to replace it")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
+    except OSError as e:
+        raise InputError(f"cannot write next to convert destination {dst}: {e.strerror}; "
+                         "choose a writable folder") from None
+    try:
+        config, params, tokenizer = _load_raw(src)
+        if tokenizer is None:
+            raise CheckpointError(f"{src} has no tokenizer files; a converted folder needs one")
+        save_converted(tmp, config, params, tokenizer, overwrite=True)
+        old = None
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            dst.rename(old / dst.name)
+        try:
+            tmp.rename(dst)
+        except BaseException:
+            if old is not None:
+                (old / dst.name).rename(dst)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless something failed
+    return dst
