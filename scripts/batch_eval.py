@@ -62,11 +62,13 @@ class Record:
 def parse_records(path: Path, score: bool) -> list[Record]:
     """Read the JSONL input; every non-blank line becomes a ``Record`` (bad ones with ``error``)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read input {path}: {e}") from None
     records = []
-    for n, raw in enumerate(lines, start=1):
+    # "\n" only: str.splitlines would also split on U+2028/U+2029/U+0085 inside JSON strings.
+    for n, raw in enumerate(text.split("\n"), start=1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         records.append(_parse_line(n, raw, score))
@@ -100,6 +102,22 @@ def _parse_line(n: int, raw: str, score: bool) -> Record:
     if score and (not isinstance(completion, str) or not completion):
         return Record(n, rid, error="--score needs a non-empty string 'completion'")
     return Record(n, rid, prompt, completion)
+
+
+def check_output(output: Path) -> None:
+    """Raise ``InputError`` unless ``output`` can be appended to (checked before any loading)."""
+    if output.is_dir():
+        raise InputError(f"--output {output} is a directory; give a file path")
+    existed = output.exists()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with output.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise InputError(f"--output {output} cannot be written ({e.strerror}); choose a "
+                         "writable file path") from None
+    if not existed:
+        output.unlink(missing_ok=True)
 
 
 def resume_point(output: Path, records: Sequence[Record]) -> int:
@@ -231,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
 
     initialize(args.coordinator, args.num_processes, args.process_id)
     primary = is_primary()
+    if primary:
+        check_output(args.output)
     done = resume_point(args.output, records) if primary else 0
     if args.num_processes and args.num_processes > 1:
         from jax.experimental import multihost_utils
