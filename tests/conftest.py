@@ -90,3 +90,20 @@ def hf_smollm2(default_gguf: Path, hf_smollm2_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
                                                  dtype=torch.float32).eval()
     return hf_smollm2_tokenizer, model
+
+
+def tiny_engine_model(context: int = 256, seed: int = 0, max_batch: int | None = None):
+    """A float32 ``jaxinfer.Model`` of random weights (2 layers, GQA 2, head_dim 16, vocab 128,
+    no tokenizer) on the reference backend: the engine tests' model."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxinfer
+    from jaxinfer.params import init_params
+
+    cfg = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               max_position_embeddings=context)
+    params = init_params(cfg, jax.random.PRNGKey(seed), jnp.float32)
+    return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
+                          backend="reference", max_batch=max_batch)

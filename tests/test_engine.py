@@ -16,6 +16,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
 from jaxinfer.model import init_params
 from jaxinfer.requests import Model, make_score_requests
+from tests.conftest import tiny_engine_model
 
 PAGE = 4
 SLOTS = 8
@@ -25,12 +26,7 @@ MAX_SEQ = 32
 
 @pytest.fixture(scope="module")
 def model() -> Model:
-    cfg = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                               max_position_embeddings=256)
-    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-    return Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
-                 backend="reference", max_batch=SLOTS)
+    return tiny_engine_model(context=256, max_batch=SLOTS)
 
 
 def _engine(model: Model, num_pages: int = 64, **kw) -> Engine:

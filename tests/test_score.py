@@ -3,25 +3,18 @@ from ``compute_logits``, shared contexts served by the prefix cache, one-line er
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxinfer
 from jaxinfer.errors import InputError
-from jaxinfer.model import init_params
 from jaxinfer.requests import Model
+from tests.conftest import tiny_engine_model
 
 
 @pytest.fixture(scope="module")
 def model() -> Model:
-    cfg = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                               max_position_embeddings=96)
-    params = init_params(cfg, jax.random.PRNGKey(1), jnp.float32)
-    return Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
-                 backend="reference")
+    return tiny_engine_model(context=96, seed=1)
 
 
 def direct(model: Model, ctx: list[int], cont: list[int]) -> tuple[np.ndarray, bool]:
