@@ -85,9 +85,12 @@ def stream_tokens(
     """
     if chunk_steps < 1:
         raise InputError(f"chunk_steps={chunk_steps} must be >= 1")
-    (request,) = make_requests(model, prompt, chat, None, sampling_kwargs)
+    requests = make_requests(model, prompt, chat, None, sampling_kwargs)
+    if len(requests) != 1:
+        raise InputError(f"stream takes one prompt, got {len(requests)}; use generate() for "
+                         "several")
     engine = engine_for(model)
-    rid = engine.add_request(request)
+    rid = engine.add_request(requests[0])
     done = False
     while not done:
         for i, new, finished in engine.step(max_decode_steps=chunk_steps):

@@ -9,28 +9,21 @@ import math
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxinfer
 from jaxinfer.errors import InputError
-from jaxinfer.model import init_params
 from jaxinfer.requests import Model, make_requests, make_score_requests
 from jaxinfer.sampling import SamplingParams
+from tests.conftest import tiny_engine_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def model() -> Model:
-    cfg = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                               max_position_embeddings=96)
-    params = init_params(cfg, jax.random.PRNGKey(1), jnp.float32)
-    return Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
-                 backend="reference")
+    return tiny_engine_model(context=96, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +308,8 @@ def test_batch_eval_keeps_unicode_line_separators_in_records(tmp_path):
     assert [r.error for r in records] == [None, None, None]
     assert [r.prompt for r in records] == prompts
     assert [r.line for r in records] == [1, 2, 3]
+
+
+def test_stream_takes_one_prompt(model):
+    with pytest.raises(InputError, match="stream takes one prompt, got 2"):
+        next(jaxinfer.stream_tokens(model, [[3, 4], [5, 6]]))
