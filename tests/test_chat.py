@@ -107,7 +107,8 @@ def test_chat_in_a_terminal_remembers_the_conversation(tmp_path):
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxinfer.cli", "chat", "--max-new-tokens", "16"],
+            [sys.executable, "-m", "jaxinfer.cli", "chat", "--max-new-tokens", "16",
+             "--dtype", "float32"],
             stdin=slave, stdout=slave, stderr=err, env=env, close_fds=True)
     os.close(slave)
     buf = bytearray()

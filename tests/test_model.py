@@ -168,7 +168,7 @@ def test_compile_time_does_not_grow_with_depth():
     [
         (dict(prompts=""), "prompt is empty"),
         (dict(prompts=[[]]), "prompt is empty"),
-        (dict(prompts=[[5, 999]]), "outside the vocabulary"),
+        (dict(prompts=[[5, 999]]), "in the vocabulary"),
         (dict(prompts=[[5] * 600]), "context"),
         (dict(prompts=[[5, 6]], max_new_tokens=600), "lower max_new_tokens"),
         (dict(prompts=[[5]], temperature=-1.0), "temperature"),
