@@ -482,7 +482,7 @@ class Engine:
         t0 = time.perf_counter()
         variants = (False,) * generate + (True,) * score
         n = len(self.token_buckets) * len(variants) + len(self.row_buckets) * generate
-        print(f"jaxinfer: compiling {n} engine step programs (once per shape) …",
+        print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
         for t in self.token_buckets:
@@ -716,15 +716,16 @@ class Engine:
             samples[slots] = np.fromiter(
                 (not q.req.is_score and q.num_computed + n == len(q.tokens) for q, n in plan),
                 bool, m)
-            one = ns == 1
+            scoring = np.fromiter((q.req.is_score for q, _ in plan), bool, m)
+            one = (ns == 1) & ~scoring  # decode tokens; score entries need their targets
             idx = off[one]
-            tokens[idx] = np.fromiter((q.tokens[q.num_computed] for q, n in plan if n == 1),
-                                      np.int32, int(one.sum()))
+            tokens[idx] = np.fromiter(
+                (q.tokens[q.num_computed] for (q, _), o in zip(plan, one, strict=True) if o),
+                np.int32, int(one.sum()))
             positions[idx] = starts[one]
             write_pages[idx] = self._tables[slots[one], starts[one] // ps]
             write_offsets[idx] = starts[one] % ps
-            for i in np.flatnonzero(~one | np.fromiter((q.req.is_score for q, _ in plan), bool,
-                                                        m)):
+            for i in np.flatnonzero(~one):
                 q, n, o, start = plan[i][0], int(ns[i]), int(off[i]), int(starts[i])
                 pos = np.arange(start, start + n, dtype=np.int32)
                 sl = slice(o, o + n)
