@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "LlamaConfig": "jaxinfer.config",
     "Engine": "jaxinfer.engine",
+    "DataParallelEngine": "jaxinfer.replicas",
     "CheckpointError": "jaxinfer.errors",
     "ConfigError": "jaxinfer.errors",
     "InputError": "jaxinfer.errors",
@@ -36,7 +37,8 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "Engine", "InputError",
+    "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "DataParallelEngine",
+    "Engine", "InputError",
     "JaxinferError", "LlamaConfig", "Model", "SamplingParams", "ScoreResult", "compute_logits",
     "convert", "generate", "load_model", "score", "score_rolling", "stream", "stream_tokens",
 ]
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         stream_tokens,
     )
     from jaxinfer.loading import DEFAULT_MODEL, convert, load_model
+    from jaxinfer.replicas import DataParallelEngine
     from jaxinfer.requests import Completion, Model, ScoreResult
     from jaxinfer.sampling import SamplingParams
 

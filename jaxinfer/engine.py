@@ -58,6 +58,7 @@ from jaxinfer.requests import (
 )
 from jaxinfer.runner import (
     DecodeInputs,
+    DecodeState,
     MixedInputs,
     bucket,
     decode_steps,
@@ -67,7 +68,7 @@ from jaxinfer.runner import (
     token_buckets,
 )
 from jaxinfer.sampling import SamplingArrays, SamplingParams, prng_key_data
-from sharding.mesh import mesh_sizes
+from sharding.mesh import mesh_sizes, spans_processes
 from sharding.placement import on_mesh, put_replicated, to_host
 from sharding.rules import engine_pool_sharding
 
@@ -113,6 +114,7 @@ class EngineStats:
 
     steps: int
     decode_calls: int  # multi-step decode calls among the steps
+    chained_calls: int  # decode calls launched before the previous call's tokens were read
     running: int
     waiting: int
     generated_tokens: int
@@ -170,6 +172,21 @@ class _Seq:
     def pending(self) -> int:
         """Tokens still to compute; 1 means a generating sequence is in its decode phase."""
         return self.compute_end - self.num_computed
+
+
+@dataclasses.dataclass
+class _Call:
+    """A step program launched on the device whose results the host has not read yet."""
+
+    out: Any  # the program's results (device arrays)
+    launched: float  # perf_counter() at launch
+    padded: int  # token slots the program computes
+    plan: list[tuple[_Seq, int]] | None = None  # mixed step: tokens per sequence
+    score: bool = False  # mixed step: with target log-probabilities
+    rows: list[_Seq] | None = None  # decode call: the sequences it advances
+    iterations: int = 0  # decode call: at most this many tokens per row
+    state: DecodeState | None = None  # decode call: its rows' device state after it
+    chainable: bool = True  # decode call: the next may be launched from it (not streaming)
 
 
 class Engine:
@@ -241,7 +258,10 @@ class Engine:
                 raise InputError(f"{name}={value!r} must be an integer >= 1 (or None for the "
                                  "default)")
         self.mesh = model.mesh
-        _, model_size = mesh_sizes(self.mesh)
+        data_size, model_size = mesh_sizes(self.mesh)
+        if data_size > 1 and not spans_processes(self.mesh):
+            raise InputError(f"the model's mesh has data={data_size} replicas; serve it with "
+                             "jaxinfer.DataParallelEngine(model) (one engine per replica)")
         default_slots = 256 if accelerator else 32
         slots = max_batch or model.max_batch
         budget = max_tokens_per_step or max(4096 if accelerator else 256, slots or 0)
@@ -312,7 +332,7 @@ class Engine:
         self._table_len = np.zeros(slots, np.int64)
         self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
-        self._steps = self._decode_calls = 0
+        self._steps = self._decode_calls = self._chained_calls = 0
         self._step_time = self._device_time = 0.0
         self._generated = self._computed = self._padded = 0
         self._peak_used = 0
@@ -320,6 +340,8 @@ class Engine:
         self._preemptions = 0
         self._programs: set[tuple[Any, ...]] = set()
         self._quiet_compiles = False
+        self._inflight: _Call | None = None  # a decode call launched ahead (see step())
+        self._last_done = 0.0  # perf_counter() when the device last handed results back
 
     # ------------------------------------------------------------------ public API
     def submit(
@@ -374,12 +396,49 @@ class Engine:
         ``new_tokens`` is empty when a request ended on a stop token (which is not output) and
         for scoring requests. ``max_decode_steps`` caps this step's decode loop (streaming
         uses it to yield sooner); by default it follows ``decode_call_seconds``.
+        Equivalent to ``launch(max_decode_steps)`` then ``collect()``.
+        """
+        self.launch(max_decode_steps)
+        return self.collect()
+
+    def launch(self, max_decode_steps: int | None = None) -> bool:
+        """Plan the next step and start its program on the device, without waiting for it
+        (unless one is in flight already); return whether one is in flight.
+
+        ``collect()`` reads its results. Driving several engines, one per device, with
+        ``launch`` then ``collect`` lets one host thread plan for one device while the
+        others compute (``DataParallelEngine``).
+        """
+        if self._inflight is None:
+            t0 = time.perf_counter()
+            self._inflight = (self._launch_mixed() if self._prompt_work_pending()
+                              else self._launch_decode(max_decode_steps))
+            if self._inflight is not None:
+                self._inflight.chainable = max_decode_steps is None
+            self._step_time += time.perf_counter() - t0
+        return self._inflight is not None
+
+    def ready(self) -> bool:
+        """Whether ``collect()`` would return without waiting for the device."""
+        call = self._inflight
+        return call is None or all(a.is_ready() for a in jax.tree.leaves(call.out))
+
+    def collect(self) -> list[Event]:
+        """Wait for the launched step and hand its tokens out (events as ``step()``).
+
+        While only decoding is left (no request waits), the next decode call is launched
+        from this one's device state before this one's tokens are read, so the device runs
+        while the host hands tokens out.
         """
         t0 = time.perf_counter()
-        if self._prompt_work_pending():
-            events = self._mixed()
-        else:
-            events = self._decode(max_decode_steps)
+        call, self._inflight = self._inflight, None
+        if call is None:
+            return []
+        if call.state is not None and call.chainable and not self._waiting:
+            self._inflight = self._launch_chained(call)
+        events = self._collect(call)
+        if not self._running:  # every row of a chained call has finished: nothing to read
+            self._inflight = None
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
@@ -444,18 +503,26 @@ class Engine:
             time_to_first_token=ttft, time_per_output_token=tpot, num_generated=n,
             num_preemptions=s.preemptions, cached_prompt_tokens=s.cached_tokens)
 
-    def forget(self, request_id: int) -> None:
+    def finished(self, request_id: int) -> bool:
+        """Whether the request's result is ready for ``result()``."""
+        return request_id in self._results
+
+    def forget(self, request_id: int) -> bool:
         """Drop what the engine keeps of a finished request whose result was taken (its
-        metrics); long-running callers call this so host memory stays bounded."""
-        if request_id in self._taken:
-            self._taken.discard(request_id)
-            self._seqs.pop(request_id, None)
+        metrics); long-running callers call this so host memory stays bounded. Returns
+        whether there was something to drop."""
+        if request_id not in self._taken:
+            return False
+        self._taken.discard(request_id)
+        self._seqs.pop(request_id, None)
+        return True
 
     def stats(self) -> EngineStats:
         """Throughput, queue sizes, page usage and prefix-cache hit rate so far."""
         bm = self.blocks
         return EngineStats(
-            steps=self._steps, decode_calls=self._decode_calls, running=len(self._running),
+            steps=self._steps, decode_calls=self._decode_calls,
+            chained_calls=self._chained_calls, running=len(self._running),
             waiting=len(self._waiting), generated_tokens=self._generated,
             computed_tokens=self._computed, padded_tokens=self._padded,
             tokens_per_second=self._generated / self._step_time if self._step_time else 0.0,
@@ -487,9 +554,9 @@ class Engine:
         self._quiet_compiles = True
         for t in self.token_buckets:
             for sc in variants:
-                self._run_mixed(self._mixed_inputs([], t, sc), t, sc)
+                to_host(self._dispatch_mixed(self._mixed_inputs([], t, sc), t, sc))
         for b in self.row_buckets if generate else ():
-            self._run_decode(self._decode_inputs([], b, 1))
+            to_host(self._dispatch_decode(self._decode_inputs(self._decode_state([], b), b, 1)))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -744,43 +811,59 @@ class Engine:
             kv_lens=kv_lens, cu_q_lens=cu, last_index=last, gen_index=gen, samples=samples,
             sampling=self._sampling(s_rows))
 
-    def _run_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, np.ndarray]:
+    def _dispatch_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, jax.Array]:
+        """Launch one mixed step program (asynchronously); the pool and ``seen`` advance."""
         self._announce(("mixed", t, score), f"mixed step for {t} tokens"
                        + (" with scoring" if score else ""))
-        t0 = time.perf_counter()
         with on_mesh(self.mesh):
             self.pool, self._seen, out = mixed_step(
                 self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_q_len=t, score=score)
-        out = to_host(out)
-        self._device_time += time.perf_counter() - t0
         return out
 
-    def _mixed(self) -> list[Event]:
+    def _launch_mixed(self) -> _Call | None:
         plan = self._plan_mixed()
         if not plan:
             if self._waiting and not self._running:  # unreachable given add_request's checks
                 raise RuntimeError("the engine cannot admit any waiting request with an empty "
                                    "pool; this is a scheduler bug")
-            return []
-        total = sum(n for _, n in plan)
-        t = bucket(total, self.token_buckets)
+            return None
+        t = bucket(sum(n for _, n in plan), self.token_buckets)
         score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
-        out = self._run_mixed(self._mixed_inputs(plan, t, score), t, score)
+        launched = time.perf_counter()
+        out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score)
+        return _Call(out=out, launched=launched, padded=t, plan=plan, score=score)
+
+    def _results_of(self, call: _Call) -> tuple[Any, float]:
+        """Bring a call's results to the host; return them and the call's device seconds:
+        from the later of its launch and the previous results (calls run back to back on
+        the device) to its results."""
+        out = to_host(call.out)
+        done = time.perf_counter()
+        seconds = done - max(call.launched, self._last_done)
+        self._device_time += seconds
+        self._last_done = done
+        return out, seconds
+
+    def _collect(self, call: _Call) -> list[Event]:
+        return self._collect_mixed(call) if call.plan is not None else self._collect_decode(call)
+
+    def _collect_mixed(self, call: _Call) -> list[Event]:
+        out, _ = self._results_of(call)
         now = time.perf_counter()
-        self._computed += total
-        self._padded += t
+        self._computed += sum(n for _, n in call.plan)
+        self._padded += call.padded
         events: list[Event] = []
         cursor = 0
-        for s, n in sorted(plan, key=lambda p: p[0].slot):
+        for s, n in sorted(call.plan, key=lambda p: p[0].slot):
             start, end = s.num_computed, s.num_computed + n
             s.num_computed = end
             if end // self.page_size > start // self.page_size:  # a page filled: hash it
                 self.blocks.commit(s.rid, s.tokens, end)
             if s.req.is_score:
                 lo = max(start, s.first_output)
-                if score and lo < end:
+                if call.score and lo < end:
                     idx = slice(lo - s.first_output, end - s.first_output)
                     rows = slice(cursor + lo - start, cursor + n)
                     s.score_lp[idx] = out["target_logprobs"][rows]
@@ -812,29 +895,35 @@ class Engine:
         return s.rid, new, p.finished
 
     # ------------------------------------------------------------------ decode calls
-    def _plan_decode(self, max_steps: int) -> int:
-        """Reserve pages for up to ``k`` tokens per running sequence; return ``k``.
+    def _plan_decode(self, max_steps: int, ahead: int = 0) -> int:
+        """Reserve pages for up to ``k`` more tokens per running sequence; return ``k``.
 
-        Halves ``k`` until the reservation fits the free pages, then preempts the youngest
-        sequence if even one token each does not fit.
+        ``ahead``: tokens a launched, unread decode call may already have produced per row
+        (reserved before); ``k`` counts beyond them. Halves ``k`` until the reservation fits
+        the free pages; then, with nothing in flight, preempts the youngest sequence if even
+        one token each does not fit, and otherwise gives up (returns 0).
         """
         bm = self.blocks
         while self._running:
             left = [s.req.sampling.max_new_tokens - len(s.progress.tokens) for s in self._running]
-            k = min(max_steps, max(left))
+            k = min(max_steps, max(left) - ahead)
             while k >= 1:
-                need = sum(bm.pages_needed(s.rid, s.num_computed, s.num_computed + min(k, r))
-                           for s, r in zip(self._running, left, strict=True))
+                ends = [s.num_computed + min(ahead + k, r) for s, r in zip(self._running, left,
+                                                                           strict=True)]
+                need = sum(bm.pages_needed(s.rid, s.num_computed, e)
+                           for s, e in zip(self._running, ends, strict=True))
                 if need <= bm.num_free:
-                    for s, r in zip(self._running, left, strict=True):
-                        self._reserve(s, s.num_computed + min(k, r))
+                    for s, e in zip(self._running, ends, strict=True):
+                        self._reserve(s, e)
                     return k
                 k //= 2
+            if ahead:
+                return 0
             self._preempt(self._running[-1])
         return 0
 
-    def _decode_inputs(self, rows: list[_Seq], b: int, k: int) -> DecodeInputs:
-        """Inputs of a decode call over slots ``[0, b)``, built with array indexing."""
+    def _decode_state(self, rows: list[_Seq], b: int) -> DecodeState:
+        """Host-built first state of a decode call over slots ``[0, b)``."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -849,48 +938,77 @@ class Engine:
             gen[slots] = np.fromiter((len(q.progress.tokens) for q in rows), np.int32, m)
             remaining[slots] = np.fromiter((q.req.sampling.max_new_tokens for q in rows),
                                            np.int32, m) - gen[slots]
-        return DecodeInputs(
-            tokens=tokens, positions=positions, block_tables=self._tables[:b], active=active,
-            remaining=remaining, limit=(self._table_len[:b] * self.page_size).astype(np.int32),
-            gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
-            sampling=self._sampling(b))
+        return DecodeState(tokens=tokens, positions=positions, active=active,
+                           remaining=remaining, gen_index=gen)
 
-    def _run_decode(self, inp: DecodeInputs) -> tuple[np.ndarray, np.ndarray]:
-        b = inp.tokens.shape[0]
+    def _decode_inputs(self, state: DecodeState, b: int, k: int) -> DecodeInputs:
+        """Inputs of a decode call over slots ``[0, b)`` from its rows' first ``state``."""
+        return DecodeInputs(
+            state=state, block_tables=self._tables[:b],
+            limit=(self._table_len[:b] * self.page_size).astype(np.int32),
+            stop_ids=self._stop_ids[:b], num_steps=np.int32(k), sampling=self._sampling(b))
+
+    def _dispatch_decode(self, inp: DecodeInputs) -> tuple[jax.Array, jax.Array, DecodeState]:
+        """Launch one decode call program (asynchronously); the pool and ``seen`` advance."""
+        b = inp.block_tables.shape[0]
         self._announce(("decode", b, self._stop_width), f"decode loop for {b} rows")
-        t0 = time.perf_counter()
         with on_mesh(self.mesh):
-            self.pool, self._seen, out_t, out_lp = decode_steps(
+            self.pool, self._seen, out_t, out_lp, state = decode_steps(
                 self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self.decode_steps)
-        out = to_host((out_t, out_lp))
-        self._device_time += time.perf_counter() - t0
-        return out
+        return out_t, out_lp, state
 
-    def _decode(self, max_steps: int | None) -> list[Event]:
-        rows = list(self._running)
-        if not rows:
-            return []
-        b = bucket(max(s.slot for s in rows) + 1, self.row_buckets)
+    def _call_length(self, b: int, max_steps: int | None) -> int:
+        """Iterations for a decode call over ``b`` rows: ``decode_call_seconds`` of measured
+        device time (16 before the first measure), within ``[4, decode_steps]``."""
         if max_steps is None:
             per = self._iteration_s.get(b)
             max_steps = 16 if per is None else max(4, round(self.decode_call_seconds / per))
-        k = self._plan_decode(min(max_steps, self.decode_steps))
+        return min(max_steps, self.decode_steps)
+
+    def _launch_decode(self, max_steps: int | None) -> _Call | None:
+        if not self._running:
+            return None
+        b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
+        k = self._plan_decode(self._call_length(b, max_steps))
         if k == 0:
-            return []
+            return None
         rows = list(self._running)  # planning may have preempted some
-        t0 = time.perf_counter()
-        out_t, out_lp = self._run_decode(self._decode_inputs(rows, b, k))
-        iterations = int(np.count_nonzero((out_t >= 0).any(axis=1)))
-        if iterations:
-            per = (time.perf_counter() - t0) / iterations
+        launched = time.perf_counter()
+        out_t, out_lp, state = self._dispatch_decode(
+            self._decode_inputs(self._decode_state(rows, b), b, k))
+        return _Call(out=(out_t, out_lp), launched=launched, padded=b * k, rows=rows,
+                     iterations=k, state=state)
+
+    def _launch_chained(self, prev: _Call) -> _Call | None:
+        """The decode call after ``prev`` (launched, unread), started from its device state;
+        None if the pool cannot hold the pages it needs without preempting."""
+        b = prev.state.tokens.shape[0]
+        k = self._plan_decode(self._call_length(b, None), ahead=prev.iterations)
+        if k == 0:
+            return None
+        launched = time.perf_counter()
+        out_t, out_lp, state = self._dispatch_decode(self._decode_inputs(prev.state, b, k))
+        self._chained_calls += 1
+        return _Call(out=(out_t, out_lp), launched=launched, padded=b * k,
+                     rows=list(self._running), iterations=k, state=state,
+                     chainable=prev.chainable)
+
+    def _collect_decode(self, call: _Call) -> list[Event]:
+        (out_t, out_lp), seconds = self._results_of(call)
+        b = out_t.shape[1]
+        ran = int(np.count_nonzero((out_t >= 0).any(axis=1)))
+        if ran:
+            per = seconds / ran
             self._iteration_s[b] = 0.5 * (self._iteration_s.get(b, per) + per)
-        now = time.perf_counter()
+        now = self._last_done
         self._decode_calls += 1
         computed = 0
         events: list[Event] = []
-        for s in rows:
+        for s in call.rows:
+            if s.progress.finished:  # stopped in the previous (chained) call
+                continue
             col = out_t[:, s.slot]
             n = int(np.count_nonzero(col >= 0))
             computed += n
@@ -900,19 +1018,5 @@ class Engine:
             if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
         self._computed += computed
-        self._padded += b * k
+        self._padded += call.padded
         return events
-
-
-def engine_for(model: Model) -> Engine:
-    """The ``Engine`` that serves ``generate``, ``stream``, ``score`` for ``model``.
-
-    Built on first use with no sizing arguments (``Engine``'s defaults, ``model.max_batch``
-    slots if set) and kept for the model's lifetime, so its compiled steps and prefix cache
-    are reused across calls.
-    """
-    engine = model.engine
-    if engine is None:
-        engine = Engine(model, verbose=False)
-        model.engine = engine
-    return engine

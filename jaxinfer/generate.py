@@ -2,7 +2,7 @@
 ``compute_logits``.
 
 Each validates its input into ``requests.Request`` objects on the host and runs them through
-the model's one ``Engine`` (``engine.engine_for``): the same scheduler, forward pass,
+the model's one engine (``replicas.engine_for``): the same scheduler, forward pass,
 sampling and stop rules serve one prompt or thousands.
 """
 
@@ -18,10 +18,10 @@ import numpy as np
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.config import LlamaConfig
-from jaxinfer.engine import engine_for
 from jaxinfer.errors import InputError
 from jaxinfer.model import Params, forward_ragged, lm_head, pool_is_stacked
 from jaxinfer.paged_cache import PagePool
+from jaxinfer.replicas import engine_for
 from jaxinfer.requests import (
     Completion,
     Model,

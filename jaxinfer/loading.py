@@ -125,15 +125,22 @@ def load_model(
         resolve_layout(layout, mesh=mesh)  # a bad name, or "fast" on a mesh: fail before I/O
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
-    if mesh is not None:
+    split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
+    if split:
         from sharding.rules import shard_params, stored_shardings
 
         # Shardings depend on the config, which only the checkpoint knows: pass a callable.
         shardings = lambda cfg: stored_shardings(cfg, mesh)
     config, params, tokenizer = _load_raw(name_or_path, shardings)
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
-    if mesh is not None:
+    if split:
         config, params = shard_params(config, params, mesh, jdtype)
+    elif mesh is not None:  # data parallel only: every device gets the whole model
+        from sharding.placement import put_replicated
+
+        # No donation: a placed array may share the loaded array's buffer on its device.
+        params = apply_layout(params, layout, mesh=mesh,
+                              place=lambda a: put_replicated(mesh, _place(a, jdtype)))
     else:
         if layout != "stacked" and any(isinstance(a, jax.Array) and len(a.devices()) > 1
                                        for a in jax.tree.leaves(params)):

@@ -115,17 +115,22 @@ LAYOUTS = ("auto", "stacked", "fast")
 def resolve_layout(layout: str, *, mesh: Any = None) -> Literal["stacked", "fast"]:
     """``"stacked"`` or ``"fast"`` for ``layout`` (one of ``LAYOUTS``) and where it will run.
 
-    Raises ``InputError`` for an unknown name, or for ``"fast"`` with a mesh.
+    A mesh whose ``model`` axis is 1 (data parallelism only) gives every device a whole
+    model, so it takes the single-device choice; tensor-parallel meshes run ``"stacked"``
+    (the sharding rules name the stored weights). Raises ``InputError`` for an unknown
+    name, or for ``"fast"`` on a tensor-parallel mesh.
     """
     from jaxinfer.errors import InputError  # local: errors is a leaf module, kept import-light
 
     if layout not in LAYOUTS:
         raise InputError(f"layout {layout!r} is not known; use one of {', '.join(LAYOUTS)}")
+    split = mesh is not None and mesh.shape["model"] > 1
     if layout == "auto":
-        return "fast" if mesh is None and jax.default_backend() == "gpu" else "stacked"
-    if layout == "fast" and mesh is not None:
-        raise InputError("layout='fast' runs on one device only (the sharding rules name the "
-                         "stored, stacked weights); use layout='stacked' or 'auto' with a mesh")
+        return "fast" if not split and jax.default_backend() == "gpu" else "stacked"
+    if layout == "fast" and split:
+        raise InputError("layout='fast' runs on one device per replica (the sharding rules "
+                         "name the stored, stacked weights); use layout='stacked' or 'auto' "
+                         "with --tp > 1")
     return layout
 
 

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     import jaxinfer
-    from jaxinfer.engine import engine_for
+    from jaxinfer.replicas import engine_for
 
     if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the step shapes
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))

@@ -56,3 +56,9 @@ def mesh_sizes(mesh: Mesh | None) -> tuple[int, int]:
     if mesh is None:
         return 1, 1
     return int(mesh.shape[DATA]), int(mesh.shape[MODEL])
+
+
+def spans_processes(mesh: Mesh | None) -> bool:
+    """Whether ``mesh`` holds devices of other processes (a multi-host mesh)."""
+    return mesh is not None and any(d.process_index != jax.process_index()
+                                    for d in mesh.devices.flat)

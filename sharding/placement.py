@@ -31,10 +31,16 @@ def on_mesh(mesh: Mesh | None) -> Iterator[None]:
 
 
 def put_replicated(mesh: Mesh | None, tree: Any) -> Any:
-    """Place host arrays whole on every device of ``mesh`` (``jnp.asarray`` if no mesh)."""
+    """Place arrays whole on every device of ``mesh`` (``jnp.asarray`` if no mesh).
+
+    Host arrays are transferred; device arrays (a previous step's outputs) stay on the
+    device, moved only if their sharding differs.
+    """
     if mesh is None:
         return jax.tree.map(jnp.asarray, tree)
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P())), tree)
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(lambda a: jax.device_put(a if isinstance(a, jax.Array)
+                                                 else np.asarray(a), replicated), tree)
 
 
 def to_host(tree: Any) -> Any:

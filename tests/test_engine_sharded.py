@@ -3,8 +3,10 @@
 8 forced CPU devices in a subprocess (as in ``tests/test_sharding.py``): a tiny random GQA
 model (8 query heads, 2 K/V heads, so model=4 and model=8 repeat K/V heads) serves ~20
 requests with staggered arrivals, chunked prefill and a pool small enough to preempt, on
-meshes (1, 8) and (2, 4); every request's tokens must equal the single-device
-engine's, and ``generate`` on the (2, 4) mesh must equal single-device ``generate``.
+meshes (1, 8), (2, 4) and (4, 1); every request's tokens must equal the single-device
+engine's, and ``generate`` on the (2, 4) mesh must equal single-device ``generate``. Meshes
+with data > 1 run one engine per replica (``DataParallelEngine``), each with its share of
+the requests.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-MESHES = [(1, 8), (2, 4)]  # model-split, and data x model
+MESHES = [(1, 8), (2, 4), (4, 1)]  # model-split, data x model, data only
 PAGE, SLOTS, BUDGET, MAX_SEQ = 4, 4, 12, 40
 FAST_N = 6  # requests served with the fused layout on the last mesh
 
@@ -33,6 +35,13 @@ def test_engine_on_meshes_matches_single_device():
         assert r["preemptions"] > 0, mesh
         assert r["programs"] <= r["program_bound"], mesh  # one per step shape at most
         assert r["pool_shard"] == r["pool_shard_want"], mesh
+        assert min(r["tokens_per_replica"]) > 0, mesh  # every replica took a share
+    assert res["engine_on_data_mesh_error"].startswith("the model's mesh has data=2")
+    # load_model on a data-only mesh: every device holds the whole model in the requested
+    # single-device layout; generate and score equal the single-device model's.
+    dp = res["data_only_load"]
+    assert dp["layout"] == "fast" and dp["replicas"] == 4, dp
+    assert dp["tokens"] == dp["ref_tokens"] and dp["score_err"] < 1e-5, dp
     assert res["generate_equal"], "generate on the 2x4 mesh (via the engine) differs"
     # The fused "fast" layout on a mesh: refused with a one-line error, or the same tokens.
     fast = res["fast_layout"]
@@ -68,6 +77,7 @@ def _worker() -> None:
     from jaxinfer.errors import InputError
     from jaxinfer.generate import Model
     from jaxinfer.model import prepare_params
+    from jaxinfer.replicas import DataParallelEngine
     from sharding import make_mesh, shard_params
     from sharding.testing import tiny_config, tiny_params
 
@@ -86,32 +96,70 @@ def _worker() -> None:
     ref_gen = [c.token_ids for c in jaxinfer.generate(base, gen_prompts, max_new_tokens=6)]
     out: dict = {"ref_tokens": ref, "ref_preemptions": engine.stats().num_preemptions,
                  "meshes": {}}
+    models = {}
     for data, model in MESHES:
         mesh = make_mesh(data=data, model=model)
         mcfg, params = shard_params(cfg, host, mesh, jnp.float32)
         m = Model(mcfg, params, None, jnp.float32, backend="reference", max_batch=SLOTS,
                   mesh=mesh)
-        engine = Engine(m, **kw)
+        models[(data, model)] = m
+        engine = DataParallelEngine(m, **kw) if data > 1 else Engine(m, **kw)
         toks = _serve(engine, work)
         stats = engine.stats()
         if (data, model) == (2, 4):  # one mesh: generate's engine has a larger token budget
             gen = [c.token_ids for c in jaxinfer.generate(m, gen_prompts, max_new_tokens=6)]
             out["generate_equal"] = gen == ref_gen
+            try:
+                Engine(m, **kw)
+                out["engine_on_data_mesh_error"] = ""
+            except InputError as e:
+                out["engine_on_data_mesh_error"] = str(e)
+        replicas = engine.replicas if data > 1 else [engine]
+        first = replicas[0]
         out["meshes"][f"{data}x{model}"] = {
             "tokens": toks, "preemptions": stats.num_preemptions,
             "programs": stats.num_programs,
-            "program_bound": len(engine.token_buckets) + len(engine.row_buckets),
-            "pool_shard": list(engine.pool.k.addressable_shards[0].data.shape),
+            "program_bound": len(first.token_buckets) + len(first.row_buckets),
+            "pool_shard": list(first.pool.k.addressable_shards[0].data.shape),
             "pool_shard_want": [cfg.num_layers, mcfg.num_kv_heads // model, 14, PAGE,
                                 cfg.head_dim],
+            "tokens_per_replica": [e.stats().generated_tokens for e in replicas],
         }
-    # The fused "fast" layout on a mesh: a one-line error or the right tokens, never wrong ones.
+    # The fused "fast" layout on a tensor-parallel mesh: a one-line error or the right
+    # tokens, never wrong ones.
+    m = models[(1, 8)]
     fast = dataclasses.replace(m, params=prepare_params(m.params, fuse=True, unstack=True))
     try:
         out["fast_layout"] = {"error": "", "tokens": _serve(Engine(fast, **kw), work[:FAST_N])}
     except InputError as e:
         out["fast_layout"] = {"error": str(e), "tokens": None}
+    out["data_only_load"] = _data_only_load(gen_prompts)
     print(json.dumps(out))
+
+
+def _data_only_load(prompts: list[list[int]]) -> dict:
+    import tempfile
+
+    import jaxinfer
+    from sharding import make_mesh
+    from sharding.testing import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_model(tmp)
+        kw = dict(dtype="float32", backend="reference", layout="fast")
+        single = jaxinfer.load_model(path, **kw)
+        dp = jaxinfer.load_model(path, mesh=make_mesh(data=4), **kw)
+        gen = dict(max_new_tokens=6, temperature=0.0)
+        pairs = [(p, p[:3]) for p in prompts if len(p) > 3]
+        want = [r.token_logprobs for r in jaxinfer.score(single, pairs)]
+        got = [r.token_logprobs for r in jaxinfer.score(dp, pairs)]
+        return {
+            "layout": dp.layout, "replicas": len(dp.engine.replicas),
+            "tokens": [c.token_ids for c in jaxinfer.generate(dp, prompts, **gen)],
+            "ref_tokens": [c.token_ids for c in jaxinfer.generate(single, prompts, **gen)],
+            "score_err": max(abs(a - b) for x, y in zip(got, want, strict=True)
+                             for a, b in zip(x, y, strict=True)),
+        }
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["worker"]:

@@ -1,0 +1,245 @@
+"""Data parallelism: one ``Engine`` per ``data`` replica of a model, driven by one host thread.
+
+A model loaded on a ``(data, model)`` mesh holds a whole copy of its weights on every ``data``
+row (split over that row's ``model`` devices). ``DataParallelEngine`` views each row as its own
+``Model`` (the same device buffers, no copy) and gives it its own ``Engine``: its own page pool,
+slots and step programs, so replicas never wait for each other. A request goes to the replica
+with the least outstanding work; its output equals what one engine would give, since a sampled
+token depends only on the request's own seed, token index and tokens.
+
+One host thread drives every replica: it launches a step on each replica that has work
+(``Engine.launch``, asynchronous), then hands out the results of whichever replica is done
+first (``Engine.collect``), so the host plans one replica's next step while the others
+compute.
+
+``engine_for(model)`` returns the engine that serves ``generate``, ``stream``, ``score`` and
+``batch_eval`` for a model: an ``Engine``, or a ``DataParallelEngine`` on a mesh whose
+``data`` axis is larger than 1. A mesh across hosts keeps one ``Engine`` that every process
+runs in step (single program, multiple data), its replicas computing the same batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxinfer.engine import Engine, EngineStats, Event, RequestMetrics
+from jaxinfer.errors import InputError
+from jaxinfer.requests import Completion, Model, Prompt, Request, ScoreResult, make_requests
+from jaxinfer.sampling import SamplingParams
+from sharding.mesh import DATA, MODEL, mesh_sizes, spans_processes
+
+_POLL_S = 2e-4  # sleep between readiness checks while every replica computes
+
+
+def replica_model(model: Model, index: int) -> Model:
+    """Data replica ``index`` of a model on a ``(data, model)`` mesh, as a ``Model`` of its own.
+
+    Its weights are the buffers the replica's devices already hold (no copy). A replica of one
+    device runs without a mesh, like a single-device model; a tensor-parallel replica runs on
+    the ``(1, model)`` mesh of its row.
+    """
+    row = model.mesh.devices[index]  # [model] devices of this replica
+    sub = None if len(row) == 1 else Mesh(row[None, :], (DATA, MODEL),
+                                          axis_types=model.mesh.axis_types)
+
+    def view(a: jax.Array) -> jax.Array:
+        shards = {s.device: s.data for s in a.addressable_shards}
+        if sub is None:
+            return shards[row[0]]
+        sharding = NamedSharding(sub, a.sharding.spec)
+        return jax.make_array_from_single_device_arrays(
+            a.shape, sharding, [shards[d] for d in sharding.addressable_devices])
+
+    return dataclasses.replace(model, params=jax.tree.map(view, model.params), mesh=sub)
+
+
+class DataParallelEngine:
+    """``Engine``'s interface over one engine per ``data`` replica of ``model``'s mesh.
+
+    Args:
+      model: a ``Model`` on a mesh with ``data > 1`` (``load_model(mesh=make_mesh(data=N,
+        model=M))``) whose devices all belong to this process.
+      **engine_kwargs: ``Engine`` arguments, applied to each replica (sizes are per replica:
+        ``max_batch`` slots and ``kv_cache_bytes`` on each).
+
+    Request ids are this object's own; ``result``, ``request_metrics`` and ``forget`` take
+    them. ``stats()`` adds the replicas' counters up; its ``step_seconds`` is the time spent
+    in this engine's ``step()``, and ``device_seconds`` the busiest replica's.
+    """
+
+    def __init__(self, model: Model, **engine_kwargs: Any) -> None:
+        data, _ = mesh_sizes(model.mesh)
+        if data < 2:
+            raise InputError("DataParallelEngine needs a mesh with data > 1; use "
+                             "jaxinfer.Engine(model) for one replica")
+        if spans_processes(model.mesh):
+            raise InputError("DataParallelEngine runs replicas of one process; a mesh across "
+                             "hosts is served by jaxinfer.Engine, every process running the "
+                             "same program")
+        self.model = dataclasses.replace(model)
+        self.replicas = [Engine(replica_model(model, i), **engine_kwargs) for i in range(data)]
+        self.max_batch = sum(e.max_batch for e in self.replicas)
+        self._where: dict[int, tuple[int, int]] = {}  # id -> (replica, the replica's id)
+        self._ids: list[dict[int, int]] = [{} for _ in self.replicas]  # replica's id -> id
+        self._load = np.zeros(data, np.int64)  # tokens each replica still has to compute
+        self._cost: dict[int, int] = {}  # id -> its tokens, counted in _load until it ends
+        self._next_id = 0
+        self._step_time = 0.0
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, prompt: Prompt, *, chat: bool = False,
+               sampling: SamplingParams | None = None, **sampling_kwargs: Any) -> int:
+        """Queue one generation request (as ``Engine.submit``); returns its id."""
+        reqs = make_requests(self.model, prompt, chat, sampling, sampling_kwargs)
+        if len(reqs) != 1:
+            raise InputError(f"submit takes one prompt, got {len(reqs)}; call submit once per "
+                             "prompt")
+        return self.add_request(reqs[0])
+
+    def add_request(self, req: Request) -> int:
+        """Queue a validated ``Request`` on the replica with the least work left."""
+        i = int(np.argmin(self._load))
+        local = self.replicas[i].add_request(req)
+        rid = self._next_id
+        self._next_id += 1
+        cost = len(req.prompt_ids) + (0 if req.is_score else req.sampling.max_new_tokens)
+        self._where[rid] = (i, local)
+        self._ids[i][local] = rid
+        self._cost[rid] = cost
+        self._load[i] += cost
+        return rid
+
+    # ---------------------------------------------------------------- stepping
+    def step(self, max_decode_steps: int | None = None) -> list[Event]:
+        """Launch a step on every replica with work and none in flight; return the events
+        of the first replica whose step is done (ids are this engine's)."""
+        t0 = time.perf_counter()
+        try:
+            busy = [i for i, e in enumerate(self.replicas) if e.launch(max_decode_steps)]
+            while busy:
+                for i in busy:
+                    if self.replicas[i].ready():
+                        return self._events(i, self.replicas[i].collect())
+                time.sleep(_POLL_S)
+            return []
+        finally:
+            self._step_time += time.perf_counter() - t0
+
+    def _events(self, i: int, events: list[Event]) -> list[Event]:
+        out = []
+        for local, tokens, finished in events:
+            rid = self._ids[i][local]
+            if finished:
+                self._load[i] -= self._cost.pop(rid)
+            out.append((rid, tokens, finished))
+        return out
+
+    def has_unfinished(self) -> bool:
+        """Whether any replica has a request waiting or running."""
+        return any(e.has_unfinished() for e in self.replicas)
+
+    def events(self) -> Iterator[Event]:
+        """Stream events until every submitted request is finished."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run_until_done(self) -> None:
+        """Step until no request is waiting or running."""
+        for _ in self.events():
+            pass
+
+    def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
+        """Step until the given requests finish; return their results in order (and forget
+        them)."""
+        for rid in request_ids:
+            self._replica_of(rid)
+        pending = set(request_ids)
+        while pending:
+            for rid, _, finished in self.step():
+                if finished:
+                    pending.discard(rid)
+            pending = {rid for rid in pending if not self._done(rid)}
+        results = [self.result(rid) for rid in request_ids]
+        for rid in request_ids:
+            self.forget(rid)
+        return results
+
+    def _done(self, rid: int) -> bool:
+        engine, local = self._replica_of(rid)
+        return engine.finished(local)
+
+    def _replica_of(self, rid: int) -> tuple[Engine, int]:
+        if rid not in self._where:
+            raise InputError(f"unknown request id {rid}")
+        i, local = self._where[rid]
+        return self.replicas[i], local
+
+    def result(self, request_id: int) -> Completion | ScoreResult:
+        """The result of a finished request (handed over once)."""
+        engine, local = self._replica_of(request_id)
+        return engine.result(local)
+
+    def request_metrics(self, request_id: int) -> RequestMetrics:
+        """Queue time, time to first token and time per output token of a live request."""
+        engine, local = self._replica_of(request_id)
+        return engine.request_metrics(local)
+
+    def forget(self, request_id: int) -> None:
+        """Drop what is kept of a finished request whose result was taken."""
+        engine, local = self._replica_of(request_id)
+        if engine.forget(local):
+            i, _ = self._where.pop(request_id)
+            del self._ids[i][local]
+
+    def warmup(self, generate: bool = True, score: bool = False) -> float:
+        """Compile or load every replica's step programs; return the seconds it took.
+
+        Replicas warm up in parallel threads: each replica's programs are compiled for its
+        own devices, and XLA compiles without holding the interpreter lock.
+        """
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
+            list(pool.map(lambda e: e.warmup(generate, score), self.replicas))
+        return time.perf_counter() - t0
+
+    def stats(self) -> EngineStats:
+        """The replicas' counters added up (rates and the hit rate recomputed)."""
+        each = [e.stats() for e in self.replicas]
+        total = {f.name: sum(getattr(s, f.name) for s in each)
+                 for f in dataclasses.fields(EngineStats)}
+        wall = self._step_time
+        total["tokens_per_second"] = total["generated_tokens"] / wall if wall else 0.0
+        total["step_seconds"] = wall  # in this engine's step(): replicas' steps overlap
+        total["device_seconds"] = max(s.device_seconds for s in each)
+        looked = sum(s.cached_tokens / s.prefix_cache_hit_rate for s in each
+                     if s.prefix_cache_hit_rate)
+        total["prefix_cache_hit_rate"] = total["cached_tokens"] / looked if looked else 0.0
+        total["num_programs"] = max(s.num_programs for s in each)
+        return EngineStats(**total)
+
+
+def engine_for(model: Model) -> Engine | DataParallelEngine:
+    """The engine that serves ``generate``, ``stream``, ``score`` and ``batch_eval`` for
+    ``model``: one ``Engine``, or a ``DataParallelEngine`` when the model's mesh has
+    ``data > 1``.
+
+    Built on first use with no sizing arguments (the engines' defaults, ``model.max_batch``
+    slots per replica if set) and kept for the model's lifetime, so its compiled steps and
+    prefix cache are reused across calls.
+    """
+    engine = model.engine
+    if engine is None:
+        data, _ = mesh_sizes(model.mesh)
+        replicas = data > 1 and not spans_processes(model.mesh)
+        engine = (DataParallelEngine(model, verbose=False) if replicas
+                  else Engine(model, verbose=False))
+        model.engine = engine
+    return engine
