@@ -51,7 +51,7 @@ from jaxinfer.config import LlamaConfig
 from jaxinfer.model import Params, init_params, pool_is_stacked, prepare_params
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.presets import resolve_config
-from jaxinfer.runner import DecodeInputs, DecodeState, MixedInputs
+from jaxinfer.runner import DecodeInputs, MixedInputs
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 
 _OPTIONS = ("fused", "unrolled")
@@ -302,16 +302,14 @@ def decode_case(config: LlamaConfig, params: Params, backend: str, batch: int, c
     pool = random_pool(config, batch * pages_per_seq, page_size,
                        stacked=pool_is_stacked(params, backend), key=kp, dtype=dtype)
     tables = page_tables(batch, pages_per_seq, kt)
-    state = DecodeState(
+    inputs = DecodeInputs(
         tokens=jax.random.randint(kx, (batch,), 0, config.vocab_size, jnp.int32),
         positions=jnp.full((batch,), context, jnp.int32),
+        block_tables=jnp.asarray(tables),
         active=jnp.ones((batch,), bool),
         remaining=jnp.full((batch,), steps, jnp.int32),
-        gen_index=jnp.ones((batch,), jnp.int32))
-    inputs = DecodeInputs(
-        state=state,
-        block_tables=jnp.asarray(tables),
         limit=jnp.full((batch,), pages_per_seq * page_size, jnp.int32),
+        gen_index=jnp.ones((batch,), jnp.int32),
         stop_ids=jnp.full((batch, 1), -1, jnp.int32),
         num_steps=jnp.int32(steps),
         sampling=greedy_sampling(batch),
@@ -328,7 +326,7 @@ def run_decode(params: Params, config: LlamaConfig, backend: str, case: DecodeCa
     ``context`` are overwritten, so each call does identical work. The pool and ``seen``
     are donated, so ``case`` takes the returned ones.
     """
-    case.pool, case.seen, tokens, _, _ = runner.decode_steps(
+    case.pool, case.seen, tokens, _ = runner.decode_steps(
         params, case.pool, case.seen, case.inputs, config=config, backend=backend,
         dtype=dtype, max_steps=case.max_steps)
     return jax.block_until_ready(tokens)

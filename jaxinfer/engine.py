@@ -58,7 +58,6 @@ from jaxinfer.requests import (
 )
 from jaxinfer.runner import (
     DecodeInputs,
-    DecodeState,
     MixedInputs,
     bucket,
     decode_steps,
@@ -114,7 +113,6 @@ class EngineStats:
 
     steps: int
     decode_calls: int  # multi-step decode calls among the steps
-    chained_calls: int  # decode calls launched before the previous call's tokens were read
     running: int
     waiting: int
     generated_tokens: int
@@ -184,9 +182,6 @@ class _Call:
     plan: list[tuple[_Seq, int]] | None = None  # mixed step: tokens per sequence
     score: bool = False  # mixed step: with target log-probabilities
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
-    iterations: int = 0  # decode call: at most this many tokens per row
-    state: DecodeState | None = None  # decode call: its rows' device state after it
-    chainable: bool = True  # decode call: the next may be launched from it (not streaming)
 
 
 class Engine:
@@ -332,7 +327,7 @@ class Engine:
         self._table_len = np.zeros(slots, np.int64)
         self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
-        self._steps = self._decode_calls = self._chained_calls = 0
+        self._steps = self._decode_calls = 0
         self._step_time = self._device_time = 0.0
         self._generated = self._computed = self._padded = 0
         self._peak_used = 0
@@ -340,7 +335,7 @@ class Engine:
         self._preemptions = 0
         self._programs: set[tuple[Any, ...]] = set()
         self._quiet_compiles = False
-        self._inflight: _Call | None = None  # a decode call launched ahead (see step())
+        self._inflight: _Call | None = None  # launched, results not read yet (launch())
         self._last_done = 0.0  # perf_counter() when the device last handed results back
 
     # ------------------------------------------------------------------ public API
@@ -413,8 +408,6 @@ class Engine:
             t0 = time.perf_counter()
             self._inflight = (self._launch_mixed() if self._prompt_work_pending()
                               else self._launch_decode(max_decode_steps))
-            if self._inflight is not None:
-                self._inflight.chainable = max_decode_steps is None
             self._step_time += time.perf_counter() - t0
         return self._inflight is not None
 
@@ -424,21 +417,12 @@ class Engine:
         return call is None or all(a.is_ready() for a in jax.tree.leaves(call.out))
 
     def collect(self) -> list[Event]:
-        """Wait for the launched step and hand its tokens out (events as ``step()``).
-
-        While only decoding is left (no request waits), the next decode call is launched
-        from this one's device state before this one's tokens are read, so the device runs
-        while the host hands tokens out.
-        """
+        """Wait for the launched step and hand its tokens out (events as ``step()``)."""
         t0 = time.perf_counter()
         call, self._inflight = self._inflight, None
         if call is None:
             return []
-        if call.state is not None and call.chainable and not self._waiting:
-            self._inflight = self._launch_chained(call)
         events = self._collect(call)
-        if not self._running:  # every row of a chained call has finished: nothing to read
-            self._inflight = None
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
@@ -521,8 +505,7 @@ class Engine:
         """Throughput, queue sizes, page usage and prefix-cache hit rate so far."""
         bm = self.blocks
         return EngineStats(
-            steps=self._steps, decode_calls=self._decode_calls,
-            chained_calls=self._chained_calls, running=len(self._running),
+            steps=self._steps, decode_calls=self._decode_calls, running=len(self._running),
             waiting=len(self._waiting), generated_tokens=self._generated,
             computed_tokens=self._computed, padded_tokens=self._padded,
             tokens_per_second=self._generated / self._step_time if self._step_time else 0.0,
@@ -556,7 +539,7 @@ class Engine:
             for sc in variants:
                 to_host(self._dispatch_mixed(self._mixed_inputs([], t, sc), t, sc))
         for b in self.row_buckets if generate else ():
-            to_host(self._dispatch_decode(self._decode_inputs(self._decode_state([], b), b, 1)))
+            to_host(self._dispatch_decode(self._decode_inputs([], b, 1)))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -895,35 +878,29 @@ class Engine:
         return s.rid, new, p.finished
 
     # ------------------------------------------------------------------ decode calls
-    def _plan_decode(self, max_steps: int, ahead: int = 0) -> int:
-        """Reserve pages for up to ``k`` more tokens per running sequence; return ``k``.
+    def _plan_decode(self, max_steps: int) -> int:
+        """Reserve pages for up to ``k`` tokens per running sequence; return ``k``.
 
-        ``ahead``: tokens a launched, unread decode call may already have produced per row
-        (reserved before); ``k`` counts beyond them. Halves ``k`` until the reservation fits
-        the free pages; then, with nothing in flight, preempts the youngest sequence if even
-        one token each does not fit, and otherwise gives up (returns 0).
+        Halves ``k`` until the reservation fits the free pages, then preempts the youngest
+        sequence if even one token each does not fit.
         """
         bm = self.blocks
         while self._running:
             left = [s.req.sampling.max_new_tokens - len(s.progress.tokens) for s in self._running]
-            k = min(max_steps, max(left) - ahead)
+            k = min(max_steps, max(left))
             while k >= 1:
-                ends = [s.num_computed + min(ahead + k, r) for s, r in zip(self._running, left,
-                                                                           strict=True)]
-                need = sum(bm.pages_needed(s.rid, s.num_computed, e)
-                           for s, e in zip(self._running, ends, strict=True))
+                need = sum(bm.pages_needed(s.rid, s.num_computed, s.num_computed + min(k, r))
+                           for s, r in zip(self._running, left, strict=True))
                 if need <= bm.num_free:
-                    for s, e in zip(self._running, ends, strict=True):
-                        self._reserve(s, e)
+                    for s, r in zip(self._running, left, strict=True):
+                        self._reserve(s, s.num_computed + min(k, r))
                     return k
                 k //= 2
-            if ahead:
-                return 0
             self._preempt(self._running[-1])
         return 0
 
-    def _decode_state(self, rows: list[_Seq], b: int) -> DecodeState:
-        """Host-built first state of a decode call over slots ``[0, b)``."""
+    def _decode_inputs(self, rows: list[_Seq], b: int, k: int) -> DecodeInputs:
+        """Inputs of a decode call over slots ``[0, b)``, built with array indexing."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -938,26 +915,22 @@ class Engine:
             gen[slots] = np.fromiter((len(q.progress.tokens) for q in rows), np.int32, m)
             remaining[slots] = np.fromiter((q.req.sampling.max_new_tokens for q in rows),
                                            np.int32, m) - gen[slots]
-        return DecodeState(tokens=tokens, positions=positions, active=active,
-                           remaining=remaining, gen_index=gen)
-
-    def _decode_inputs(self, state: DecodeState, b: int, k: int) -> DecodeInputs:
-        """Inputs of a decode call over slots ``[0, b)`` from its rows' first ``state``."""
         return DecodeInputs(
-            state=state, block_tables=self._tables[:b],
-            limit=(self._table_len[:b] * self.page_size).astype(np.int32),
-            stop_ids=self._stop_ids[:b], num_steps=np.int32(k), sampling=self._sampling(b))
+            tokens=tokens, positions=positions, block_tables=self._tables[:b], active=active,
+            remaining=remaining, limit=(self._table_len[:b] * self.page_size).astype(np.int32),
+            gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
+            sampling=self._sampling(b))
 
-    def _dispatch_decode(self, inp: DecodeInputs) -> tuple[jax.Array, jax.Array, DecodeState]:
+    def _dispatch_decode(self, inp: DecodeInputs) -> tuple[jax.Array, jax.Array]:
         """Launch one decode call program (asynchronously); the pool and ``seen`` advance."""
         b = inp.block_tables.shape[0]
         self._announce(("decode", b, self._stop_width), f"decode loop for {b} rows")
         with on_mesh(self.mesh):
-            self.pool, self._seen, out_t, out_lp, state = decode_steps(
+            self.pool, self._seen, out_t, out_lp = decode_steps(
                 self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self.decode_steps)
-        return out_t, out_lp, state
+        return out_t, out_lp
 
     def _call_length(self, b: int, max_steps: int | None) -> int:
         """Iterations for a decode call over ``b`` rows: ``decode_call_seconds`` of measured
@@ -976,24 +949,8 @@ class Engine:
             return None
         rows = list(self._running)  # planning may have preempted some
         launched = time.perf_counter()
-        out_t, out_lp, state = self._dispatch_decode(
-            self._decode_inputs(self._decode_state(rows, b), b, k))
-        return _Call(out=(out_t, out_lp), launched=launched, padded=b * k, rows=rows,
-                     iterations=k, state=state)
-
-    def _launch_chained(self, prev: _Call) -> _Call | None:
-        """The decode call after ``prev`` (launched, unread), started from its device state;
-        None if the pool cannot hold the pages it needs without preempting."""
-        b = prev.state.tokens.shape[0]
-        k = self._plan_decode(self._call_length(b, None), ahead=prev.iterations)
-        if k == 0:
-            return None
-        launched = time.perf_counter()
-        out_t, out_lp, state = self._dispatch_decode(self._decode_inputs(prev.state, b, k))
-        self._chained_calls += 1
-        return _Call(out=(out_t, out_lp), launched=launched, padded=b * k,
-                     rows=list(self._running), iterations=k, state=state,
-                     chainable=prev.chainable)
+        out = self._dispatch_decode(self._decode_inputs(rows, b, k))
+        return _Call(out=out, launched=launched, padded=b * k, rows=rows)
 
     def _collect_decode(self, call: _Call) -> list[Event]:
         (out_t, out_lp), seconds = self._results_of(call)
@@ -1007,8 +964,6 @@ class Engine:
         computed = 0
         events: list[Event] = []
         for s in call.rows:
-            if s.progress.finished:  # stopped in the previous (chained) call
-                continue
             col = out_t[:, s.slot]
             n = int(np.count_nonzero(col >= 0))
             computed += n

@@ -9,8 +9,7 @@ Two step functions, both pure (params, pool, ``seen``, plain inputs) -> new stat
 * ``decode_steps``: up to ``num_steps`` decode iterations inside one ``lax.while_loop``:
   every row feeds its last token, writes its K/V into pages the host reserved ahead, samples
   the next token and stops on the device at a stop token, its token limit or the end of its
-  reserved pages. The host syncs once per call, not once per token, and can launch the next
-  call from this one's final row state (``DecodeState``) before reading its tokens.
+  reserved pages. The host syncs once per call, not once per token.
 
 Shapes come from a few buckets (``token_buckets`` and ``row_buckets``) so a step computes
 about the tokens it has while the number of compiled programs stays fixed.
@@ -82,24 +81,16 @@ class MixedInputs:
 
 
 @struct.dataclass
-class DecodeState:
-    """Where each row of a decode call stands: the first inputs of a call, and what a call
-    leaves for the next one (so a call can be chained on the device without the host)."""
-
-    tokens: jax.Array  # Int['B'] last sampled token of each row: the next input
-    positions: jax.Array  # Int['B'] position that input token takes (= keys so far)
-    active: jax.Array  # Bool['B'] row still decodes (no stop token, tokens left)
-    remaining: jax.Array  # Int['B'] tokens the row may still generate (max_new_tokens left)
-    gen_index: jax.Array  # Int['B'] index of the next token to sample
-
-
-@struct.dataclass
 class DecodeInputs:
     """Inputs of one multi-step decode call over rows = slots ``[0, B)``."""
 
-    state: DecodeState  # [B]
+    tokens: jax.Array  # Int['B'] last sampled token of each row: the first input
+    positions: jax.Array  # Int['B'] position that input token takes (= keys so far)
     block_tables: jax.Array  # Int['B P']
+    active: jax.Array  # Bool['B'] row decodes in this call
+    remaining: jax.Array  # Int['B'] tokens the row may still generate (max_new_tokens left)
     limit: jax.Array  # Int['B'] positions below this have reserved pages
+    gen_index: jax.Array  # Int['B'] index of the next token to sample
     stop_ids: jax.Array  # Int['B K'] stop token ids, -1 padded
     num_steps: jax.Array  # Int[] iterations to run at most (<= the static buffer size)
     sampling: SamplingArrays  # [B]
@@ -201,37 +192,28 @@ def decode_steps(
     backend: Backend,
     dtype: Any,
     max_steps: int,
-) -> tuple[PagePool, jax.Array, jax.Array, jax.Array, DecodeState]:
+) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
     """Decode up to ``inp.num_steps`` tokens per active row without leaving the device.
 
     Rows are slots ``[0, B)``; ``seen`` is the engine's ``[S, V]`` table (rows ``[0, B)``
     used). A row stops after sampling a stop token (recorded, so the host knows why), after
     ``remaining`` tokens, or when its next input position reaches ``limit``.
 
-    Returns ``(pool, seen, tokens [max_steps, B], logprobs [max_steps, B], state)``;
-    ``tokens`` is -1 where a row was not active at that iteration, and ``state`` is where the
-    rows stand after the call (a row paused by ``limit`` or ``num_steps`` is still active).
+    Returns ``(pool, seen, tokens [max_steps, B], logprobs [max_steps, B])``; ``tokens`` is
+    -1 where a row was not active at that iteration.
     """
-    st = inp.state
-    b = st.tokens.shape[0]
+    b = inp.tokens.shape[0]
     page_size = pool.page_size
     num_pages = pool.num_pages
     rows = jnp.arange(b)
     seen_b = seen[:b]
 
-    # ``live``: the row has not stopped (no stop token, tokens left). A live row runs while
-    # its next position has a reserved page; one paused at ``limit`` stays live for the
-    # next call, which brings more pages.
-    def running(live: jax.Array, pos: jax.Array) -> jax.Array:
-        return live & (pos < inp.limit)
-
     def keep_going(carry) -> jax.Array:
-        step, live, pos = carry[0], carry[4], carry[6]
-        return (step < inp.num_steps) & jnp.any(running(live, pos))
+        step, active = carry[0], carry[4]
+        return (step < inp.num_steps) & jnp.any(active)
 
     def body(carry):
-        step, pool_k, pool_v, seen_b, live, tokens, pos, remaining, gen, out_t, out_lp = carry
-        active = running(live, pos)
+        step, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t, out_lp = carry
         page = inp.block_tables[rows, jnp.minimum(pos // page_size,
                                                    inp.block_tables.shape[1] - 1)]
         write_pages = jnp.where(active, page, num_pages)  # inactive rows write nothing
@@ -250,16 +232,13 @@ def decode_steps(
         remaining = remaining - active
         gen = gen + active
         tokens = jnp.where(active, new, tokens)
-        live = live & ~(active & stopped) & (remaining > 0)
-        return (step + 1, pool_k, pool_v, seen_b, live, tokens, pos, remaining, gen, out_t,
+        active = active & ~stopped & (remaining > 0) & (pos < inp.limit)
+        return (step + 1, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t,
                 out_lp)
 
-    carry = (jnp.int32(0), pool.k, pool.v, seen_b, st.active & (st.remaining > 0), st.tokens,
-             st.positions, st.remaining, st.gen_index,
+    carry = (jnp.int32(0), pool.k, pool.v, seen_b, inp.active & (inp.remaining > 0),
+             inp.tokens, inp.positions, inp.remaining, inp.gen_index,
              jnp.full((max_steps, b), -1, jnp.int32), jnp.zeros((max_steps, b), jnp.float32))
-    (_, k, v, seen_b, live, tokens, pos, remaining, gen, out_t,
-     out_lp) = jax.lax.while_loop(keep_going, body, carry)
+    _, k, v, seen_b, *_, out_t, out_lp = jax.lax.while_loop(keep_going, body, carry)
     seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
-    state = jax.tree.map(_replicated, DecodeState(tokens=tokens, positions=pos, active=live,
-                                                  remaining=remaining, gen_index=gen))
-    return PagePool(k=k, v=v), seen, out_t, out_lp, state
+    return PagePool(k=k, v=v), seen, out_t, out_lp
