@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
@@ -68,7 +69,7 @@ from jaxinfer.runner import (
 )
 from jaxinfer.sampling import SamplingArrays, SamplingParams, prng_key_data
 from sharding.mesh import mesh_sizes, spans_processes
-from sharding.placement import on_mesh, put_replicated, to_host
+from sharding.placement import on_mesh, to_host
 from sharding.rules import engine_pool_sharding
 
 Event = tuple[int, list[int], bool]  # (request_id, new_token_ids, finished)
@@ -260,13 +261,19 @@ class Engine:
         default_slots = 256 if accelerator else 32
         slots = max_batch or model.max_batch
         budget = max_tokens_per_step or max(4096 if accelerator else 256, slots or 0)
+        # The pool, step inputs and outputs live where the weights are (a data replica of a
+        # DataParallelEngine is not on the default device).
+        device = min(jax.tree.leaves(model.params)[0].sharding.addressable_devices,
+                     key=lambda d: d.id)
+        self._placement = (jax.sharding.SingleDeviceSharding(device) if self.mesh is None
+                           else NamedSharding(self.mesh, PartitionSpec()))
         if num_pages is None:
-            if kv_cache_bytes is None and not (jax.local_devices()[0].memory_stats() or {}):
+            if kv_cache_bytes is None and not (device.memory_stats() or {}):
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
             reserve = step_workspace_bytes(cfg, slots or default_slots, budget)
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
                                          memory_fraction, model_shards=model_size,
-                                         reserve_bytes=reserve)
+                                         reserve_bytes=reserve, device=device)
         elif num_pages < 1:
             raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
@@ -294,11 +301,11 @@ class Engine:
         self.row_buckets = row_buckets(slots)
         self.blocks = BlockManager(num_pages, page_size, prefix_caching)
         stacked = pool_is_stacked(model.params, self.backend)
-        pool_sharding = (None if self.mesh is None
+        pool_sharding = (self._placement if self.mesh is None
                          else engine_pool_sharding(self.mesh, cfg, stacked))
         self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype,
                                     sharding=pool_sharding, stacked=stacked)
-        self._seen = put_replicated(self.mesh, np.zeros((slots, cfg.vocab_size), bool))
+        self._seen = self._put(np.zeros((slots, cfg.vocab_size), bool))
         if verbose:
             mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
                    / model_size)  # per device
@@ -676,6 +683,10 @@ class Engine:
             budget -= n
         self._waiting.extendleft(reversed(deferred))
 
+    def _put(self, tree: Any) -> Any:
+        """Host arrays onto the engine's devices (whole on each device of a mesh)."""
+        return jax.device_put(tree, self._placement)
+
     def _load_slot(self, s: _Seq) -> None:
         sp, b = s.req.sampling, s.slot
         self._temperature[b], self._top_k[b], self._top_p[b] = sp.temperature, sp.top_k, sp.top_p
@@ -694,8 +705,7 @@ class Engine:
                           np.int32)
             ids[: len(s.tokens)] = s.tokens
             with on_mesh(self.mesh):
-                self._seen = load_seen(self._seen, *put_replicated(self.mesh,
-                                                                   (np.int32(b), ids)))
+                self._seen = load_seen(self._seen, *self._put((np.int32(b), ids)))
 
     def _preempt(self, s: _Seq) -> None:
         """Release ``s``'s pages and slot; it recomputes its tokens when readmitted."""
@@ -800,7 +810,7 @@ class Engine:
                        + (" with scoring" if score else ""))
         with on_mesh(self.mesh):
             self.pool, self._seen, out = mixed_step(
-                self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
+                self.model.params, self.pool, self._seen, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_q_len=t, score=score)
         return out
@@ -927,7 +937,7 @@ class Engine:
         self._announce(("decode", b, self._stop_width), f"decode loop for {b} rows")
         with on_mesh(self.mesh):
             self.pool, self._seen, out_t, out_lp = decode_steps(
-                self.model.params, self.pool, self._seen, put_replicated(self.mesh, inp),
+                self.model.params, self.pool, self._seen, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self.decode_steps)
         return out_t, out_lp

@@ -98,19 +98,21 @@ def pages_for_budget(
     memory_fraction: float = 0.9,
     model_shards: int = 1,
     reserve_bytes: int = 0,
+    device: jax.Device | None = None,
 ) -> int:
     """How many pages fit ``kv_cache_bytes``, or ``memory_fraction`` of the free device memory
     left after ``reserve_bytes`` (the steps' activations and workspace).
 
     With ``model_shards`` > 1 (a mesh's model size) each device holds that fraction of every
-    page's K/V heads, and ``kv_cache_bytes`` is per device.
+    page's K/V heads, and ``kv_cache_bytes`` is per device. ``device``: the device whose free
+    memory counts (default the first local one).
 
     Raises ``InputError`` when no budget is given and the device reports no memory statistics
     (CPU), or when the budget holds less than one page.
     """
     per_page = PagePool.bytes_per_page(config, page_size, dtype) // model_shards
     if kv_cache_bytes is None:
-        stats = jax.local_devices()[0].memory_stats() or {}
+        stats = (device or jax.local_devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:
             raise InputError("this device reports no free memory; pass kv_cache_bytes=... "
                              "or num_pages=... to size the KV cache")

@@ -36,6 +36,7 @@ def test_engine_on_meshes_matches_single_device():
         assert r["programs"] <= r["program_bound"], mesh  # one per step shape at most
         assert r["pool_shard"] == r["pool_shard_want"], mesh
         assert min(r["tokens_per_replica"]) > 0, mesh  # every replica took a share
+        assert r["pool_devices"] == r["replica_devices"], mesh  # each pool on its replica
     assert res["engine_on_data_mesh_error"].startswith("the model's mesh has data=2")
     # load_model on a data-only mesh: every device holds the whole model in the requested
     # single-device layout; generate and score equal the single-device model's.
@@ -104,6 +105,9 @@ def _worker() -> None:
                   mesh=mesh)
         models[(data, model)] = m
         engine = DataParallelEngine(m, **kw) if data > 1 else Engine(m, **kw)
+        replicas = engine.replicas if data > 1 else [engine]
+        pool_devices = [sorted(d.id for d in jax.tree.leaves(e.pool)[0].devices())
+                        for e in replicas]  # where each pool was made
         toks = _serve(engine, work)
         stats = engine.stats()
         if (data, model) == (2, 4):  # one mesh: generate's engine has a larger token budget
@@ -114,7 +118,6 @@ def _worker() -> None:
                 out["engine_on_data_mesh_error"] = ""
             except InputError as e:
                 out["engine_on_data_mesh_error"] = str(e)
-        replicas = engine.replicas if data > 1 else [engine]
         first = replicas[0]
         out["meshes"][f"{data}x{model}"] = {
             "tokens": toks, "preemptions": stats.num_preemptions,
@@ -124,6 +127,8 @@ def _worker() -> None:
             "pool_shard_want": [cfg.num_layers, mcfg.num_kv_heads // model, 14, PAGE,
                                 cfg.head_dim],
             "tokens_per_replica": [e.stats().generated_tokens for e in replicas],
+            "pool_devices": pool_devices,
+            "replica_devices": [sorted(d.id for d in row) for row in mesh.devices.tolist()],
         }
     # The fused "fast" layout on a tensor-parallel mesh: a one-line error or the right
     # tokens, never wrong ones.
