@@ -14,7 +14,7 @@ import numpy as np
 from jaxinfer.attention import resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
-from jaxinfer.model import LAYOUTS, apply_layout, param_shapes, resolve_layout
+from jaxinfer.model import apply_layout, param_shapes, resolve_layout
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -104,25 +104,27 @@ def load_model(
         restoring a converted folder (other formats are placed with ``jax.device_put``).
       mesh: a ``(data, model)`` mesh from ``sharding.make_mesh``: weights are split with the
         rules in ``sharding.rules`` (tensor parallel on "model", replicated on "data") and
-        ``generate``/``compute_logits`` run on the mesh. Converted folders are restored
-        straight into shards; HF/GGUF weights are converted in host memory and each device
-        receives only its shard. K/V heads are repeated when fewer than the model size, so
-        ``Model.config.num_kv_heads`` may be larger than the checkpoint's.
+        ``generate``/``compute_logits`` run on the mesh; with ``data > 1`` the model's
+        engine is a ``DataParallelEngine``, one engine per data replica. Converted folders
+        are restored straight into shards; HF/GGUF weights are converted in host memory
+        and each device receives only its shard. K/V heads are repeated when fewer than
+        the model size, so ``Model.config.num_kv_heads`` may be larger than the
+        checkpoint's.
       layout: how the weights are laid out for execution, chosen once here (``Model.params``
         holds the result; ``Model.layout`` says which): ``"auto"`` (default) is ``"fast"``
-        on a single GPU device and ``"stacked"`` everywhere else (CPU, TPU, meshes).
+        on GPUs (one device or a mesh) and ``"stacked"`` elsewhere (CPU, TPU).
         ``"stacked"`` keeps the stored layout, layers stacked under one ``lax.scan``:
         compile time does not grow with depth. ``"fast"`` fuses the QKV and gate|up
         matmuls and gives every layer its own weight buffers, run by an unrolled layer loop:
         on a GPU this avoids XLA copying each layer's weights out of the stacked buffer
         before every matmul (H100, 8B decode 61 -> 174 tok/s; bench/NOTES.md), but compile
-        time grows with depth (H100, 8B: ~10 s vs ~7 s stacked). ``"fast"`` is
-        single-device only. The stored arrays are converted one weight kind at a time and
-        freed as they go, so the device never holds two copies of the model.
+        time grows with depth (H100, 8B: ~10 s vs ~7 s stacked). On a tensor-parallel mesh
+        the split weights are fused per shard (``model.fuse_columns``). The stored arrays
+        are converted one weight kind at a time and freed as they go, so a device never
+        holds two copies of its weights.
     """
     jdtype = _parse_dtype(dtype)
-    if layout not in LAYOUTS or mesh is not None:
-        resolve_layout(layout, mesh=mesh)  # a bad name, or "fast" on a mesh: fail before I/O
+    resolve_layout(layout)  # a bad name fails before any I/O
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
@@ -135,6 +137,7 @@ def load_model(
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
     if split:
         config, params = shard_params(config, params, mesh, jdtype)
+        params = apply_layout(params, layout, mesh=mesh, donate=True)  # ours: just placed
     elif mesh is not None:  # data parallel only: every device gets the whole model
         from sharding.placement import put_replicated
 

@@ -73,12 +73,19 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
+def _dense_fused(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
+    ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
+    return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
+
+
 def _qkv(x: jax.Array, lp: Params, c: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
     b, t = x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     if "wqkv" in lp:
-        qkv = _dense(x, lp["wqkv"])
+        qkv = _dense_fused(x, lp["wqkv"])  # [B, T, shards, (nq + 2 nkv) / shards]
+        nq, nkv = nq // qkv.shape[-2], nkv // qkv.shape[-2]
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
         q, k, v = _dense(x, lp["wq"]), _dense(x, lp["wk"]), _dense(x, lp["wv"])
@@ -89,9 +96,10 @@ def _qkv(x: jax.Array, lp: Params, c: LlamaConfig) -> tuple[jax.Array, jax.Array
 def _gated_mlp(x: jax.Array, lp: Params) -> jax.Array:
     """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``."""
     if "w_gate_up" in lp:
-        gu = _dense(x, lp["w_gate_up"])
+        gu = _dense_fused(x, lp["w_gate_up"])  # [B, T, shards, 2 I / shards]
         f = gu.shape[-1] // 2
-        return jax.nn.silu(gu[..., :f]) * gu[..., f:]
+        act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
+        return act.reshape(*act.shape[:-2], -1)  # shard-major columns: w_down's row order
     return jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
 
 
@@ -99,38 +107,30 @@ LAYOUTS = ("auto", "stacked", "fast")
 """Execution layouts ``load_model(layout=...)`` accepts.
 
 * ``"stacked"``: the stored layout (``param_shapes``): layers stacked on a leading axis and run
-  by one ``lax.scan``, so compile time does not grow with depth. Needed on a mesh (the
-  partition rules in ``sharding.rules`` name the stored keys).
+  by one ``lax.scan``, so compile time does not grow with depth.
 * ``"fast"``: ``prepare_params(fuse=True, unstack=True)``: fused QKV and gate|up matmuls and
-  one weight buffer per layer, run by an unrolled layer loop. On a GPU, XLA copies each
-  layer's weights out of a stacked buffer before every matmul inside the scan; the fast
-  layout reads each weight once (H100, bench/NOTES.md: 8B decode 61 -> 172 tok/s, 1B 325 ->
-  643). Its compile time grows with depth (H100, 8B: ~10 s for ``generate``'s prefill and
-  decode programs, vs ~7 s stacked; bench/NOTES.md run 3).
-* ``"auto"``: ``"fast"`` on a single GPU device, ``"stacked"`` everywhere else (CPU, TPU,
-  meshes).
+  one weight buffer per layer, run by an unrolled layer loop. On a mesh the weights are
+  first split by the rules of ``sharding.rules`` and fused per shard (``fuse_columns``).
+  On a GPU, XLA copies each layer's weights out of a stacked buffer before every matmul inside the
+  scan; the fast layout reads each weight once (H100, bench/NOTES.md: 8B decode 61 -> 172 tok/s,
+  1B 325 -> 643). Its compile time grows with depth (H100, 8B: ~10 s for ``generate``'s prefill
+  and decode programs, vs ~7 s stacked; bench/NOTES.md run 3).
+* ``"auto"``: ``"fast"`` on GPUs, ``"stacked"`` elsewhere (CPU, TPU).
 """
 
 
-def resolve_layout(layout: str, *, mesh: Any = None) -> Literal["stacked", "fast"]:
-    """``"stacked"`` or ``"fast"`` for ``layout`` (one of ``LAYOUTS``) and where it will run.
+def resolve_layout(layout: str) -> Literal["stacked", "fast"]:
+    """``"stacked"`` or ``"fast"`` for ``layout`` (one of ``LAYOUTS``) on this backend.
 
-    A mesh whose ``model`` axis is 1 (data parallelism only) gives every device a whole
-    model, so it takes the single-device choice; tensor-parallel meshes run ``"stacked"``
-    (the sharding rules name the stored weights). Raises ``InputError`` for an unknown
-    name, or for ``"fast"`` on a tensor-parallel mesh.
+    ``"auto"`` is ``"fast"`` on GPUs (one device or a mesh) and ``"stacked"`` elsewhere.
+    Raises ``InputError`` for an unknown name.
     """
     from jaxinfer.errors import InputError  # local: errors is a leaf module, kept import-light
 
     if layout not in LAYOUTS:
         raise InputError(f"layout {layout!r} is not known; use one of {', '.join(LAYOUTS)}")
-    split = mesh is not None and mesh.shape["model"] > 1
     if layout == "auto":
-        return "fast" if not split and jax.default_backend() == "gpu" else "stacked"
-    if layout == "fast" and split:
-        raise InputError("layout='fast' runs on one device per replica (the sharding rules "
-                         "name the stored, stacked weights); use layout='stacked' or 'auto' "
-                         "with --tp > 1")
+        return "fast" if jax.default_backend() == "gpu" else "stacked"
     return layout
 
 
@@ -154,9 +154,21 @@ def _take_layer(stacked: jax.Array, i: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False)
 
 
-@jax.jit
-def _concat_columns(*parts: jax.Array) -> jax.Array:
-    return jnp.concatenate(parts, axis=-1)
+def fuse_columns(parts: Sequence[Any], shards: int = 1) -> Any:
+    """Fuse weights ``[..., in, out_i]`` into one ``[..., in, shards, sum(out_i) / shards]``.
+
+    Shard ``s`` of the result holds the ``s``-th column slice of every part side by side,
+    so with the shard axis split over a mesh's ``model`` devices each device multiplies by
+    exactly the Q/K/V heads (or gate/up columns) the tensor-parallel rules give it, and the
+    fused output splits into its parts without communication. ``shards=1`` on one device.
+    Works on numpy and jax arrays alike.
+    """
+    xp = jnp if isinstance(parts[0], jax.Array) else np
+    split = [p.reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
+    return xp.concatenate(split, axis=-1)
+
+
+_fuse_on_device = jax.jit(fuse_columns, static_argnames="shards")
 
 
 def _delete(a: Any) -> None:
@@ -172,6 +184,7 @@ def prepare_params(
     unstack: bool = False,
     place: Any = None,
     donate: bool = False,
+    shards: int = 1,
 ) -> Params:
     """An execution layout of ``params`` for ``forward_ragged``, built once outside the jitted
     steps.
@@ -181,8 +194,9 @@ def prepare_params(
 
     Args:
       fuse: concatenate ``wq|wk|wv`` into ``wqkv`` and ``w_gate|w_up`` into ``w_gate_up``
-        along the output axis, so each layer runs two fewer matmuls (fewer launches; larger
-        matmuls keep more of the GPU busy at batch 1).
+        along the output axis (``fuse_columns``: ``[in, shards, out / shards]``), so each
+        layer runs two fewer matmuls (fewer launches; larger matmuls keep more of the GPU
+        busy at batch 1).
       unstack: split the stacked ``[L, ...]`` layer arrays into a list of per-layer dicts, so
         ``forward_ragged`` unrolls the layer loop and no weight is sliced out of a stacked
         buffer.
@@ -193,11 +207,12 @@ def prepare_params(
         device memory is then the result plus one stacked weight kind (its largest, e.g.
         ``w_down``: a quarter of the 8B model's layer weights) instead of two whole models.
         Only for params the caller owns: the input pytree is unusable afterwards.
+      shards: the mesh's ``model`` size for params split by ``sharding.rules`` (1 on one
+        device): fused weights get one slice per shard, and every result keeps its input's
+        split (per-layer slices of a column-split stack stay column-split).
 
     Without ``donate`` the input arrays are not modified; with either option the result holds
-    new buffers. Single-device only: the tensor-parallel rules in ``sharding.rules`` name the
-    stored keys, and a fused ``wqkv`` split evenly over devices would not put whole Q/K/V
-    heads on each.
+    new buffers.
     """
     place = place or (lambda a: a)
     out = {k: place(v) for k, v in params.items() if k != "layers"}
@@ -210,7 +225,7 @@ def prepare_params(
         if fuse:
             for name, parts in _FUSED:
                 pieces = [layers.pop(p) for p in parts]
-                layers[name] = jnp.concatenate(pieces, axis=-1)
+                layers[name] = fuse_columns(pieces, shards)
                 if donate:
                     for piece in pieces:
                         _delete(piece)
@@ -238,8 +253,8 @@ def prepare_params(
         for lp in per_layer:
             for name, parts in _FUSED:
                 pieces = [lp.pop(p) for p in parts]
-                lp[name] = (_concat_columns(*pieces) if isinstance(pieces[0], jax.Array)
-                            else np.concatenate(pieces, axis=-1))
+                lp[name] = (_fuse_on_device(pieces, shards=shards)
+                            if isinstance(pieces[0], jax.Array) else fuse_columns(pieces, shards))
                 for piece in pieces:  # per-layer slices made above: always ours to free
                     _delete(piece)
     out["layers"] = per_layer
@@ -253,8 +268,10 @@ def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = 
     ``layout`` is one of ``LAYOUTS`` (see there); ``place`` and ``donate`` as in
     ``prepare_params``. ``"stacked"`` only places the leaves.
     """
-    fast = resolve_layout(layout, mesh=mesh) == "fast"
-    return prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate)
+    fast = resolve_layout(layout) == "fast"
+    shards = 1 if mesh is None else int(mesh.shape["model"])
+    return prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate,
+                          shards=shards)
 
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:

@@ -5,8 +5,10 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \
         python scripts/tp_scaling.py --cases tiny:1,tiny:2,tiny:4 --new 8 --prompt-len 16
 
-Random bf16 weights are made directly in shards (``sharding.random_init.random_params``), in
-the stacked layout, on a ``make_mesh(data=1, model=tp)`` mesh (tp=1: one device, no mesh).
+Random bf16 weights are made directly in shards (``sharding.random_init.random_params``) on a
+``make_mesh(data=1, model=tp)`` mesh, then put in ``--layout`` (default ``fast``: per-layer
+weights, QKV and gate|up fused per shard) as ``load_model`` does. ``tp=1`` runs on one device
+without a mesh; a case ``8b:1m`` keeps the one-device mesh (it should match no mesh).
 Decode is timed inside the on-device loop: ``generate`` with ``stop_token_ids=[]`` runs the
 whole decode of ``--new`` tokens in the engine's multi-step ``runner.decode_steps`` calls; TPOT is
 ``Completion.time_per_output_token`` of a warm call (best of ``--repeats``, after a compile
@@ -36,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 import jaxinfer
 from jaxinfer import roofline
 from jaxinfer.generate import Model
+from jaxinfer.model import apply_layout
 from jaxinfer.presets import preset_config
 from sharding import make_mesh
 from sharding.random_init import random_params
@@ -50,6 +53,7 @@ ap.add_argument("--cases", default="tiny:1,tiny:2,tiny:4",
                 help="comma list of model:tp (model: tiny, 1b, 8b, 70b)")
 ap.add_argument("--batches", default="1,64")
 ap.add_argument("--backend", default="auto")
+ap.add_argument("--layout", default="fast", choices=["stacked", "fast"])
 ap.add_argument("--new", type=int, default=128)
 ap.add_argument("--prompt-len", type=int, default=128)
 ap.add_argument("--repeats", type=int, default=2)
@@ -63,7 +67,7 @@ devs = jax.devices()
 rec: dict = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                  device=f"{len(devs)} x {devs[0].device_kind}", jax=jax.__version__,
                  command="python " + " ".join(sys.argv), new_tokens=args.new,
-                 prompt_len=args.prompt_len, layout="stacked", items=[])
+                 prompt_len=args.prompt_len, layout=args.layout, items=[])
 
 
 def save(**item):
@@ -125,7 +129,8 @@ gc.collect()
 batches = [int(b) for b in args.batches.split(",")]
 for case in args.cases.split(","):
     name, tp_s = case.split(":")
-    tp = int(tp_s)
+    keep_mesh = tp_s.endswith("m")
+    tp = int(tp_s.rstrip("m"))
     cfg0 = config_of(name)
     pbytes = roofline.param_bytes(cfg0)
     left = args.budget_s - (time.perf_counter() - T0)
@@ -141,6 +146,7 @@ for case in args.cases.split(","):
             t = time.perf_counter()
             mesh = make_mesh(data=1, model=tp)
             cfg, params = random_params(cfg0, mesh, jnp.bfloat16)
+            params = apply_layout(params, args.layout, mesh=mesh, donate=True)
             jax.block_until_ready(params)
             init_s = time.perf_counter() - t
             per_dev = {str(d.id): 0 for d in mesh.devices.flat}
@@ -153,7 +159,7 @@ for case in args.cases.split(","):
             # No EOS: every row decodes exactly --new tokens (random weights can emit one).
             model = Model(dataclasses.replace(cfg, eos_token_ids=()), params, None,
                           jnp.bfloat16, backend=backend,
-                          mesh=None if tp == 1 else mesh)
+                          mesh=None if tp == 1 and not keep_mesh else mesh)
             for batch in batches:
                 prompts = [rng.integers(3, min(cfg.vocab_size, 30000), args.prompt_len).tolist()
                            for _ in range(batch)]
@@ -179,7 +185,7 @@ for case in args.cases.split(","):
                 roof_meas = batch / (step_bytes / measured_bw) if measured_bw else None
                 tps = batch / tpot
                 save(what="decode", model=name, preset=MODELS.get(name, name), tp=tp,
-                     batch=batch, backend=backend, tokens_per_row=ntok,
+                     mesh=keep_mesh or tp > 1, batch=batch, backend=backend, tokens_per_row=ntok,
                      tpot_ms=round(tpot * 1e3, 3), decode_tok_per_s=round(tps, 1),
                      ttft_ms=round(ttft * 1e3, 1), first_call_s=round(compile_s, 1),
                      step_bytes_per_gpu=int(step_bytes), mean_context=ctx,

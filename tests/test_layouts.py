@@ -16,6 +16,7 @@ from jaxinfer.errors import InputError
 from jaxinfer.generate import Model
 from jaxinfer.model import (
     apply_layout,
+    fuse_columns,
     init_params,
     param_shapes,
     params_layout,
@@ -101,11 +102,17 @@ def test_bad_layout_is_one_line_input_error(tmp_path):
     assert "\n" not in str(e.value) and "stacked" in str(e.value)
     with pytest.raises(InputError):
         resolve_layout("Fast")
-    from sharding import make_mesh
+    assert resolve_layout("auto") == "stacked"  # this CPU; "fast" on GPUs
 
-    with pytest.raises(InputError, match="one device"):
-        resolve_layout("fast", mesh=make_mesh(data=1, model=1))
-    assert resolve_layout("auto", mesh=make_mesh(data=1, model=1)) == "stacked"
+
+def test_fuse_columns_keeps_each_shards_heads_together():
+    """Shard s of a fused weight holds shard s's columns of every part, in part order."""
+    wq, wk = np.arange(24).reshape(2, 12), 100 + np.arange(8).reshape(2, 4)
+    fused = fuse_columns([wq, wk], shards=2)  # [in=2, shards=2, 6 + 2]
+    assert fused.shape == (2, 2, 8)
+    np.testing.assert_array_equal(fused[:, 1, :6], wq[:, 6:])
+    np.testing.assert_array_equal(fused[:, 1, 6:], wk[:, 2:])
+    np.testing.assert_array_equal(fuse_columns([wq, wk])[:, 0], np.concatenate([wq, wk], 1))
 
 
 def test_donating_prepare_frees_the_stored_arrays_and_keeps_values():
@@ -116,8 +123,8 @@ def test_donating_prepare_frees_the_stored_arrays_and_keeps_values():
     assert params_layout(fast) == "fast"
     nq = CFG.num_heads * CFG.head_dim
     for i, lp in enumerate(fast["layers"]):
-        np.testing.assert_array_equal(lp["wqkv"][:, :nq], host["layers"]["wq"][i])
-        np.testing.assert_array_equal(lp["w_gate_up"][:, CFG.intermediate_size:],
+        np.testing.assert_array_equal(lp["wqkv"][:, 0, :nq], host["layers"]["wq"][i])
+        np.testing.assert_array_equal(lp["w_gate_up"][:, 0, CFG.intermediate_size:],
                                       host["layers"]["w_up"][i])
         np.testing.assert_array_equal(lp["w_down"], host["layers"]["w_down"][i])
     # Host (numpy) params are sliced and placed layer by layer with `place`.
@@ -127,4 +134,4 @@ def test_donating_prepare_frees_the_stored_arrays_and_keeps_values():
                for a in jax.tree.leaves(placed))
     shapes = param_shapes(CFG)["layers"]
     assert placed["layers"][0]["wqkv"].shape == (
-        CFG.hidden_size, shapes["wq"][2] + 2 * shapes["wk"][2])
+        CFG.hidden_size, 1, shapes["wq"][2] + 2 * shapes["wk"][2])
