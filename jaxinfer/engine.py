@@ -175,7 +175,7 @@ class _Seq:
 
 @dataclasses.dataclass
 class _Call:
-    """A step program launched on the device whose results the host has not read yet."""
+    """A step program launched on the device (asynchronously) and what its results mean."""
 
     out: Any  # the program's results (device arrays)
     launched: float  # perf_counter() at launch
@@ -342,8 +342,6 @@ class Engine:
         self._preemptions = 0
         self._programs: set[tuple[Any, ...]] = set()
         self._quiet_compiles = False
-        self._inflight: _Call | None = None  # launched, results not read yet (launch())
-        self._last_done = 0.0  # perf_counter() when the device last handed results back
 
     # ------------------------------------------------------------------ public API
     def submit(
@@ -398,38 +396,11 @@ class Engine:
         ``new_tokens`` is empty when a request ended on a stop token (which is not output) and
         for scoring requests. ``max_decode_steps`` caps this step's decode loop (streaming
         uses it to yield sooner); by default it follows ``decode_call_seconds``.
-        Equivalent to ``launch(max_decode_steps)`` then ``collect()``.
         """
-        self.launch(max_decode_steps)
-        return self.collect()
-
-    def launch(self, max_decode_steps: int | None = None) -> bool:
-        """Plan the next step and start its program on the device, without waiting for it
-        (unless one is in flight already); return whether one is in flight.
-
-        ``collect()`` reads its results. Driving several engines, one per device, with
-        ``launch`` then ``collect`` lets one host thread plan for one device while the
-        others compute (``DataParallelEngine``).
-        """
-        if self._inflight is None:
-            t0 = time.perf_counter()
-            self._inflight = (self._launch_mixed() if self._prompt_work_pending()
-                              else self._launch_decode(max_decode_steps))
-            self._step_time += time.perf_counter() - t0
-        return self._inflight is not None
-
-    def ready(self) -> bool:
-        """Whether ``collect()`` would return without waiting for the device."""
-        call = self._inflight
-        return call is None or all(a.is_ready() for a in jax.tree.leaves(call.out))
-
-    def collect(self) -> list[Event]:
-        """Wait for the launched step and hand its tokens out (events as ``step()``)."""
         t0 = time.perf_counter()
-        call, self._inflight = self._inflight, None
-        if call is None:
-            return []
-        events = self._collect(call)
+        call = (self._launch_mixed() if self._prompt_work_pending()
+                else self._launch_decode(max_decode_steps))
+        events = [] if call is None else self._collect(call)
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
@@ -829,14 +800,10 @@ class Engine:
         return _Call(out=out, launched=launched, padded=t, plan=plan, score=score)
 
     def _results_of(self, call: _Call) -> tuple[Any, float]:
-        """Bring a call's results to the host; return them and the call's device seconds:
-        from the later of its launch and the previous results (calls run back to back on
-        the device) to its results."""
+        """Bring a call's results to the host; return them and the seconds from its launch."""
         out = to_host(call.out)
-        done = time.perf_counter()
-        seconds = done - max(call.launched, self._last_done)
+        seconds = time.perf_counter() - call.launched
         self._device_time += seconds
-        self._last_done = done
         return out, seconds
 
     def _collect(self, call: _Call) -> list[Event]:
@@ -969,7 +936,7 @@ class Engine:
         if ran:
             per = seconds / ran
             self._iteration_s[b] = 0.5 * (self._iteration_s.get(b, per) + per)
-        now = self._last_done
+        now = time.perf_counter()
         self._decode_calls += 1
         computed = 0
         events: list[Event] = []

@@ -7,10 +7,11 @@ slots and step programs, so replicas never wait for each other. A request goes t
 with the least outstanding work; its output equals what one engine would give, since a sampled
 token depends only on the request's own seed, token index and tokens.
 
-One host thread drives every replica: it launches a step on each replica that has work
-(``Engine.launch``, asynchronous), then hands out the results of whichever replica is done
-first (``Engine.collect``), so the host plans one replica's next step while the others
-compute.
+Each replica steps in its own worker thread, so the replicas compute at once: on a GPU a
+step program that syncs with the host inside (the decode loop's condition) holds its calling
+thread until the program is nearly done, with the interpreter lock released. ``step()``
+starts a step on every idle replica that has work and returns the events of whichever
+replica finishes first; the others keep running.
 
 ``engine_for(model)`` returns the engine that serves ``generate``, ``stream``, ``score`` and
 ``batch_eval`` for a model: an ``Engine``, or a ``DataParallelEngine`` on a mesh whose
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -35,8 +37,6 @@ from jaxinfer.errors import InputError
 from jaxinfer.requests import Completion, Model, Prompt, Request, ScoreResult, make_requests
 from jaxinfer.sampling import SamplingParams
 from sharding.mesh import DATA, MODEL, mesh_sizes, spans_processes
-
-_POLL_S = 2e-4  # sleep between readiness checks while every replica computes
 
 
 def replica_model(model: Model, index: int) -> Model:
@@ -93,6 +93,12 @@ class DataParallelEngine:
         self._cost: dict[int, int] = {}  # id -> its tokens, counted in _load until it ends
         self._next_id = 0
         self._step_time = 0.0
+        # One worker per replica; a replica's lock is held while it steps, so requests are
+        # added to it between steps only.
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            data, thread_name_prefix="jaxinfer-replica")
+        self._locks = [threading.Lock() for _ in self.replicas]
+        self._running: dict[int, concurrent.futures.Future[list[Event]]] = {}
 
     # ---------------------------------------------------------------- requests
     def submit(self, prompt: Prompt, *, chat: bool = False,
@@ -107,7 +113,8 @@ class DataParallelEngine:
     def add_request(self, req: Request) -> int:
         """Queue a validated ``Request`` on the replica with the least work left."""
         i = int(np.argmin(self._load))
-        local = self.replicas[i].add_request(req)
+        with self._locks[i]:
+            local = self.replicas[i].add_request(req)
         rid = self._next_id
         self._next_id += 1
         cost = len(req.prompt_ids) + (0 if req.is_score else req.sampling.max_new_tokens)
@@ -122,16 +129,21 @@ class DataParallelEngine:
         """Launch a step on every replica with work and none in flight; return the events
         of the first replica whose step is done (ids are this engine's)."""
         t0 = time.perf_counter()
-        try:
-            busy = [i for i, e in enumerate(self.replicas) if e.launch(max_decode_steps)]
-            while busy:
-                for i in busy:
-                    if self.replicas[i].ready():
-                        return self._events(i, self.replicas[i].collect())
-                time.sleep(_POLL_S)
-            return []
-        finally:
-            self._step_time += time.perf_counter() - t0
+        for i, e in enumerate(self.replicas):
+            if i not in self._running and e.has_unfinished():
+                self._running[i] = self._workers.submit(self._step_replica, i, max_decode_steps)
+        events: list[Event] = []
+        if self._running:
+            done, _ = concurrent.futures.wait(self._running.values(),
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            i = min(i for i, f in self._running.items() if f in done)
+            events = self._events(i, self._running.pop(i).result())
+        self._step_time += time.perf_counter() - t0
+        return events
+
+    def _step_replica(self, i: int, max_decode_steps: int | None) -> list[Event]:
+        with self._locks[i]:
+            return self.replicas[i].step(max_decode_steps)
 
     def _events(self, i: int, events: list[Event]) -> list[Event]:
         out = []
@@ -143,8 +155,8 @@ class DataParallelEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        """Whether any replica has a request waiting or running."""
-        return any(e.has_unfinished() for e in self.replicas)
+        """Whether any replica has a request waiting or running, or a step under way."""
+        return bool(self._running) or any(e.has_unfinished() for e in self.replicas)
 
     def events(self) -> Iterator[Event]:
         """Stream events until every submitted request is finished."""
