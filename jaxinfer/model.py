@@ -76,6 +76,8 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
 def _dense_fused(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
+    if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
+        return _dense(x, w[:, 0])[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
 
 
