@@ -189,10 +189,9 @@ def engine_pool_spec(stacked: bool) -> P:
     """Spec of a buffer of the engine's page pool: one layer's ``[kv_heads, num_pages,
     page_size, D]``, or with ``stacked`` all layers' ``[L, kv_heads, ...]``.
 
-    Heads on model; replicated over data: the ``Engine`` keeps one pool whose pages any slot
-    may map (prefix sharing, preemption), so on a data>1 mesh every data replica runs the same
-    step on the same pool: correct, but data adds no throughput there (run one engine per
-    replica for that).
+    Heads on model, replicated over data: on one host a data>1 mesh is served by one engine
+    (and pool) per replica (``jaxinfer.DataParallelEngine``), each on a ``(1, model)`` mesh;
+    across hosts every process runs one engine in step, its replicas repeating the work.
     """
     return P(None, MODEL, None, None, None) if stacked else P(MODEL, None, None, None)
 
