@@ -319,6 +319,7 @@ class Engine:
         self._seqs: dict[int, _Seq] = {}
         self._results: dict[int, Completion | ScoreResult] = {}
         self._taken: set[int] = set()  # ids whose result was handed over
+        self._cancelled: set[int] = set()  # ids cancelled before their result was taken
         self._free_slots = list(range(slots))  # a heap: lowest slots first keeps rows packed
         # Per-slot request settings, uploaded with every step (a few bytes per slot).
         self._temperature = np.zeros(slots, np.float32)
@@ -437,6 +438,33 @@ class Engine:
             self.forget(i)
         return results
 
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now: a waiting or running one leaves the engine, its slot and pages
+        freed (full pages stay in the prefix cache); a finished one's result is dropped.
+        ``result()`` then says it was cancelled. Returns whether it was still unfinished.
+
+        Also what the entry points do with their requests when interrupted (``Ctrl-C`` in
+        ``generate``, a ``stream`` closed early), so the engine stays usable: it copes with
+        a request caught half-way through an interrupted step.
+        """
+        s = self._seqs.get(request_id)
+        if request_id in self._taken or request_id in self._cancelled or s is None:
+            return False
+        self._cancelled.add(request_id)
+        if self._results.pop(request_id, None) is not None:
+            self._seqs.pop(request_id, None)
+            return False
+        if s in self._running:
+            self._running.remove(s)
+        elif s in self._waiting:
+            self._waiting.remove(s)
+        if request_id in self.blocks.tables:
+            self.blocks.free(request_id)
+        if s.slot >= 0 and s.slot not in self._free_slots:
+            heapq.heappush(self._free_slots, s.slot)
+        del self._seqs[request_id]
+        return True
+
     def result(self, request_id: int) -> Completion | ScoreResult:
         """The result of a finished request (handed over once, then forgotten)."""
         if request_id in self._results:
@@ -445,6 +473,8 @@ class Engine:
         if request_id in self._taken:
             raise InputError(f"the result of request {request_id} was already taken; result() "
                              "hands each result over once")
+        if request_id in self._cancelled:
+            raise InputError(f"request {request_id} was cancelled; it has no result")
         if request_id in self._seqs:
             raise InputError(f"request {request_id} is not finished yet; call step() or "
                              "run_until_done() first")
@@ -471,8 +501,11 @@ class Engine:
 
     def forget(self, request_id: int) -> bool:
         """Drop what the engine keeps of a finished request whose result was taken (its
-        metrics); long-running callers call this so host memory stays bounded. Returns
-        whether there was something to drop."""
+        metrics), or of a cancelled one; long-running callers call this so host memory stays
+        bounded. Returns whether there was something to drop."""
+        if request_id in self._cancelled:
+            self._cancelled.discard(request_id)
+            return True
         if request_id not in self._taken:
             return False
         self._taken.discard(request_id)

@@ -66,9 +66,21 @@ def generate(
       One ``Completion`` per prompt, in order.
     """
     requests = make_requests(model, prompts, chat, sampling, sampling_kwargs)
-    engine = engine_for(model)
+    return run_requests(engine_for(model), requests)
+
+
+def run_requests(engine: Any, requests: Sequence[Any]) -> list[Any]:
+    """Run validated requests through ``engine`` and return their results in order; if
+    anything interrupts the run (``Ctrl-C``, an error), they are cancelled first, so the
+    engine holds nothing of them and serves the next call."""
     ids = [engine.add_request(r) for r in requests]
-    return engine.run(ids)
+    try:
+        return engine.run(ids)
+    except BaseException:
+        for i in ids:
+            engine.cancel(i)
+            engine.forget(i)
+        raise
 
 
 def stream_tokens(
@@ -92,14 +104,19 @@ def stream_tokens(
     engine = engine_for(model)
     rid = engine.add_request(requests[0])
     done = False
-    while not done:
-        for i, new, finished in engine.step(max_decode_steps=chunk_steps):
-            if i == rid:
-                done = finished
-                if new:
-                    yield new
-    engine.result(rid)  # hand the finished result over, then let the engine forget it
-    engine.forget(rid)
+    try:
+        while not done:
+            for i, new, finished in engine.step(max_decode_steps=chunk_steps):
+                if i == rid:
+                    done = finished
+                    if new:
+                        yield new
+    finally:  # also when the consumer stops early (the generator is closed) or is interrupted
+        if done:
+            engine.result(rid)  # hand the finished result over, then let the engine forget it
+        else:
+            engine.cancel(rid)
+        engine.forget(rid)
 
 
 def stream(
@@ -150,10 +167,7 @@ def score(model: Model, requests: ScorePair | Sequence[ScorePair]) -> list[Score
     sum), ``greedy`` (every continuation token is the argmax) and ``cached_tokens`` (context
     tokens served by the prefix cache: continuations sharing a context compute it once).
     """
-    reqs = make_score_requests(model, requests)
-    engine = engine_for(model)
-    ids = [engine.add_request(r) for r in reqs]
-    return engine.run(ids)
+    return run_requests(engine_for(model), make_score_requests(model, requests))
 
 
 def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | None = None,

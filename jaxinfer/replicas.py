@@ -194,6 +194,16 @@ class DataParallelEngine:
         i, local = self._where[rid]
         return self.replicas[i], local
 
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now (``Engine.cancel``); waits for its replica's step under way."""
+        engine, local = self._replica_of(request_id)
+        i, _ = self._where[request_id]
+        with self._locks[i]:
+            live = engine.cancel(local)
+        if request_id in self._cost:
+            self._load[i] -= self._cost.pop(request_id)
+        return live
+
     def result(self, request_id: int) -> Completion | ScoreResult:
         """The result of a finished request (handed over once)."""
         engine, local = self._replica_of(request_id)

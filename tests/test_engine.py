@@ -312,6 +312,63 @@ def test_generate_and_stream_share_the_models_engine(model, work200, alone200):
     assert not engine.has_unfinished() and engine.stats().pages_used == 0
 
 
+def test_cancel_waiting_running_and_finished(model, work200, alone200):
+    engine = _engine(model)
+    work = work200[:12]  # 12 requests, 8 slots: some wait
+    ids = [engine.submit(p, max_new_tokens=m) for p, m, _ in work]
+    finished: list[int] = []
+    while len(finished) < 1:
+        finished += [i for i, _, done in engine.step() if done]
+    running = next(i for i in ids if i not in finished and engine.request_metrics(i).num_generated)
+    waiting = ids[-1]
+    assert engine.request_metrics(waiting).queue_time is None  # not admitted yet
+    assert engine.cancel(running) and engine.cancel(waiting)
+    assert not engine.cancel(finished[0])  # finished: its result is dropped
+    assert not engine.cancel(running)  # once only
+    engine.run_until_done()
+    for k, rid in enumerate(ids):
+        if rid in (running, waiting, finished[0]):
+            with pytest.raises(InputError, match="cancelled"):
+                engine.result(rid)
+            assert engine.forget(rid)
+        else:
+            got = engine.result(rid)
+            assert got.token_ids == alone200[k].token_ids, k
+    engine.blocks.check_all_free()
+
+
+def test_interrupted_generate_and_closed_stream_leave_the_engine_usable(model, work200,
+                                                                         alone200):
+    from jaxinfer.replicas import engine_for
+
+    work = work200[:10]
+    prompts = [p for p, _, _ in work]
+    sampling = [jaxinfer.SamplingParams(max_new_tokens=m) for _, m, _ in work]
+    engine = engine_for(model)
+    calls = {"n": 0}
+    real_step = engine.step
+
+    def interrupted(*a, **kw):  # Ctrl-C in the middle of a run
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step(*a, **kw)
+
+    engine.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            jaxinfer.generate(model, prompts, sampling=sampling)
+    finally:
+        del engine.step
+    assert not engine.has_unfinished() and engine.stats().pages_used == 0
+    pieces = jaxinfer.stream_tokens(model, prompts[0], chunk_steps=2,
+                                    max_new_tokens=work[0][1])
+    assert next(pieces) == alone200[0].token_ids[:1]
+    pieces.close()  # the caller stops reading: the request is cancelled
+    assert not engine.has_unfinished() and engine.stats().pages_used == 0
+    _assert_same(jaxinfer.generate(model, prompts, sampling=sampling), alone200[:10])
+
+
 def test_engine_needs_no_sizing_arguments(model):
     from jaxinfer.engine import CPU_KV_CACHE_BYTES
     from jaxinfer.paged_cache import PagePool

@@ -43,6 +43,7 @@ def test_engine_on_meshes_matches_single_device():
     dp = res["data_only_load"]
     assert dp["layout"] == "fast" and dp["replicas"] == 4, dp
     assert dp["tokens"] == dp["ref_tokens"] and dp["score_err"] < 1e-5, dp
+    assert dp["cancelled"], dp  # a cancelled request leaves its replica idle
     assert res["generate_equal"], "generate on the 2x4 mesh (via the engine) differs"
     # The "fast" layout on the (1, 8) mesh (per-layer weights fused per shard, per-layer
     # pool): the same tokens, each device holding only its slice of every fused weight.
@@ -163,7 +164,11 @@ def _data_only_load(prompts: list[list[int]]) -> dict:
         pairs = [(p, p[:3]) for p in prompts if len(p) > 3]
         want = [r.token_logprobs for r in jaxinfer.score(single, pairs)]
         got = [r.token_logprobs for r in jaxinfer.score(dp, pairs)]
+        engine = dp.engine
+        rid = engine.submit(prompts[0], max_new_tokens=4)
+        cancelled = engine.cancel(rid) and not engine.has_unfinished()
         return {
+            "cancelled": cancelled,
             "layout": dp.layout, "replicas": len(dp.engine.replicas),
             "tokens": [c.token_ids for c in jaxinfer.generate(dp, prompts, **gen)],
             "ref_tokens": [c.token_ids for c in jaxinfer.generate(single, prompts, **gen)],
