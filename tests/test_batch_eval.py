@@ -158,7 +158,7 @@ def _worker(tmp: Path) -> None:
     be = _load_script()
     rc = be.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out),
                   "--dtype", "float32", "--backend", "reference", "--max-new-tokens", "8",
-                  "--tp", "2", "--dp", "4", "--no-progress"])
+                  "--tp", "2", "--dp", "2", "--no-progress"])
     assert rc == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     recs = [json.loads(x) if i not in (3, 6) else None for i, x in enumerate(lines)]
