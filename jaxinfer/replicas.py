@@ -148,9 +148,11 @@ class DataParallelEngine:
     def _events(self, i: int, events: list[Event]) -> list[Event]:
         out = []
         for local, tokens, finished in events:
-            rid = self._ids[i][local]
+            rid = self._ids[i].get(local)
+            if rid is None:  # cancelled and forgotten while this step ran
+                continue
             if finished:
-                self._load[i] -= self._cost.pop(rid)
+                self._load[i] -= self._cost.pop(rid, 0)
             out.append((rid, tokens, finished))
         return out
 
