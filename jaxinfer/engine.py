@@ -185,7 +185,56 @@ class _Call:
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
 
 
-class Engine:
+class StepLoop:
+    """The caller-side methods of an engine, on top of its ``model``, ``add_request``,
+    ``step``, ``has_unfinished``, ``check_request``, ``finished``, ``result`` and ``forget``
+    (shared by ``Engine`` and ``replicas.DataParallelEngine``)."""
+
+    def submit(
+        self,
+        prompt: Prompt,
+        *,
+        chat: bool = False,
+        sampling: SamplingParams | None = None,
+        **sampling_kwargs: Any,
+    ) -> int:
+        """Queue one generation request (same prompt forms and options as ``generate``).
+
+        Returns its id; it joins the running batch at the next ``step()`` that has room.
+        """
+        reqs = make_requests(self.model, prompt, chat, sampling, sampling_kwargs)
+        if len(reqs) != 1:
+            raise InputError(f"submit takes one prompt, got {len(reqs)}; call submit once per "
+                             "prompt")
+        return self.add_request(reqs[0])
+
+    def events(self) -> Iterator[Event]:
+        """Stream events until every submitted request is finished (more may be submitted)."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run_until_done(self) -> None:
+        """Step until no request is waiting or running."""
+        for _ in self.events():
+            pass
+
+    def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
+        """Step until the given requests finish; return their results in order (and forget
+        them: ``request_metrics`` no longer knows these ids)."""
+        pending = set(request_ids)
+        while pending:
+            for i in pending:
+                self.check_request(i)
+            pending = {i for i in pending if not self.finished(i)}
+            if pending:
+                self.step()
+        results = [self.result(i) for i in request_ids]
+        for i in request_ids:  # the caller holds the results; keep no per-request state
+            self.forget(i)
+        return results
+
+
+class Engine(StepLoop):
     """Continuous batching over a paged KV cache for one model; serves every entry point.
 
     ``Engine(model)`` needs no sizing arguments: the pool takes ``memory_fraction`` of the
@@ -345,24 +394,6 @@ class Engine:
         self._quiet_compiles = False
 
     # ------------------------------------------------------------------ public API
-    def submit(
-        self,
-        prompt: Prompt,
-        *,
-        chat: bool = False,
-        sampling: SamplingParams | None = None,
-        **sampling_kwargs: Any,
-    ) -> int:
-        """Queue one generation request (same prompt forms and options as ``generate``).
-
-        Returns its id; it joins the running batch at the next ``step()`` that has room.
-        """
-        reqs = make_requests(self.model, prompt, chat, sampling, sampling_kwargs)
-        if len(reqs) != 1:
-            raise InputError(f"submit takes one prompt, got {len(reqs)}; call submit once per "
-                             "prompt")
-        return self.add_request(reqs[0])
-
     def add_request(self, req: Request) -> int:
         """Queue a validated ``Request`` (``requests.make_requests`` or
         ``make_score_requests``); returns its id. Checks that it fits this engine."""
@@ -411,32 +442,11 @@ class Engine:
         """Whether any submitted request is still waiting or running."""
         return bool(self._waiting or self._running)
 
-    def events(self) -> Iterator[Event]:
-        """Stream events until every submitted request is finished (more may be submitted)."""
-        while self.has_unfinished():
-            yield from self.step()
-
-    def run_until_done(self) -> None:
-        """Step until no request is waiting or running."""
-        for _ in self.events():
-            pass
-
-    def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
-        """Step until the given requests finish; return their results in order (and forget
-        them: ``request_metrics`` no longer knows these ids)."""
-        pending = set(request_ids)
-        while pending:
-            unknown = [i for i in pending if i not in self._seqs and i not in self._results
-                       or i in self._taken]
-            if unknown:
-                raise InputError(f"unknown request id {unknown[0]}")
-            pending = {i for i in pending if i not in self._results}
-            if pending:
-                self.step()
-        results = [self.result(i) for i in request_ids]
-        for i in request_ids:  # the caller holds the results; keep no per-request state
-            self.forget(i)
-        return results
+    def check_request(self, request_id: int) -> None:
+        """Raise ``InputError`` unless the request was submitted and its result not taken."""
+        if (request_id not in self._seqs and request_id not in self._results
+                or request_id in self._taken):
+            raise InputError(f"unknown request id {request_id}")
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: a waiting or running one leaves the engine, its slot and pages

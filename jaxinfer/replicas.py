@@ -25,17 +25,15 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer.engine import Engine, EngineStats, Event, RequestMetrics
+from jaxinfer.engine import Engine, EngineStats, Event, RequestMetrics, StepLoop
 from jaxinfer.errors import InputError
-from jaxinfer.requests import Completion, Model, Prompt, Request, ScoreResult, make_requests
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.requests import Completion, Model, Request, ScoreResult
 from sharding.mesh import DATA, MODEL, mesh_sizes, spans_processes
 
 
@@ -61,7 +59,7 @@ def replica_model(model: Model, index: int) -> Model:
     return dataclasses.replace(model, params=jax.tree.map(view, model.params), mesh=sub)
 
 
-class DataParallelEngine:
+class DataParallelEngine(StepLoop):
     """``Engine``'s interface over one engine per ``data`` replica of ``model``'s mesh.
 
     Args:
@@ -101,15 +99,6 @@ class DataParallelEngine:
         self._running: dict[int, concurrent.futures.Future[list[Event]]] = {}
 
     # ---------------------------------------------------------------- requests
-    def submit(self, prompt: Prompt, *, chat: bool = False,
-               sampling: SamplingParams | None = None, **sampling_kwargs: Any) -> int:
-        """Queue one generation request (as ``Engine.submit``); returns its id."""
-        reqs = make_requests(self.model, prompt, chat, sampling, sampling_kwargs)
-        if len(reqs) != 1:
-            raise InputError(f"submit takes one prompt, got {len(reqs)}; call submit once per "
-                             "prompt")
-        return self.add_request(reqs[0])
-
     def add_request(self, req: Request) -> int:
         """Queue a validated ``Request`` on the replica with the least work left."""
         i = int(np.argmin(self._load))
@@ -160,34 +149,17 @@ class DataParallelEngine:
         """Whether any replica has a request waiting or running, or a step under way."""
         return bool(self._running) or any(e.has_unfinished() for e in self.replicas)
 
-    def events(self) -> Iterator[Event]:
-        """Stream events until every submitted request is finished."""
-        while self.has_unfinished():
-            yield from self.step()
+    def check_request(self, request_id: int) -> None:
+        """Raise ``InputError`` unless the request was submitted and its result not taken."""
+        engine, local = self._replica_of(request_id)
+        try:
+            engine.check_request(local)
+        except InputError:
+            raise InputError(f"unknown request id {request_id}") from None
 
-    def run_until_done(self) -> None:
-        """Step until no request is waiting or running."""
-        for _ in self.events():
-            pass
-
-    def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
-        """Step until the given requests finish; return their results in order (and forget
-        them)."""
-        for rid in request_ids:
-            self._replica_of(rid)
-        pending = set(request_ids)
-        while pending:
-            for rid, _, finished in self.step():
-                if finished:
-                    pending.discard(rid)
-            pending = {rid for rid in pending if not self._done(rid)}
-        results = [self.result(rid) for rid in request_ids]
-        for rid in request_ids:
-            self.forget(rid)
-        return results
-
-    def _done(self, rid: int) -> bool:
-        engine, local = self._replica_of(rid)
+    def finished(self, request_id: int) -> bool:
+        """Whether the request's result is ready for ``result()``."""
+        engine, local = self._replica_of(request_id)
         return engine.finished(local)
 
     def _replica_of(self, rid: int) -> tuple[Engine, int]:
