@@ -79,6 +79,11 @@ _ANNOUNCED: set[tuple[Any, ...]] = set()  # step programs this process was told 
 CPU_KV_CACHE_BYTES = 128 * 2**20
 """KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
 
+DECODE_CHUNK = 4
+"""Decode iterations between two "is any row still active?" checks (``runner.decode_steps``):
+each check costs a host read of a device flag; a call whose rows all stop runs at most
+``DECODE_CHUNK - 1`` idle iterations."""
+
 
 def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
     """Device bytes the steps need besides weights and pool: kept free when sizing the pool.
@@ -122,6 +127,7 @@ class EngineStats:
     tokens_per_second: float
     step_seconds: float  # wall time inside step()
     device_seconds: float  # of which: from launching a step program to its results on the host
+    decode_seconds: float  # of which: in multi-step decode calls (the rest: mixed steps)
     pages_total: int
     pages_used: int  # referenced by live sequences
     pages_cached: int  # unreferenced, kept for the prefix cache (evictable)
@@ -336,6 +342,9 @@ class Engine(StepLoop):
         self.page_size = page_size
         self.max_tokens = budget
         self.decode_steps = decode_steps
+        self.decode_chunk = min(DECODE_CHUNK, decode_steps)
+        # The loop's output buffer holds whole chunks.
+        self._decode_buffer = -(-decode_steps // self.decode_chunk) * self.decode_chunk
         self.decode_call_seconds = decode_call_seconds
         self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
@@ -385,7 +394,7 @@ class Engine(StepLoop):
         self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
         self._steps = self._decode_calls = 0
-        self._step_time = self._device_time = 0.0
+        self._step_time = self._device_time = self._decode_time = 0.0
         self._generated = self._computed = self._padded = 0
         self._peak_used = 0
         self._lookup_tokens = self._hit_tokens = 0
@@ -531,6 +540,7 @@ class Engine(StepLoop):
             computed_tokens=self._computed, padded_tokens=self._padded,
             tokens_per_second=self._generated / self._step_time if self._step_time else 0.0,
             step_seconds=self._step_time, device_seconds=self._device_time,
+            decode_seconds=self._decode_time,
             pages_total=bm.num_pages, pages_used=bm.num_used, pages_cached=bm.num_cached,
             pages_free=bm.num_free - bm.num_cached, peak_pages_used=self._peak_used,
             tokens_capacity=bm.num_pages * self.page_size,
@@ -539,28 +549,33 @@ class Engine(StepLoop):
             cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
             num_programs=len(self._programs))
 
-    def warmup(self, generate: bool = True, score: bool = False) -> float:
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
+               ) -> float:
         """Compile (or load from JAX's compilation cache) every step shape now; return the
         seconds it took.
 
-        ``generate``: each token bucket's mixed step and each decode row bucket; ``score``:
-        each token bucket's scoring variant. Runs them on all-padding inputs, which write no
+        ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
+        ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
+        sample with a temperature above 0. Runs them on all-padding inputs, which write no
         page and sample for no slot, so the engine's state is unchanged. Benchmarks and
         ``batch_eval`` call this before timing.
         """
         if self.has_unfinished():
             raise InputError("warmup() runs on an idle engine; call it before submitting")
         t0 = time.perf_counter()
-        variants = (False,) * generate + (True,) * score
-        n = len(self.token_buckets) * len(variants) + len(self.row_buckets) * generate
+        samplers = (False, True) if sampled else (False,)
+        mixed = [(sc, st) for sc in (False,) * generate + (True,) * score for st in samplers]
+        decode = samplers if generate else ()
+        n = len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
         for t in self.token_buckets:
-            for sc in variants:
-                to_host(self._dispatch_mixed(self._mixed_inputs([], t, sc), t, sc))
-        for b in self.row_buckets if generate else ():
-            to_host(self._dispatch_decode(self._decode_inputs([], b, 1)))
+            for sc, st in mixed:
+                to_host(self._dispatch_mixed(self._mixed_inputs([], t, sc), t, sc, st))
+        for b in self.row_buckets:
+            for st in decode:
+                to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -818,15 +833,16 @@ class Engine(StepLoop):
             kv_lens=kv_lens, cu_q_lens=cu, last_index=last, gen_index=gen, samples=samples,
             sampling=self._sampling(s_rows))
 
-    def _dispatch_mixed(self, inp: MixedInputs, t: int, score: bool) -> dict[str, jax.Array]:
+    def _dispatch_mixed(self, inp: MixedInputs, t: int, score: bool, stochastic: bool
+                        ) -> dict[str, jax.Array]:
         """Launch one mixed step program (asynchronously); the pool and ``seen`` advance."""
-        self._announce(("mixed", t, score), f"mixed step for {t} tokens"
-                       + (" with scoring" if score else ""))
+        self._announce(("mixed", t, score, stochastic), f"mixed step for {t} tokens"
+                       + (" with scoring" if score else "") + (", sampled" if stochastic else ""))
         with on_mesh(self.mesh):
             self.pool, self._seen, out = mixed_step(
                 self.model.params, self.pool, self._seen, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
-                max_q_len=t, score=score)
+                max_q_len=t, score=score, stochastic=stochastic)
         return out
 
     def _launch_mixed(self) -> _Call | None:
@@ -838,8 +854,9 @@ class Engine(StepLoop):
             return None
         t = bucket(sum(n for _, n in plan), self.token_buckets)
         score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
+        stochastic = any(s.req.sampling.temperature > 0 for s, _ in plan if not s.req.is_score)
         launched = time.perf_counter()
-        out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score)
+        out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score, stochastic)
         return _Call(out=out, launched=launched, padded=t, plan=plan, score=score)
 
     def _results_of(self, call: _Call) -> tuple[Any, float]:
@@ -941,24 +958,28 @@ class Engine(StepLoop):
             gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
             sampling=self._sampling(b))
 
-    def _dispatch_decode(self, inp: DecodeInputs) -> tuple[jax.Array, jax.Array]:
+    def _dispatch_decode(self, inp: DecodeInputs, stochastic: bool
+                         ) -> tuple[jax.Array, jax.Array]:
         """Launch one decode call program (asynchronously); the pool and ``seen`` advance."""
         b = inp.block_tables.shape[0]
-        self._announce(("decode", b, self._stop_width), f"decode loop for {b} rows")
+        self._announce(("decode", b, self._stop_width, stochastic),
+                       f"decode loop for {b} rows" + (", sampled" if stochastic else ""))
         with on_mesh(self.mesh):
             self.pool, self._seen, out_t, out_lp = decode_steps(
                 self.model.params, self.pool, self._seen, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
-                max_steps=self.decode_steps)
+                max_steps=self._decode_buffer, chunk=self.decode_chunk, stochastic=stochastic)
         return out_t, out_lp
 
     def _call_length(self, b: int, max_steps: int | None) -> int:
         """Iterations for a decode call over ``b`` rows: ``decode_call_seconds`` of measured
-        device time (16 before the first measure), within ``[4, decode_steps]``."""
+        device time (16 before the first measure), within ``[4, decode_steps]``, in whole
+        chunks of ``decode_chunk`` (the loop checks for stopped rows once per chunk)."""
         if max_steps is None:
             per = self._iteration_s.get(b)
             max_steps = 16 if per is None else max(4, round(self.decode_call_seconds / per))
-        return min(max_steps, self.decode_steps)
+        k = min(max_steps, self.decode_steps)
+        return max(k - k % self.decode_chunk, min(k, self.decode_chunk))
 
     def _launch_decode(self, max_steps: int | None) -> _Call | None:
         if not self._running:
@@ -968,12 +989,14 @@ class Engine(StepLoop):
         if k == 0:
             return None
         rows = list(self._running)  # planning may have preempted some
+        stochastic = any(s.req.sampling.temperature > 0 for s in rows)
         launched = time.perf_counter()
-        out = self._dispatch_decode(self._decode_inputs(rows, b, k))
+        out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic)
         return _Call(out=out, launched=launched, padded=b * k, rows=rows)
 
     def _collect_decode(self, call: _Call) -> list[Event]:
         (out_t, out_lp), seconds = self._results_of(call)
+        self._decode_time += seconds
         b = out_t.shape[1]
         ran = int(np.count_nonzero((out_t >= 0).any(axis=1)))
         if ran:

@@ -195,7 +195,8 @@ class DataParallelEngine(StepLoop):
             i, _ = self._where.pop(request_id)
             del self._ids[i][local]
 
-    def warmup(self, generate: bool = True, score: bool = False) -> float:
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
+               ) -> float:
         """Compile or load every replica's step programs; return the seconds it took.
 
         Replicas warm up in parallel threads: each replica's programs are compiled for its
@@ -203,7 +204,7 @@ class DataParallelEngine(StepLoop):
         """
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda e: e.warmup(generate, score), self.replicas))
+            list(pool.map(lambda e: e.warmup(generate, score, sampled), self.replicas))
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:
@@ -215,6 +216,7 @@ class DataParallelEngine(StepLoop):
         total["tokens_per_second"] = total["generated_tokens"] / wall if wall else 0.0
         total["step_seconds"] = wall  # in this engine's step(): replicas' steps overlap
         total["device_seconds"] = max(s.device_seconds for s in each)
+        total["decode_seconds"] = max(s.decode_seconds for s in each)
         looked = sum(s.cached_tokens / s.prefix_cache_hit_rate for s in each
                      if s.prefix_cache_hit_rate)
         total["prefix_cache_hit_rate"] = total["cached_tokens"] / looked if looked else 0.0

@@ -6,10 +6,16 @@ Two step functions, both pure (params, pool, ``seen``, plain inputs) -> new stat
   (``model.forward_ragged``), then one sampled token per slot that finished its input.
   With ``score=True`` it also returns, for every packed token, the log-probability of a
   given target token and whether that target is the argmax (scoring requests).
-* ``decode_steps``: up to ``num_steps`` decode iterations inside one ``lax.while_loop``:
-  every row feeds its last token, writes its K/V into pages the host reserved ahead, samples
-  the next token and stops on the device at a stop token, its token limit or the end of its
-  reserved pages. The host syncs once per call, not once per token.
+* ``decode_steps``: up to ``num_steps`` decode iterations on the device: every row feeds
+  its last token, writes its K/V into pages the host reserved ahead, samples the next token
+  and stops on the device at a stop token, its token limit or the end of its reserved pages.
+  The host syncs once per call, not once per token.
+
+XLA:GPU evaluates a data-dependent ``while_loop`` condition or ``cond`` predicate on the host:
+it copies the predicate back and waits for the stream. So the steps avoid them where they can:
+the host picks the greedy or stochastic sampler statically (``stochastic``), and the decode
+loop checks "any row still active?" only every ``chunk`` iterations (an inner loop with a
+static trip count, which XLA runs without reading a predicate).
 
 Shapes come from a few buckets (``token_buckets`` and ``row_buckets``) so a step computes
 about the tokens it has while the number of compiled programs stays fixed.
@@ -138,8 +144,8 @@ def target_logprobs(params: Params, h: jax.Array, targets: jax.Array
     return lp.reshape(-1)[:t], greedy.reshape(-1)[:t]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len", "score"),
-                   donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len", "score",
+                                            "stochastic"), donate_argnums=(1, 2))
 def mixed_step(
     params: Params,
     pool: PagePool,
@@ -151,9 +157,11 @@ def mixed_step(
     dtype: Any,
     max_q_len: int,
     score: bool,
+    stochastic: bool,
 ) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
     """One forward pass over packed tokens, then one sampled token per sampling slot.
 
+    ``stochastic`` (static): some sampling slot has a temperature above 0 (``sample``).
     ``seen [S, V]`` marks each slot's tokens for the repetition penalty (the host loads a
     slot's row with ``load_seen`` when a request that uses the penalty is admitted). Returns
     ``(pool, seen, out)`` with ``out["tokens"], out["logprobs"]`` ``[S]`` (rows of slots
@@ -165,7 +173,7 @@ def mixed_step(
                              inp.cu_q_lens, max_q_len=max_q_len, backend=backend, dtype=dtype)
     k, v = _constrain_pool(k, v)
     logits = lm_head(params, h[inp.last_index])  # [S, V]: only each slot's last token
-    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index)
+    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index, stochastic)
     rows = jnp.arange(tokens.shape[0])
     seen = _replicated(seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples))
     out = {"tokens": tokens, "logprobs": logprobs}
@@ -180,8 +188,8 @@ def load_seen(seen: jax.Array, row: jax.Array, token_ids: jax.Array) -> jax.Arra
     return seen.at[row].set(False).at[row, token_ids].set(True, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_steps"),
-                   donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_steps", "chunk",
+                                            "stochastic"), donate_argnums=(1, 2))
 def decode_steps(
     params: Params,
     pool: PagePool,
@@ -192,12 +200,17 @@ def decode_steps(
     backend: Backend,
     dtype: Any,
     max_steps: int,
+    chunk: int,
+    stochastic: bool,
 ) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
     """Decode up to ``inp.num_steps`` tokens per active row without leaving the device.
 
     Rows are slots ``[0, B)``; ``seen`` is the engine's ``[S, V]`` table (rows ``[0, B)``
     used). A row stops after sampling a stop token (recorded, so the host knows why), after
-    ``remaining`` tokens, or when its next input position reaches ``limit``.
+    ``remaining`` tokens, or when its next input position reaches ``limit``. The loop ends
+    at the first multiple of ``chunk`` (static, dividing ``max_steps``) iterations where no
+    row is active or ``num_steps`` is reached; iterations past a row's stop compute but write
+    nothing. ``stochastic`` (static): some active row has a temperature above 0.
 
     Returns ``(pool, seen, tokens [max_steps, B], logprobs [max_steps, B])``; ``tokens`` is
     -1 where a row was not active at that iteration.
@@ -206,13 +219,8 @@ def decode_steps(
     page_size = pool.page_size
     num_pages = pool.num_pages
     rows = jnp.arange(b)
-    seen_b = seen[:b]
 
-    def keep_going(carry) -> jax.Array:
-        step, active = carry[0], carry[4]
-        return (step < inp.num_steps) & jnp.any(active)
-
-    def body(carry):
+    def iteration(_: Any, carry: tuple) -> tuple:
         step, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t, out_lp = carry
         page = inp.block_tables[rows, jnp.minimum(pos // page_size,
                                                    inp.block_tables.shape[1] - 1)]
@@ -223,7 +231,7 @@ def decode_steps(
             inp.block_tables, kv_lens, jnp.arange(b + 1, dtype=jnp.int32), max_q_len=1,
             backend=backend, dtype=dtype)
         pool_k, pool_v = _constrain_pool(pool_k, pool_v)
-        new, lp = sample(lm_head(params, h), inp.sampling, seen_b, gen)
+        new, lp = sample(lm_head(params, h), inp.sampling, seen_b, gen, stochastic)
         out_t = out_t.at[step].set(jnp.where(active, new, -1))
         out_lp = out_lp.at[step].set(lp)
         seen_b = seen_b.at[rows, new].set(seen_b[rows, new] | active)
@@ -232,13 +240,22 @@ def decode_steps(
         remaining = remaining - active
         gen = gen + active
         tokens = jnp.where(active, new, tokens)
-        active = active & ~stopped & (remaining > 0) & (pos < inp.limit)
+        active = (active & ~stopped & (remaining > 0) & (pos < inp.limit)
+                  & (step + 1 < inp.num_steps))
         return (step + 1, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t,
                 out_lp)
 
-    carry = (jnp.int32(0), pool.k, pool.v, seen_b, inp.active & (inp.remaining > 0),
-             inp.tokens, inp.positions, inp.remaining, inp.gen_index,
-             jnp.full((max_steps, b), -1, jnp.int32), jnp.zeros((max_steps, b), jnp.float32))
-    _, k, v, seen_b, *_, out_t, out_lp = jax.lax.while_loop(keep_going, body, carry)
+    def keep_going(carry: tuple) -> jax.Array:  # read on the host, once per chunk
+        return jnp.any(carry[4])
+
+    def chunk_of_iterations(carry: tuple) -> tuple:  # static trip count: no host read
+        return jax.lax.fori_loop(0, chunk, iteration, carry)
+
+    active = inp.active & (inp.remaining > 0) & (inp.num_steps > 0)
+    carry = (jnp.int32(0), pool.k, pool.v, seen[:b], active, inp.tokens, inp.positions,
+             inp.remaining, inp.gen_index, jnp.full((max_steps, b), -1, jnp.int32),
+             jnp.zeros((max_steps, b), jnp.float32))
+    _, k, v, seen_b, *_, out_t, out_lp = jax.lax.while_loop(keep_going, chunk_of_iterations,
+                                                            carry)
     seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
     return PagePool(k=k, v=v), seen, out_t, out_lp

@@ -186,6 +186,7 @@ def sample(
     s: SamplingArrays,
     seen: jax.Array,
     step: jax.Array,
+    stochastic: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Choose the next token of every sequence.
 
@@ -196,6 +197,11 @@ def sample(
       step: ``[B]`` int32, index of the token being sampled in each sequence; folded into the
         sequence's key, so a request's tokens depend only on its seed and inputs, not on the
         batch it shares.
+      stochastic: a static choice made by the caller, who knows the rows' temperatures:
+        False when every row is greedy skips the vocabulary sort. (A ``lax.cond`` on the
+        temperatures would decide on the device, but XLA:GPU reads such a predicate on the
+        host, stalling the stream once per call.) Rows with temperature 0 are greedy either
+        way, so both variants give the same tokens for an all-greedy batch.
 
     Returns:
       ``(tokens [B] int32, logprobs [B] float32)``: the log-probability is that of the chosen
@@ -203,15 +209,11 @@ def sample(
     """
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     penalised = apply_repetition_penalty(logits, seen, s.repetition_penalty)
-    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
-
-    def stochastic() -> jax.Array:
+    tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    if stochastic:
         filtered = filter_logits(penalised, s)
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.wrap_key_data)(s.keys), step)
         drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-        return jnp.where(s.temperature > 0, drawn, greedy)
-
-    # A batch of only greedy rows skips the vocabulary sort entirely.
-    tokens = jax.lax.cond(jnp.any(s.temperature > 0), stochastic, lambda: greedy)
+        tokens = jnp.where(s.temperature > 0, drawn, tokens)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen

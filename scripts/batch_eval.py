@@ -279,7 +279,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
     engine = engine_for(model)
     # Compile (or load) every step program up front, so the timed run is the steady state.
-    warm_s = engine.warmup(generate=not args.score, score=args.score) if reqs else 0.0
+    sampled = any(r.sampling.temperature > 0 for r in reqs.values())
+    warm_s = (engine.warmup(generate=not args.score, score=args.score, sampled=sampled)
+              if reqs else 0.0)
     rid = {line: engine.add_request(req) for line, req in reqs.items()}
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
              "ttft": [], "tpot": []}

@@ -245,6 +245,7 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
         step_s=s.step_seconds - before.step_seconds,
         device_s=s.device_seconds - before.device_seconds,
+        decode_device_s=s.decode_seconds - before.decode_seconds,
         computed_tokens=computed, padded_tokens=padded,
         padding_fraction=1 - computed / padded if padded else 0.0,
         preemptions=s.num_preemptions - before.num_preemptions,
@@ -295,7 +296,8 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
               "generated (eos sampled); the floor counts the planned ones")
     print(f"  TTFT ms {_fmt_ms(run['ttft_ms'])}   TPOT ms {_fmt_ms(run['tpot_ms'])}")
     print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
-          f"{run['device_s']:.2f} s (the rest is host planning and output handling)")
+          f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in decode calls, the rest "
+          "in mixed steps); the rest is host planning and output handling")
     print(f"  steps {run['steps']} (decode calls {run['decode_calls']}), tokens computed "
           f"{run['computed_tokens']} of {run['padded_tokens']} padded "
           f"({run['padding_fraction']:.1%} padding), preemptions {run['preemptions']}, "

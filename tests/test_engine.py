@@ -186,6 +186,18 @@ def test_multi_step_decode_equals_single_step(model, work200, alone200):
     assert calls[1] > 2 * calls[5]  # five tokens per round trip where nothing intervenes
 
 
+def test_greedy_batches_run_the_greedy_sampler_program(model, work200, alone200):
+    # The host picks the sampler statically: greedy-only steps must never compile (or run)
+    # the sampled variant, whose vocabulary sort costs device time on every step.
+    engine = _engine(model)
+    greedy, _ = _serve(engine, [(p, m, 0) for p, m, _ in work200[:6]])
+    _assert_same(greedy, alone200[:6])
+    programs = engine.stats().num_programs
+    engine.submit(work200[0][0], max_new_tokens=6, temperature=0.8, seed=3)
+    engine.run_until_done()
+    assert engine.stats().num_programs == programs + 2  # its mixed step and decode loop
+
+
 def test_no_token_after_a_stop_token(model, work200, alone200):
     # Stops that fire inside a multi-step decode call: the device keeps no token past them.
     cases = [(p, m, a) for (p, m, _), a in zip(work200, alone200, strict=True)
@@ -238,10 +250,12 @@ def test_chunked_prefill_equals_unchunked(model):
 
 def test_compile_count_fixed_after_warmup(model):
     engine = _engine(model)
-    engine.warmup(score=True)
+    engine.warmup(score=True, sampled=True)
     sizes = (runner.mixed_step._cache_size(), runner.decode_steps._cache_size())
     warm = engine.stats().num_programs
-    assert warm == 2 * len(engine.token_buckets) + len(engine.row_buckets)
+    # greedy and sampled generation, greedy and sampled scoring per token bucket; greedy and
+    # sampled decode loops per row bucket
+    assert warm == 4 * len(engine.token_buckets) + 2 * len(engine.row_buckets)
     for prompt, max_new, _ in _workload(5, 30):  # new lengths, batch sizes, page counts
         engine.submit(prompt, max_new_tokens=max_new, temperature=0.5, seed=1)
     engine.run_until_done()
@@ -264,6 +278,7 @@ def test_metrics(model):
     assert completion.time_to_first_token == pytest.approx(m.time_to_first_token)
     s = engine.stats()
     assert s.tokens_per_second > 0 and s.decode_calls < m.num_generated
+    assert 0 < s.decode_seconds < s.device_seconds <= s.step_seconds  # mixed steps ran too
     assert s.tokens_capacity == 64 * PAGE and s.pages_used == 0 and s.pages_cached > 0
 
 

@@ -157,3 +157,21 @@ def test_request_keys_are_jax_keys_of_their_seed():
         want = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
         np.testing.assert_array_equal(prng_key_data(seed), want)
     assert not np.array_equal(prng_key_data(5), prng_key_data(5 + 2**32))  # 63-bit seeds differ
+
+
+def test_greedy_sampler_equals_the_stochastic_one_on_greedy_rows():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+    seen = jnp.asarray(rng.random((6, 50)) < 0.2)
+    steps = jnp.arange(6, dtype=jnp.int32)
+    greedy_rows = [SamplingParams(seed=i, repetition_penalty=1.5) for i in range(6)]
+    mixed_rows = [SamplingParams(seed=i, temperature=[0, 1.5][i % 2], repetition_penalty=1.5)
+                  for i in range(6)]
+    fast, fast_lp = sample(logits, SamplingArrays.from_params(greedy_rows), seen, steps, False)
+    full, full_lp = sample(logits, SamplingArrays.from_params(greedy_rows), seen, steps, True)
+    mixed, _ = sample(logits, SamplingArrays.from_params(mixed_rows), seen, steps, True)
+    want = np.argmax(apply_repetition_penalty(logits, seen, jnp.full(6, 1.5)), axis=-1)
+    np.testing.assert_array_equal(fast, want)
+    np.testing.assert_array_equal(full, want)
+    np.testing.assert_array_equal(np.asarray(mixed)[::2], want[::2])
+    np.testing.assert_array_equal(fast_lp, full_lp)
