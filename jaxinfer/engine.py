@@ -76,6 +76,9 @@ Event = tuple[int, list[int], bool]  # (request_id, new_token_ids, finished)
 
 _ANNOUNCED: set[tuple[Any, ...]] = set()  # step programs this process was told about
 
+SCHEDULES = ("fcfs", "longest_first")
+"""Admission orders of waiting requests (``Engine(schedule=...)``)."""
+
 CPU_KV_CACHE_BYTES = 128 * 2**20
 """KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
 
@@ -189,6 +192,7 @@ class _Call:
     plan: list[tuple[_Seq, int]] | None = None  # mixed step: tokens per sequence
     score: bool = False  # mixed step: with target log-probabilities
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
+    compiled: bool = False  # XLA compiled the program for this call (its time is not a step's)
 
 
 class StepLoop:
@@ -265,6 +269,12 @@ class Engine(StepLoop):
         bucket's time per iteration and runs ``decode_call_seconds / that`` iterations (at
         least 4, at most ``decode_steps``). Longer calls spread the per-call host work over
         more tokens; shorter ones let new requests in sooner.
+      schedule: order in which waiting requests are admitted. ``"fcfs"``: first come, first
+        served (online serving: no request waits behind later ones). ``"longest_first"``:
+        the largest ``max_new_tokens`` first (stable among equals), for offline batches
+        whose requests are all known: long generations start early and short ones fill the
+        slots they free, so the batch does not end in a long, mostly empty tail of a few
+        long requests. Preempted requests resume first under both.
       chunked_prefill: split long prompts over steps. Without it a prompt is read in one step
         and must fit the token budget.
       prefix_caching: share and cache full pages of equal prefixes.
@@ -289,6 +299,7 @@ class Engine(StepLoop):
         max_seq_len: int | None = None,
         decode_steps: int = 64,
         decode_call_seconds: float = 0.2,
+        schedule: str = "fcfs",
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
         verbose: bool = True,
@@ -302,6 +313,8 @@ class Engine(StepLoop):
             raise InputError(f"page_size={page_size} must be a power of two")
         if decode_steps < 1:
             raise InputError(f"decode_steps={decode_steps} must be >= 1")
+        if schedule not in SCHEDULES:
+            raise InputError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len),
                             ("max_tokens_per_step", max_tokens_per_step)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -346,6 +359,8 @@ class Engine(StepLoop):
         # The loop's output buffer holds whole chunks.
         self._decode_buffer = -(-decode_steps // self.decode_chunk) * self.decode_chunk
         self.decode_call_seconds = decode_call_seconds
+        self.schedule = schedule
+        self._unordered = False  # requests arrived since the waiting queue was last ordered
         self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
                                cfg.max_position_embeddings, capacity)
@@ -429,6 +444,7 @@ class Engine(StepLoop):
             seq.score_greedy = np.zeros(req.num_scored, bool)
         self._seqs[rid] = seq
         self._waiting.append(seq)
+        self._unordered = True
         return rid
 
     def step(self, max_decode_steps: int | None = None) -> list[Event]:
@@ -439,6 +455,7 @@ class Engine(StepLoop):
         uses it to yield sooner); by default it follows ``decode_call_seconds``.
         """
         t0 = time.perf_counter()
+        self._order_waiting()
         call = (self._launch_mixed() if self._prompt_work_pending()
                 else self._launch_decode(max_decode_steps))
         events = [] if call is None else self._collect(call)
@@ -580,6 +597,17 @@ class Engine(StepLoop):
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ scheduling
+    def _order_waiting(self) -> None:
+        """Under ``longest_first``, sort new arrivals into the waiting queue (behind the
+        preempted requests, which resume first)."""
+        if self.schedule == "fcfs" or not self._unordered:
+            return
+        self._unordered = False
+        resumed = [s for s in self._waiting if s.admitted is not None]
+        fresh = sorted((s for s in self._waiting if s.admitted is None),
+                       key=lambda s: 0 if s.req.is_score else -s.req.sampling.max_new_tokens)
+        self._waiting = collections.deque(resumed + fresh)
+
     def _prompt_work_pending(self) -> bool:
         """Whether the next step is a mixed one: a prompt is being read, or waiting requests
         can be admitted. Admissions are batched: with a backlog, the engine keeps decoding
@@ -746,13 +774,17 @@ class Engine(StepLoop):
         self._preemptions += 1
         self._waiting.appendleft(s)
 
+    def _program_key(self, program: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What identifies a compiled step program in this process."""
+        return (*program, self.model.config, self.backend, str(self.model.dtype),
+                self.blocks.num_pages, self.max_batch, self.pages_per_seq, self.decode_steps,
+                self.pool.stacked, self.model.layout)
+
     def _announce(self, program: tuple[Any, ...], what: str) -> None:
         """Count a step program; say on stderr, once per process and shape, that XLA is
         about to compile it (seconds of silence otherwise look like a hang)."""
         self._programs.add(program)
-        key = (*program, self.model.config, self.backend, str(self.model.dtype),
-               self.blocks.num_pages, self.max_batch, self.pages_per_seq, self.decode_steps,
-               self.pool.stacked, self.model.layout)
+        key = self._program_key(program)
         if key not in _ANNOUNCED:
             _ANNOUNCED.add(key)
             if not self._quiet_compiles:
@@ -962,7 +994,7 @@ class Engine(StepLoop):
                          ) -> tuple[jax.Array, jax.Array]:
         """Launch one decode call program (asynchronously); the pool and ``seen`` advance."""
         b = inp.block_tables.shape[0]
-        self._announce(("decode", b, self._stop_width, stochastic),
+        self._announce(self._decode_program(b, stochastic),
                        f"decode loop for {b} rows" + (", sampled" if stochastic else ""))
         with on_mesh(self.mesh):
             self.pool, self._seen, out_t, out_lp = decode_steps(
@@ -970,6 +1002,9 @@ class Engine(StepLoop):
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self._decode_buffer, chunk=self.decode_chunk, stochastic=stochastic)
         return out_t, out_lp
+
+    def _decode_program(self, b: int, stochastic: bool) -> tuple[Any, ...]:
+        return ("decode", b, self._stop_width, stochastic)
 
     def _call_length(self, b: int, max_steps: int | None) -> int:
         """Iterations for a decode call over ``b`` rows: ``decode_call_seconds`` of measured
@@ -990,16 +1025,17 @@ class Engine(StepLoop):
             return None
         rows = list(self._running)  # planning may have preempted some
         stochastic = any(s.req.sampling.temperature > 0 for s in rows)
+        compiled = self._program_key(self._decode_program(b, stochastic)) not in _ANNOUNCED
         launched = time.perf_counter()
         out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic)
-        return _Call(out=out, launched=launched, padded=b * k, rows=rows)
+        return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled)
 
     def _collect_decode(self, call: _Call) -> list[Event]:
         (out_t, out_lp), seconds = self._results_of(call)
         self._decode_time += seconds
         b = out_t.shape[1]
         ran = int(np.count_nonzero((out_t >= 0).any(axis=1)))
-        if ran:
+        if ran and not call.compiled:  # a compile's seconds would shorten later calls
             per = seconds / ran
             self._iteration_s[b] = 0.5 * (self._iteration_s.get(b, per) + per)
         now = time.perf_counter()

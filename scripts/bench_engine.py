@@ -46,6 +46,7 @@ import numpy as np
 import jaxinfer
 from jaxinfer import roofline
 from jaxinfer.benchmark import device_name
+from jaxinfer.engine import SCHEDULES
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +192,8 @@ def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Eng
     gc.collect()  # free the previous run's page pool before this one sizes itself on free memory
     overrides = dict(max_batch=args.max_batch, max_tokens_per_step=args.token_budget,
                      kv_cache_bytes=None if args.kv_bytes is None else int(args.kv_bytes),
-                     decode_steps=args.decode_steps, page_size=args.page_size)
+                     decode_steps=args.decode_steps, page_size=args.page_size,
+                     schedule=args.schedule)
     return jaxinfer.Engine(model, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -334,6 +336,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="page pool bytes (tiny: 4 MiB)")
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--schedule", choices=SCHEDULES, default=None,
+                    help="admission order (Engine(schedule=...)); default fcfs")
     ap.add_argument("--matmul-tflops", type=float, default=None,
                     help="bf16 matmul rate for the floor (default: measured H100 634, H200 790)")
     ap.add_argument("--read-tbps", type=float, default=None,

@@ -198,6 +198,32 @@ def test_greedy_batches_run_the_greedy_sampler_program(model, work200, alone200)
     assert engine.stats().num_programs == programs + 2  # its mixed step and decode loop
 
 
+def test_call_lengths_ignore_a_calls_compile_time(model):
+    # The first decode call of a shape compiles; its seconds must not count as device time
+    # per iteration, or every later call would be cut to the minimum length.
+    engine = _engine(model, num_pages=61, decode_steps=4)  # a pool size no other test uses
+    engine.submit([5, 6, 7], max_new_tokens=12, ignore_eos=True)
+    engine.step()  # prefill
+    engine.step()  # first decode call: compiles
+    assert engine._iteration_s == {}
+    engine.run_until_done()
+    assert list(engine._iteration_s) == [1]  # measured by the later calls
+
+
+def test_longest_first_admits_long_generations_first(model, work200, alone200):
+    work = work200[:10]
+    engine = _engine(model, max_batch=4, schedule="longest_first")
+    ids = [engine.submit(p, max_new_tokens=m) for p, m, _ in work]
+    engine.step()
+    admitted = {i for i in ids if engine.request_metrics(i).queue_time is not None}
+    by_length = sorted(range(10), key=lambda i: -work[i][1])  # stable, like the engine
+    assert admitted == {ids[i] for i in by_length[:4]}
+    engine.run_until_done()
+    _assert_same([engine.result(i) for i in ids], alone200[:10])
+    with pytest.raises(InputError, match="schedule='lifo' must be one of fcfs, longest_first"):
+        _engine(model, schedule="lifo")
+
+
 def test_no_token_after_a_stop_token(model, work200, alone200):
     # Stops that fire inside a multi-step decode call: the device keeps no token past them.
     cases = [(p, m, a) for (p, m, _), a in zip(work200, alone200, strict=True)
