@@ -21,6 +21,7 @@ _EXPORTS = {
     "ConfigError": "jaxinfer.errors",
     "InputError": "jaxinfer.errors",
     "JaxinferError": "jaxinfer.errors",
+    "RequestError": "jaxinfer.errors",
     "compute_logits": "jaxinfer.generate",
     "generate": "jaxinfer.generate",
     "score": "jaxinfer.generate",
@@ -38,15 +39,21 @@ _EXPORTS = {
 
 __all__ = [
     "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "DataParallelEngine",
-    "Engine", "InputError",
-    "JaxinferError", "LlamaConfig", "Model", "SamplingParams", "ScoreResult", "compute_logits",
+    "Engine", "InputError", "JaxinferError", "LlamaConfig", "Model", "RequestError",
+    "SamplingParams", "ScoreResult", "compute_logits",
     "convert", "generate", "load_model", "score", "score_rolling", "stream", "stream_tokens",
 ]
 
 if TYPE_CHECKING:
     from jaxinfer.config import LlamaConfig
     from jaxinfer.engine import Engine
-    from jaxinfer.errors import CheckpointError, ConfigError, InputError, JaxinferError
+    from jaxinfer.errors import (
+        CheckpointError,
+        ConfigError,
+        InputError,
+        JaxinferError,
+        RequestError,
+    )
     from jaxinfer.generate import (
         compute_logits,
         generate,

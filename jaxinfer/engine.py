@@ -352,6 +352,7 @@ class Engine(StepLoop):
             raise InputError(f"max_tokens_per_step={budget} must be >= max_batch={slots} so "
                              "every running sequence can decode each step")
         self.max_batch = slots
+        self.num_pages = num_pages
         self.page_size = page_size
         self.max_tokens = budget
         self.decode_steps = decode_steps
@@ -372,13 +373,9 @@ class Engine(StepLoop):
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
                                            fine=accelerator)
         self.row_buckets = row_buckets(slots)
-        self.blocks = BlockManager(num_pages, page_size, prefix_caching)
-        stacked = pool_is_stacked(model.params, self.backend)
-        pool_sharding = (self._placement if self.mesh is None
-                         else engine_pool_sharding(self.mesh, cfg, stacked))
-        self.pool = PagePool.create(cfg, num_pages, page_size, model.dtype,
-                                    sharding=pool_sharding, stacked=stacked)
-        self._seen = self._put(np.zeros((slots, cfg.vocab_size), bool))
+        self.prefix_caching = prefix_caching
+        self._new_device_state()
+        self._inflight: tuple[str, list[_Seq]] = ("", [])  # the step last launched, its requests
         if verbose:
             mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
                    / model_size)  # per device
@@ -456,9 +453,14 @@ class Engine(StepLoop):
         """
         t0 = time.perf_counter()
         self._order_waiting()
-        call = (self._launch_mixed() if self._prompt_work_pending()
-                else self._launch_decode(max_decode_steps))
-        events = [] if call is None else self._collect(call)
+        try:
+            call = (self._launch_mixed() if self._prompt_work_pending()
+                    else self._launch_decode(max_decode_steps))
+            events = [] if call is None else self._collect(call)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            events = self._out_of_memory(e)
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
@@ -740,6 +742,38 @@ class Engine(StepLoop):
             budget -= n
         self._waiting.extendleft(reversed(deferred))
 
+    def _new_device_state(self) -> None:
+        """An empty page pool (and its block manager) and an empty ``seen`` table."""
+        cfg, dtype = self.model.config, self.model.dtype
+        num_pages = self.num_pages
+        self.blocks = BlockManager(num_pages, self.page_size, self.prefix_caching)
+        stacked = pool_is_stacked(self.model.params, self.backend)
+        sharding = (self._placement if self.mesh is None
+                    else engine_pool_sharding(self.mesh, cfg, stacked))
+        self.pool = PagePool.create(cfg, num_pages, self.page_size, dtype, sharding=sharding,
+                                    stacked=stacked)
+        self._seen = self._put(np.zeros((self.max_batch, cfg.vocab_size), bool))
+
+    def _out_of_memory(self, e: Exception) -> list[Event]:
+        """The device ran out of memory in the step just launched: its requests end with an
+        error naming the step's shape, and their pages are freed. If the failed program had
+        already taken the pool (donated buffers), the pool starts empty and the other running
+        requests recompute their tokens when readmitted."""
+        what, seqs = self._inflight
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        why = (f"the device ran out of memory in the engine's {what} ({first}); give the "
+               "engine a smaller max_tokens_per_step, max_batch or memory_fraction")
+        failed = [s for s in seqs if s in self._running]
+        for s in failed:
+            self._fail(s, why)
+        print(f"jaxinfer: {why}; requests {[s.rid for s in failed]} ended with this error",
+              file=sys.stderr, flush=True)
+        if any(x.is_deleted() for x in jax.tree.leaves((self.pool, self._seen))):
+            for s in list(reversed(self._running)):
+                self._preempt(s)
+            self._new_device_state()
+        return [(s.rid, [], True) for s in failed]
+
     def _put(self, tree: Any) -> Any:
         """Host arrays onto the engine's devices (whole on each device of a mesh)."""
         return jax.device_put(tree, self._placement)
@@ -796,11 +830,24 @@ class Engine(StepLoop):
         self.blocks.free(s.rid)
         heapq.heappush(self._free_slots, s.slot)
         s.slot = -1
+        p = s.progress
         if s.req.is_score:
             self._results[s.rid] = score_result(s.req, s.score_lp, s.score_greedy,
-                                                s.cached_tokens)
-        else:
-            self._results[s.rid] = completion(self.model, s.req, s.progress)
+                                                s.cached_tokens, p.error)
+            return
+        try:
+            self._results[s.rid] = completion(self.model, s.req, p)
+        except Exception as e:  # noqa: BLE001 - e.g. the tokenizer cannot decode the tokens
+            p.reason, p.text = "error", ""
+            p.error = f"building its result raised {type(e).__name__}: {e}"
+            self._results[s.rid] = completion(self.model, s.req, p)
+
+    def _fail(self, s: _Seq, why: str) -> None:
+        """End running request ``s`` with an error result; its slot and pages are freed."""
+        p = s.progress
+        p.finished, p.reason, p.text = True, "error", ""
+        p.error = f"request {s.rid} failed: {why}"
+        self._finish(s)
 
     # ------------------------------------------------------------------ mixed step
     def _sampling(self, rows: int) -> SamplingArrays:
@@ -887,6 +934,7 @@ class Engine(StepLoop):
         t = bucket(sum(n for _, n in plan), self.token_buckets)
         score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
         stochastic = any(s.req.sampling.temperature > 0 for s, _ in plan if not s.req.is_score)
+        self._inflight = (f"mixed step of {t} tokens", [s for s, _ in plan])
         launched = time.perf_counter()
         out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score, stochastic)
         return _Call(out=out, launched=launched, padded=t, plan=plan, score=score)
@@ -941,7 +989,11 @@ class Engine(StepLoop):
             p.t_first = now - s.arrival
         s.last_token, p.t_last = now, now - s.arrival
         s.tokens.extend(tokens)
-        new = add_tokens(self.model, s.req, p, tokens, logprobs)
+        try:
+            new = add_tokens(self.model, s.req, p, tokens, logprobs)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+            self._fail(s, f"its output handling raised {type(e).__name__}: {e}")
+            return s.rid, [], True
         if p.finished:
             self._finish(s)
         return s.rid, new, p.finished
@@ -1026,6 +1078,7 @@ class Engine(StepLoop):
         rows = list(self._running)  # planning may have preempted some
         stochastic = any(s.req.sampling.temperature > 0 for s in rows)
         compiled = self._program_key(self._decode_program(b, stochastic)) not in _ANNOUNCED
+        self._inflight = (f"decode call of {b} rows x {k} iterations", rows)
         launched = time.perf_counter()
         out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic)
         return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled)

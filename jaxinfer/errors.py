@@ -15,3 +15,8 @@ class CheckpointError(JaxinferError):
 
 class InputError(JaxinferError):
     """A prompt or generation request is invalid (empty, too long, bad sampling value)."""
+
+
+class RequestError(RuntimeError):
+    """A request failed while it ran (its output handling raised, or the device ran out of
+    memory in its step); the engine and the other requests went on."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.config import LlamaConfig
-from jaxinfer.errors import InputError
+from jaxinfer.errors import InputError, RequestError
 from jaxinfer.model import Params, forward_ragged, lm_head, pool_is_stacked
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.replicas import engine_for
@@ -63,7 +63,9 @@ def generate(
     cache); each result equals the same request run alone.
 
     Returns:
-      One ``Completion`` per prompt, in order.
+      One ``Completion`` per prompt, in order. A request that failed while it ran (its
+      output handling raised, or the device ran out of memory in its step) has
+      ``finish_reason == "error"`` and says why in ``error``; the others are unaffected.
     """
     requests = make_requests(model, prompts, chat, sampling, sampling_kwargs)
     return run_requests(engine_for(model), requests)
@@ -94,6 +96,7 @@ def stream_tokens(
     """Yield lists of new token ids for one prompt as the device produces them.
 
     ``chunk_steps`` caps the tokens decoded per device round trip while this stream runs.
+    Raises ``RequestError`` at the end if the request failed while it ran.
     """
     if chunk_steps < 1:
         raise InputError(f"chunk_steps={chunk_steps} must be >= 1")
@@ -104,6 +107,7 @@ def stream_tokens(
     engine = engine_for(model)
     rid = engine.add_request(requests[0])
     done = False
+    result = None
     try:
         while not done:
             for i, new, finished in engine.step(max_decode_steps=chunk_steps):
@@ -113,10 +117,12 @@ def stream_tokens(
                         yield new
     finally:  # also when the consumer stops early (the generator is closed) or is interrupted
         if done:
-            engine.result(rid)  # hand the finished result over, then let the engine forget it
+            result = engine.result(rid)  # hand the result over, then let the engine forget it
         else:
             engine.cancel(rid)
         engine.forget(rid)
+    if result is not None and result.error is not None:
+        raise RequestError(result.error)
 
 
 def stream(

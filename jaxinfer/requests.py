@@ -59,16 +59,18 @@ class Completion:
 
     ``token_ids`` are the generated tokens (without the stop token or the tokens of a stop
     string's tail); ``logprobs`` (when asked for) align with them. Times are in seconds from
-    the request's submission.
+    the request's submission. ``finish_reason`` ``"error"``: the request failed while it ran
+    (``error`` says why); the tokens are those it had before the failure.
     """
 
     text: str
     token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "error"]
     prompt_token_ids: list[int]
     time_to_first_token: float
     time_per_output_token: float
     logprobs: list[float] | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -78,7 +80,8 @@ class ScoreResult:
     ``token_logprobs[i]`` is ``log p(continuation[i] | context, continuation[:i])`` under the
     model's raw distribution; ``logprob`` is their sum; ``greedy`` says whether every
     continuation token is the argmax at its position; ``cached_tokens`` counts context
-    tokens whose K/V came from the prefix cache instead of being computed.
+    tokens whose K/V came from the prefix cache instead of being computed. ``error`` is set
+    (and the log-probabilities are NaN) when the request failed while it ran.
     """
 
     token_logprobs: list[float]
@@ -87,6 +90,7 @@ class ScoreResult:
     context_token_ids: list[int]
     continuation_token_ids: list[int]
     cached_tokens: int
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +328,9 @@ class Progress:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False
-    reason: Literal["stop", "length"] = "length"
-    text: str | None = None  # set when a stop string cut the text
+    reason: Literal["stop", "length", "error"] = "length"
+    text: str | None = None  # set when a stop string cut the text (or the request failed)
+    error: str | None = None  # why the request failed (reason "error")
     t_first: float = 0.0
     t_last: float = 0.0
 
@@ -387,15 +392,19 @@ def completion(model: Model, r: Request, p: Progress) -> Completion:
         time_to_first_token=p.t_first,
         time_per_output_token=(p.t_last - p.t_first) / (n - 1) if n > 1 else 0.0,
         logprobs=list(p.logprobs) if r.sampling.logprobs else None,
+        error=p.error,
     )
 
 
 def score_result(r: Request, token_logprobs: np.ndarray, greedy: np.ndarray,
-                 cached_tokens: int) -> ScoreResult:
-    """The ``ScoreResult`` of a finished scoring request from its per-token outputs."""
+                 cached_tokens: int, error: str | None = None) -> ScoreResult:
+    """The ``ScoreResult`` of a finished scoring request from its per-token outputs (NaN
+    log-probabilities when it failed with ``error``)."""
     n = r.num_scored
     ids = list(r.prompt_ids)
+    if error is not None:
+        token_logprobs = np.full(n, np.nan)
     lps = [float(x) for x in token_logprobs]
     return ScoreResult(token_logprobs=lps, logprob=float(np.sum(token_logprobs, dtype=np.float64)),
-                       greedy=bool(np.all(greedy)), context_token_ids=ids[:-n],
-                       continuation_token_ids=ids[-n:], cached_tokens=cached_tokens)
+                       greedy=error is None and bool(np.all(greedy)), context_token_ids=ids[:-n],
+                       continuation_token_ids=ids[-n:], cached_tokens=cached_tokens, error=error)

@@ -213,6 +213,8 @@ def _record(result: Any) -> dict[str, Any]:
     """The output fields of one finished ``Completion`` or ``ScoreResult``."""
     from jaxinfer.requests import ScoreResult
 
+    if result.error is not None:
+        return {"error": result.error}
     if isinstance(result, ScoreResult):
         return {"logprob": result.logprob, "token_logprobs": result.token_logprobs,
                 "num_tokens": len(result.token_logprobs), "greedy": result.greedy,
