@@ -92,6 +92,15 @@ def hf_smollm2(default_gguf: Path, hf_smollm2_tokenizer):
     return hf_smollm2_tokenizer, model
 
 
+class LetterTokenizer:
+    """Token id -> one letter; enough for stop strings and text on id prompts."""
+
+    eos_ids = (2,)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
 def tiny_engine_model(context: int = 256, seed: int = 0, max_batch: int | None = None):
     """A float32 ``jaxinfer.Model`` of random weights (2 layers, GQA 2, head_dim 16, vocab 128,
     no tokenizer) on the reference backend: the engine tests' model."""

@@ -16,7 +16,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
 from jaxinfer.model import init_params
 from jaxinfer.requests import Model, make_score_requests
-from tests.conftest import tiny_engine_model
+from tests.conftest import LetterTokenizer, tiny_engine_model
 
 PAGE = 4
 SLOTS = 8
@@ -423,19 +423,10 @@ def test_engine_needs_no_sizing_arguments(model):
     assert engine.result(rid).token_ids == greedy_oracle(model, [3, 4, 5], 9)
 
 
-class _LetterTokenizer:
-    """Token id -> one letter; enough for stop strings and text on id prompts."""
-
-    eos_ids = (2,)
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-
 def test_stop_strings_and_text_equal_generate(model, work200, alone200):
     import dataclasses
 
-    lettered = dataclasses.replace(model, tokenizer=_LetterTokenizer())
+    lettered = dataclasses.replace(model, tokenizer=LetterTokenizer())
     work = [(p, m) for (p, m, _), a in zip(work200, alone200, strict=True)
             if len(a.token_ids) >= 4][:6]
     engine = _engine(lettered)
