@@ -128,3 +128,12 @@ def test_a_scoring_request_in_a_failed_step_reports_the_error(model, monkeypatch
     (rid,) = [engine.add_request(r) for r in make_score_requests(model, [([3, 4, 5], [6, 7])])]
     (res,) = engine.run([rid])
     assert "ran out of memory" in res.error and np.isnan(res.logprob) and not res.greedy
+
+
+def test_batch_eval_writes_a_failed_request_as_an_error_record(model, monkeypatch):
+    from tests.test_batch_eval import _load_script
+
+    monkeypatch.setattr(engine_module, "add_tokens", lambda *a: 1 / 0)
+    (c,) = jaxinfer.generate(model, [[5, 6, 7]], max_new_tokens=4)
+    assert _load_script()._record(c) == {"error": c.error}
+    assert "ZeroDivisionError" in c.error
