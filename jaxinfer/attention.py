@@ -21,12 +21,16 @@ from pallas_kernels import SUPPORTED_HEAD_DIMS
 Backend = Literal["reference", "pallas", "auto"]
 
 
-def resolve_backend(backend: Backend, head_dim: int) -> Literal["reference", "pallas"]:
+def resolve_backend(backend: Backend, head_dim: int, deterministic: bool = False
+                    ) -> Literal["reference", "pallas"]:
     """Map ``"auto"`` to the best backend for the default JAX platform and head size.
 
     ``"auto"`` picks the Pallas kernels on GPU when they support ``head_dim``; an explicit
     ``"pallas"`` with an unsupported head size is an error rather than a silent fallback.
+    ``deterministic`` (batch-invariant kernels) always takes Pallas (``check_deterministic``).
     """
+    if deterministic:
+        backend = check_deterministic(backend)
     if backend == "auto":
         use = jax.default_backend() == "gpu" and head_dim in SUPPORTED_HEAD_DIMS
         return "pallas" if use else "reference"
@@ -39,6 +43,20 @@ def resolve_backend(backend: Backend, head_dim: int) -> Literal["reference", "pa
     return backend
 
 
+def check_deterministic(backend: str, tensor_parallel: bool = False) -> str:
+    """The attention backend deterministic mode runs (Pallas), or ``InputError`` saying why
+    it cannot run here."""
+    if backend == "reference":
+        raise InputError("deterministic=True runs the Pallas kernels; use backend='auto' or "
+                         "'pallas'")
+    if tensor_parallel:
+        raise InputError("deterministic=True runs on one device per replica; use a mesh with "
+                         "model=1 (data parallel) or no mesh")
+    if jax.default_backend() == "tpu":
+        raise InputError("deterministic=True has no TPU kernels yet; run it on a GPU")
+    return "pallas"
+
+
 def attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -49,6 +67,7 @@ def attention(
     *,
     backend: Literal["reference", "pallas"] = "reference",
     max_q_len: int | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """Ragged paged attention with GQA, causal against the cache, float32 softmax.
 
@@ -65,10 +84,21 @@ def attention(
       max_q_len: static bound on any sequence's query count (default ``T``), passed to the
         Pallas kernel, which sizes its query blocks by it; 1 with one row per sequence (a
         decode-only step) runs the split-K paged decode kernel. The reference ignores it.
+      deterministic: a token's output must not depend on the step around it (Pallas only):
+        the ragged kernel for every step, with the same query block whatever
+        ``max_q_len`` is. (The split-K kernel splits keys by the batch size, and a smaller
+        query block changes the tensor-core tile a decode token is computed in.)
 
     Returns:
       ``[T, H, D]`` like ``q``.
     """
+    if deterministic:
+        if backend != "pallas":
+            raise ValueError("deterministic attention needs the pallas backend")
+        # max_q_len only caps the query block here; 16 keeps the kernel's default block.
+        return pallas_kernels.ragged_attention(q, k_pages, v_pages, block_tables, lengths,
+                                               cu_q_lens, max_q_len=max(max_q_len or 1, 16),
+                                               interpret=jax.default_backend() != "gpu")
     if backend == "pallas" and max_q_len == 1 and q.shape[0] == block_tables.shape[0]:
         # Decode-only step, row s = sequence s: the split-K paged kernel (Flash-Decoding)
         # keeps the GPU busy with few sequences, where the ragged kernel has one program per

@@ -318,6 +318,12 @@ def decode_case(config: LlamaConfig, params: Params, backend: str, batch: int, c
     return DecodeCase(pool, seen, inputs, steps, page_size)
 
 
+def _greedy_loop(max_steps: int) -> dict[str, Any]:
+    """Static arguments of a greedy ``runner.decode_steps`` program of ``max_steps``."""
+    return {"max_steps": max_steps, "chunk": math.gcd(max_steps, runner.DECODE_CHUNK),
+            "stochastic": False}
+
+
 def run_decode(params: Params, config: LlamaConfig, backend: str, case: DecodeCase,
                dtype: Any = jnp.bfloat16) -> jax.Array:
     """One ``runner.decode_steps`` call on ``case``; returns its tokens ``[steps, B]`` (ready).
@@ -328,7 +334,7 @@ def run_decode(params: Params, config: LlamaConfig, backend: str, case: DecodeCa
     """
     case.pool, case.seen, tokens, _ = runner.decode_steps(
         params, case.pool, case.seen, case.inputs, config=config, backend=backend,
-        dtype=dtype, max_steps=case.max_steps)
+        dtype=dtype, **_greedy_loop(case.max_steps))
     return jax.block_until_ready(tokens)
 
 
@@ -365,7 +371,7 @@ def bench_decode(params: Params, config: LlamaConfig, impl: Impl, batch: int, co
         t0 = time.perf_counter()
         compiled = runner.decode_steps.lower(
             params, case.pool, case.seen, case.inputs, config=config, backend=impl.backend,
-            dtype=jnp.bfloat16, max_steps=steps_per_call).compile()
+            dtype=jnp.bfloat16, **_greedy_loop(steps_per_call)).compile()
         compile_s = time.perf_counter() - t0
         row["hlo"] = hlo_census(compiled.as_text())
         row["_hlo_text"] = compiled.as_text()
@@ -415,7 +421,8 @@ def bench_prefill(params: Params, config: LlamaConfig, impl: Impl, prompt_len: i
     def call() -> None:
         pool, seen, out = runner.mixed_step(
             params, holder["pool"], holder["seen"], inputs, config=config,
-            backend=impl.backend, dtype=jnp.bfloat16, max_q_len=prompt_len, score=False)
+            backend=impl.backend, dtype=jnp.bfloat16, max_q_len=prompt_len, score=False,
+            stochastic=False)
         jax.block_until_ready(out["tokens"])
         holder["pool"], holder["seen"] = pool, seen
 

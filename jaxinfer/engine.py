@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfer.attention import resolve_backend
+from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.errors import InputError
 from jaxinfer.model import pool_is_stacked
 from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
@@ -58,6 +58,7 @@ from jaxinfer.requests import (
     score_result,
 )
 from jaxinfer.runner import (
+    DECODE_CHUNK,
     DecodeInputs,
     MixedInputs,
     bucket,
@@ -81,11 +82,6 @@ SCHEDULES = ("fcfs", "longest_first")
 
 CPU_KV_CACHE_BYTES = 128 * 2**20
 """KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
-
-DECODE_CHUNK = 4
-"""Decode iterations between two "is any row still active?" checks (``runner.decode_steps``):
-each check costs a host read of a device flag; a call whose rows all stop runs at most
-``DECODE_CHUNK - 1`` idle iterations."""
 
 
 def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
@@ -367,7 +363,9 @@ class Engine(StepLoop):
                                cfg.max_position_embeddings, capacity)
         self.pages_per_seq = math.ceil(self.max_seq_len / page_size)
         self.chunked_prefill = chunked_prefill
-        self.backend = resolve_backend(model.backend, cfg.head_dim)
+        if model.deterministic:
+            check_deterministic(model.backend, model_size > 1)
+        self.backend = resolve_backend(model.backend, cfg.head_dim, model.deterministic)
         # Fine buckets where padding costs device time; powers of two on CPU, where compile
         # time dominates.
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
@@ -812,7 +810,7 @@ class Engine(StepLoop):
         """What identifies a compiled step program in this process."""
         return (*program, self.model.config, self.backend, str(self.model.dtype),
                 self.blocks.num_pages, self.max_batch, self.pages_per_seq, self.decode_steps,
-                self.pool.stacked, self.model.layout)
+                self.pool.stacked, self.model.layout, self.model.deterministic)
 
     def _announce(self, program: tuple[Any, ...], what: str) -> None:
         """Count a step program; say on stderr, once per process and shape, that XLA is
@@ -921,7 +919,8 @@ class Engine(StepLoop):
             self.pool, self._seen, out = mixed_step(
                 self.model.params, self.pool, self._seen, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
-                max_q_len=t, score=score, stochastic=stochastic)
+                max_q_len=t, score=score, stochastic=stochastic,
+                deterministic=self.model.deterministic)
         return out
 
     def _launch_mixed(self) -> _Call | None:
@@ -1052,7 +1051,8 @@ class Engine(StepLoop):
             self.pool, self._seen, out_t, out_lp = decode_steps(
                 self.model.params, self.pool, self._seen, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
-                max_steps=self._decode_buffer, chunk=self.decode_chunk, stochastic=stochastic)
+                max_steps=self._decode_buffer, chunk=self.decode_chunk, stochastic=stochastic,
+                deterministic=self.model.deterministic)
         return out_t, out_lp
 
     def _decode_program(self, b: int, stochastic: bool) -> tuple[Any, ...]:

@@ -210,10 +210,11 @@ def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | 
                        cached_tokens=sum(p.cached_tokens for p in parts))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "page_size"))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "page_size",
+                                            "deterministic"))
 def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
-                     config: LlamaConfig, backend: str, dtype: Any, page_size: int
-                     ) -> jax.Array:
+                     config: LlamaConfig, backend: str, dtype: Any, page_size: int,
+                     deterministic: bool) -> jax.Array:
     """Float32 logits ``[T, V]`` of one sequence ``tokens [T]`` (``length`` real tokens),
     through the engine's forward pass over a private pool of ``T / page_size`` pages."""
     t = tokens.shape[0]
@@ -225,8 +226,8 @@ def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
                              jnp.where(pos < length, pos // page_size, pages), pos % page_size,
                              jnp.arange(pages, dtype=jnp.int32)[None], length[None],
                              jnp.stack([0, length]).astype(jnp.int32), backend=backend,
-                             dtype=dtype)
-    return lm_head(params, h)
+                             dtype=dtype, deterministic=deterministic)
+    return lm_head(params, h, deterministic)
 
 
 def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
@@ -244,6 +245,7 @@ def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     with on_mesh(model.mesh):
         logits = _sequence_logits(model.params, *put_replicated(model.mesh, (
             tokens, np.int32(len(ids)))), config=cfg,
-            backend=resolve_backend(model.backend, cfg.head_dim), dtype=model.dtype,
-            page_size=_LOGITS_BUCKET)
+            backend=resolve_backend(model.backend, cfg.head_dim, model.deterministic),
+            dtype=model.dtype,
+            page_size=_LOGITS_BUCKET, deterministic=model.deterministic)
     return to_host(logits)[: len(ids)].astype(np.float32)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import resolve_backend
+from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
@@ -88,6 +88,7 @@ def load_model(
     shardings: Any = None,
     mesh: Any = None,
     layout: str = "auto",
+    deterministic: bool = False,
 ) -> Model:
     """Load a model for ``generate``.
 
@@ -122,12 +123,20 @@ def load_model(
         the split weights are fused per shard (``model.fuse_columns``). The stored arrays
         are converted one weight kind at a time and freed as they go, so a device never
         holds two copies of its weights.
+      deterministic: batch-invariant kernels, so a request gives bit-identical tokens and
+        log-probabilities (bf16 included) whatever else is in the batch, its position in it
+        and the step's padding: matmuls through ``pallas_kernels.matmul`` (fixed tiles),
+        attention through the ragged Pallas kernel with one query block size. Slower
+        (bench/NOTES.md measures it); one device per replica (no tensor parallelism), GPU
+        (or CPU, in the Pallas interpreter: for tests), not TPU.
     """
     jdtype = _parse_dtype(dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
+    if deterministic:
+        backend = check_deterministic(backend, split)
     if split:
         from sharding.rules import shard_params, stored_shardings
 
@@ -155,7 +164,8 @@ def load_model(
         # The loaded arrays are ours alone, so the layout may consume them (donate=True).
         params = apply_layout(params, layout, place=lambda a: _place(a, jdtype), donate=True)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
-                 name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh)
+                 name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
+                 deterministic=deterministic)
 
 
 def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jaxinfer.config import LlamaConfig
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
 from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
@@ -69,40 +70,49 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def _dense(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
+    """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
+    (a row's result does not depend on the other rows), else XLA's GEMM."""
+    if deterministic:
+        interpret = jax.default_backend() != "gpu"
+        out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
+        return out.reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
-def _dense_fused(x: jax.Array, w: jax.Array) -> jax.Array:
+def _dense_fused(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
     if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
-        return _dense(x, w[:, 0])[..., None, :]
+        return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
 
 
-def _qkv(x: jax.Array, lp: Params, c: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _qkv(x: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
     b, t = x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     if "wqkv" in lp:
-        qkv = _dense_fused(x, lp["wqkv"])  # [B, T, shards, (nq + 2 nkv) / shards]
+        qkv = _dense_fused(x, lp["wqkv"], deterministic)  # [B, T, shards, (nq+2nkv)/shards]
         nq, nkv = nq // qkv.shape[-2], nkv // qkv.shape[-2]
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
-        q, k, v = _dense(x, lp["wq"]), _dense(x, lp["wk"]), _dense(x, lp["wv"])
+        q, k, v = (_dense(x, lp["wq"], deterministic), _dense(x, lp["wk"], deterministic),
+                   _dense(x, lp["wv"], deterministic))
     return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
             v.reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
-def _gated_mlp(x: jax.Array, lp: Params) -> jax.Array:
+def _gated_mlp(x: jax.Array, lp: Params, deterministic: bool = False) -> jax.Array:
     """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``."""
     if "w_gate_up" in lp:
-        gu = _dense_fused(x, lp["w_gate_up"])  # [B, T, shards, 2 I / shards]
+        gu = _dense_fused(x, lp["w_gate_up"], deterministic)  # [B, T, shards, 2 I / shards]
         f = gu.shape[-1] // 2
         act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
         return act.reshape(*act.shape[:-2], -1)  # shard-major columns: w_down's row order
-    return jax.nn.silu(_dense(x, lp["w_gate"])) * _dense(x, lp["w_up"])
+    return (jax.nn.silu(_dense(x, lp["w_gate"], deterministic))
+            * _dense(x, lp["w_up"], deterministic))
 
 
 LAYOUTS = ("auto", "stacked", "fast")
@@ -276,8 +286,16 @@ def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = 
                           shards=shards)
 
 
-def lm_head(params: Params, h: jax.Array) -> jax.Array:
-    """Logits ``[..., vocab]`` float32 from final hidden states ``[..., hidden]``."""
+def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Array:
+    """Logits ``[..., vocab]`` float32 from final hidden states ``[..., hidden]``
+    (``deterministic``: the batch-invariant matmul, see ``_dense``)."""
+    if deterministic:
+        tied = "lm_head" not in params
+        w = params["embed"] if tied else params["lm_head"]
+        logits = pallas_kernels.matmul(h.reshape(-1, h.shape[-1]), w, transpose_w=tied,
+                                       out_dtype=jnp.float32,
+                                       interpret=jax.default_backend() != "gpu")
+        return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),
@@ -331,19 +349,21 @@ def decoder_layer(
     *,
     max_q_len: int | None,
     backend: Literal["reference", "pallas"],
+    deterministic: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The one layer body: ``h [1, T, hidden]`` -> ``h``, K/V written to pages, attended.
 
     A pure function of the layer's weights ``lp`` and its inputs. ``k_pages``/``v_pages``
     and ``layer`` as in ``_write_kv``; ``batch`` holds the packed step's ``write_pages``,
     ``write_offsets`` ``[T]``, ``block_tables [S, P]``, ``kv_lens [S]``, ``cu_q_lens
-    [S + 1]``. Returns ``(h, k_pages, v_pages)``.
+    [S + 1]``. ``deterministic``: batch-invariant matmuls and attention (``load_model``).
+    Returns ``(h, k_pages, v_pages)``.
     """
     c = config
     t = h.shape[1]
     inv_freq = rope_inv_freq(config)
     x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-    q, k, v = _qkv(x, lp, c)
+    q, k, v = _qkv(x, lp, c, deterministic)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     # Scatter first, then attend: a chunk's queries see its own keys through the pages.
@@ -353,10 +373,12 @@ def decoder_layer(
     v_l = v_pages if layer is None else v_pages[layer]
     # Per model shard under a mesh (shard_map); plain ``attention`` on one device.
     attn = mesh_ragged_attention(q[0], k_l, v_l, batch["kv_lens"], batch["block_tables"],
-                                 batch["cu_q_lens"], backend=backend, max_q_len=max_q_len)
-    h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"])
+                                 batch["cu_q_lens"], backend=backend, max_q_len=max_q_len,
+                                 deterministic=deterministic)
+    h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
-    return h + _dense(_gated_mlp(x, lp), lp["w_down"]), k_pages, v_pages
+    return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),
+            k_pages, v_pages)
 
 
 def forward_ragged(
@@ -375,6 +397,7 @@ def forward_ragged(
     max_q_len: int | None = None,
     backend: Literal["reference", "pallas"] = "reference",
     dtype: Any = jnp.bfloat16,
+    deterministic: bool = False,
 ) -> tuple[jax.Array, Any, Any]:
     """Decoder over a packed mix of prefill chunks and decode tokens, K/V in a page pool.
 
@@ -394,6 +417,8 @@ def forward_ragged(
         including this step's tokens; cu_q_lens ``[S + 1]`` cumulative token counts.
       max_q_len: static bound on any sequence's token count this step (the attention kernel
         skips query blocks past it); None means ``T``.
+      deterministic: batch-invariant matmuls and attention: a token's hidden states do not
+        depend on the other tokens of the step, its position in it, or the step's shape.
 
     Returns:
       ``(hidden [T, hidden] after the final norm, k_pages, v_pages)``.
@@ -403,7 +428,7 @@ def forward_ragged(
     pos = positions[None]
     batch = {"write_pages": write_pages, "write_offsets": write_offsets,
              "block_tables": block_tables, "kv_lens": kv_lens, "cu_q_lens": cu_q_lens}
-    kw = {"max_q_len": max_q_len, "backend": backend}
+    kw = {"max_q_len": max_q_len, "backend": backend, "deterministic": deterministic}
     layers = params["layers"]
     if isinstance(k_pages, list | tuple):
         k_out, v_out = list(k_pages), list(v_pages)

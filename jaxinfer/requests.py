@@ -44,6 +44,8 @@ class Model:
     max_batch: int | None = None
     # jax.sharding.Mesh from sharding.make_mesh when the params are sharded (load_model(mesh=)).
     mesh: Any = None
+    # Batch-invariant kernels: a request's tokens do not depend on the batch (load_model).
+    deterministic: bool = False
     # The jaxinfer.Engine serving this model's requests, made on first use (engine_for).
     engine: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 

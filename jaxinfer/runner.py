@@ -39,6 +39,11 @@ from sharding.rules import engine_pool_spec
 Backend = Literal["reference", "pallas"]
 _SCORE_CHUNK = 512  # rows of scoring logits materialised at once ([rows, vocab] float32)
 
+DECODE_CHUNK = 4
+"""Decode iterations between two "is any row still active?" checks (``decode_steps``): each
+check costs a host read of a device flag; a call whose rows all stop runs at most
+``DECODE_CHUNK - 1`` idle iterations."""
+
 
 def token_buckets(max_tokens: int, smallest: int, fine: bool = True) -> tuple[int, ...]:
     """Packed-token counts a mixed step is padded to: powers of two ``n`` from ``smallest``
@@ -117,8 +122,8 @@ def _replicated(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
-def target_logprobs(params: Params, h: jax.Array, targets: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
+def target_logprobs(params: Params, h: jax.Array, targets: jax.Array,
+                    deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
     """Log-probability of ``targets [T]`` after hidden states ``h [T, hidden]``, and whether
     each target is the argmax; rows with target -1 give 0 / True.
 
@@ -132,7 +137,7 @@ def target_logprobs(params: Params, h: jax.Array, targets: jax.Array
 
     def one(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, tc = xs
-        logits = lm_head(params, hc)  # [chunk, V] float32
+        logits = lm_head(params, hc, deterministic)  # [chunk, V] float32
         lse = jax.nn.logsumexp(logits, axis=-1)
         safe = jnp.maximum(tc, 0)
         picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
@@ -145,7 +150,8 @@ def target_logprobs(params: Params, h: jax.Array, targets: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len", "score",
-                                            "stochastic"), donate_argnums=(1, 2))
+                                            "stochastic", "deterministic"),
+                   donate_argnums=(1, 2))
 def mixed_step(
     params: Params,
     pool: PagePool,
@@ -158,10 +164,12 @@ def mixed_step(
     max_q_len: int,
     score: bool,
     stochastic: bool,
+    deterministic: bool = False,
 ) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
     """One forward pass over packed tokens, then one sampled token per sampling slot.
 
     ``stochastic`` (static): some sampling slot has a temperature above 0 (``sample``).
+    ``deterministic`` (static): batch-invariant kernels (``forward_ragged``).
     ``seen [S, V]`` marks each slot's tokens for the repetition penalty (the host loads a
     slot's row with ``load_seen`` when a request that uses the penalty is admitted). Returns
     ``(pool, seen, out)`` with ``out["tokens"], out["logprobs"]`` ``[S]`` (rows of slots
@@ -170,15 +178,17 @@ def mixed_step(
     """
     h, k, v = forward_ragged(params, config, inp.tokens, inp.positions, pool.k, pool.v,
                              inp.write_pages, inp.write_offsets, inp.block_tables, inp.kv_lens,
-                             inp.cu_q_lens, max_q_len=max_q_len, backend=backend, dtype=dtype)
+                             inp.cu_q_lens, max_q_len=max_q_len, backend=backend, dtype=dtype,
+                             deterministic=deterministic)
     k, v = _constrain_pool(k, v)
-    logits = lm_head(params, h[inp.last_index])  # [S, V]: only each slot's last token
+    logits = lm_head(params, h[inp.last_index], deterministic)  # [S, V]: each slot's last token
     tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index, stochastic)
     rows = jnp.arange(tokens.shape[0])
     seen = _replicated(seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples))
     out = {"tokens": tokens, "logprobs": logprobs}
     if score:
-        out["target_logprobs"], out["target_greedy"] = target_logprobs(params, h, inp.targets)
+        out["target_logprobs"], out["target_greedy"] = target_logprobs(params, h, inp.targets,
+                                                                       deterministic)
     return PagePool(k=k, v=v), seen, out
 
 
@@ -189,7 +199,8 @@ def load_seen(seen: jax.Array, row: jax.Array, token_ids: jax.Array) -> jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_steps", "chunk",
-                                            "stochastic"), donate_argnums=(1, 2))
+                                            "stochastic", "deterministic"),
+                   donate_argnums=(1, 2))
 def decode_steps(
     params: Params,
     pool: PagePool,
@@ -202,6 +213,7 @@ def decode_steps(
     max_steps: int,
     chunk: int,
     stochastic: bool,
+    deterministic: bool = False,
 ) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
     """Decode up to ``inp.num_steps`` tokens per active row without leaving the device.
 
@@ -210,11 +222,14 @@ def decode_steps(
     ``remaining`` tokens, or when its next input position reaches ``limit``. The loop ends
     at the first multiple of ``chunk`` (static, dividing ``max_steps``) iterations where no
     row is active or ``num_steps`` is reached; iterations past a row's stop compute but write
-    nothing. ``stochastic`` (static): some active row has a temperature above 0.
+    nothing. ``stochastic`` (static): some active row has a temperature above 0;
+    ``deterministic`` (static): batch-invariant kernels (``forward_ragged``).
 
     Returns ``(pool, seen, tokens [max_steps, B], logprobs [max_steps, B])``; ``tokens`` is
     -1 where a row was not active at that iteration.
     """
+    if max_steps % chunk:
+        raise ValueError(f"max_steps={max_steps} must be a multiple of chunk={chunk}")
     b = inp.tokens.shape[0]
     page_size = pool.page_size
     num_pages = pool.num_pages
@@ -229,9 +244,10 @@ def decode_steps(
         h, pool_k, pool_v = forward_ragged(
             params, config, tokens, pos, pool_k, pool_v, write_pages, pos % page_size,
             inp.block_tables, kv_lens, jnp.arange(b + 1, dtype=jnp.int32), max_q_len=1,
-            backend=backend, dtype=dtype)
+            backend=backend, dtype=dtype, deterministic=deterministic)
         pool_k, pool_v = _constrain_pool(pool_k, pool_v)
-        new, lp = sample(lm_head(params, h), inp.sampling, seen_b, gen, stochastic)
+        new, lp = sample(lm_head(params, h, deterministic), inp.sampling, seen_b, gen,
+                         stochastic)
         out_t = out_t.at[step].set(jnp.where(active, new, -1))
         out_lp = out_lp.at[step].set(lp)
         seen_b = seen_b.at[rows, new].set(seen_b[rows, new] | active)

@@ -1,4 +1,5 @@
-"""Pallas attention kernels for jaxinfer (GPU Triton + TPU Mosaic), each with a jnp reference."""
+"""Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic)
+and the batch-invariant matmul of deterministic mode (GPU Triton)."""
 
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS
 from pallas_kernels.decode_attention import (
@@ -8,6 +9,7 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.matmul import matmul, matmul_reference
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
@@ -19,6 +21,8 @@ __all__ = [
     "decode_attention_reference",
     "flash_attention",
     "flash_attention_reference",
+    "matmul",
+    "matmul_reference",
     "paged_attention",
     "paged_attention_reference",
     "ragged_attention",

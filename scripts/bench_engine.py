@@ -174,7 +174,7 @@ def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
 
 
 def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: str,
-                seed: int) -> jaxinfer.Model:
+                seed: int, deterministic: bool = False) -> jaxinfer.Model:
     """Random bf16 weights of ``cfg``'s shapes, made on the default device, in ``layout``.
 
     ``init_params`` draws each weight on the device; ``apply_layout(donate=True)`` frees each
@@ -184,7 +184,7 @@ def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: st
     params = init_params(cfg, jax.random.PRNGKey(seed), jnp.bfloat16)
     params = apply_layout(params, layout, donate=True)
     return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.bfloat16,
-                          name=preset, backend=backend)
+                          name=preset, backend=backend, deterministic=deterministic)
 
 
 def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Engine:
@@ -336,6 +336,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="page pool bytes (tiny: 4 MiB)")
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant kernels (load_model(deterministic=True))")
     ap.add_argument("--schedule", choices=SCHEDULES, default=None,
                     help="admission order (Engine(schedule=...)); default fcfs")
     ap.add_argument("--matmul-tflops", type=float, default=None,
@@ -374,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out_path = json_path(args.json, args.preset, now.strftime("%Y%m%d")) if args.json else None
     command = " ".join(["python", *(sys.argv if argv is None else ["scripts/bench_engine.py",
                                                                   *argv])])
-    model = build_model(cfg, args.preset, args.layout, args.backend, args.seed)
+    model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
+                        args.deterministic)
     record: dict[str, Any] = dict(
         date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
         command=command, preset=args.preset, layout=model.layout, dtype="bfloat16",

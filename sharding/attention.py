@@ -54,6 +54,7 @@ def mesh_ragged_attention(
     backend: Literal["reference", "pallas"] = "reference",
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
     max_q_len: int | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """Ragged paged attention (the engine's), per ``model`` shard inside ``shard_map``.
 
@@ -66,12 +67,14 @@ def mesh_ragged_attention(
       mesh: defaults to the context mesh; without one this is plain ``attention``.
       max_q_len: static bound on any sequence's query count, for the Pallas kernel's
         query blocks (see ``attention``); None means the token count.
+      deterministic: batch-invariant kernel choice (see ``attention``).
 
     Both backends run per shard under a mesh: every shard attends with its own heads over
     the same block tables, so the result is exact and needs no communication, and GSPMD
     never sees the page gather (or the Pallas custom call it cannot split).
     """
-    fn = functools.partial(attention, backend=backend, max_q_len=max_q_len)
+    fn = functools.partial(attention, backend=backend, max_q_len=max_q_len,
+                           deterministic=deterministic)
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)

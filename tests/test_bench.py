@@ -123,7 +123,7 @@ def test_timed_decode_produces_the_greedy_tokens(fuse, unstack, backend):
     inp = benchmark.prefill_inputs(prompts, tables, ps)
     case.pool, case.seen, out = runner.mixed_step(
         prepared, case.pool, case.seen, inp, config=TINY, backend=backend, dtype=jnp.float32,
-        max_q_len=context, score=False)
+        max_q_len=context, score=False, stochastic=False)
     first = [int(np.argmax(compute_logits(model, p.tolist())[-1])) for p in prompts]
     assert np.asarray(out["tokens"]).tolist() == first  # the prefill step samples greedily
     feed = np.asarray(case.inputs.tokens)

@@ -1,0 +1,100 @@
+"""Batch-invariant matmul: every output row depends only on its own input row.
+
+A library GEMM picks its algorithm (tile sizes, split-K) from the shapes, so the same row of
+``x @ w`` can round differently when the batch around it has another size, and bf16 greedy
+decoding then flips a near-tie. This kernel fixes the tiling: each program computes a
+``BLOCK_M x BLOCK_N`` tile by walking K in ``BLOCK_K`` steps, in order, with float32
+accumulation, whatever ``M`` is. Rows are padded to a multiple of ``BLOCK_M``; padding never
+mixes into a real row. What it costs is recorded in bench/NOTES.md (deterministic mode).
+
+GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
+
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
+                     out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``x [M, K] @ w [K, N]`` (``w [N, K]`` with ``transpose_w``) with float32 accumulation,
+    in ``out_dtype`` (default ``x.dtype``)."""
+    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+    out = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or x.dtype)
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, k_blocks: int, transpose_w: bool) -> None:
+    def body(i, acc):
+        x = x_ref[:, pl.ds(i * BLOCK_K, BLOCK_K)]  # [BLOCK_M, BLOCK_K]
+        if transpose_w:
+            w = w_ref[:, pl.ds(i * BLOCK_K, BLOCK_K)]  # [BLOCK_N, BLOCK_K]
+            dims = (((1,), (1,)), ((), ()))
+        else:
+            w = w_ref[pl.ds(i * BLOCK_K, BLOCK_K), :]  # [BLOCK_K, BLOCK_N]
+            dims = (((1,), (0,)), ((), ()))
+        return acc + lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "interpret"))
+def _matmul_jit(x, w, *, transpose_w, out_dtype, interpret):
+    m, k = x.shape
+    n = w.shape[0] if transpose_w else w.shape[1]
+    mp, np_, kp = (cdiv(m, BLOCK_M) * BLOCK_M, cdiv(n, BLOCK_N) * BLOCK_N,
+                   cdiv(k, BLOCK_K) * BLOCK_K)
+    # Zero padding: padded K terms add exact zeros, padded rows/columns are sliced off.
+    xp = jnp.pad(x, ((0, mp - m), (0, kp - k)))
+    w = w.astype(x.dtype)
+    if transpose_w:
+        wp = jnp.pad(w, ((0, np_ - n), (0, kp - k)))
+        w_spec = pl.BlockSpec((BLOCK_N, kp), lambda i, j: (j, 0))
+    else:
+        wp = jnp.pad(w, ((0, kp - k), (0, np_ - n)))
+        w_spec = pl.BlockSpec((kp, BLOCK_N), lambda i, j: (0, j))
+    out = pl.pallas_call(
+        functools.partial(_matmul_kernel, k_blocks=kp // BLOCK_K, transpose_w=transpose_w),
+        grid=(mp // BLOCK_M, np_ // BLOCK_N),
+        in_specs=[pl.BlockSpec((BLOCK_M, kp), lambda i, j: (i, 0)), w_spec],
+        out_specs=pl.BlockSpec((BLOCK_M, BLOCK_N), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        compiler_params=gpu_params(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="jaxinfer_invariant_matmul",
+    )(xp, wp)
+    return out[:m, :n]
+
+
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
+           out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
+    """Batch-invariant ``x [M, K] @ w [K, N]`` (``w [N, K]`` with ``transpose_w``).
+
+    Args:
+      x: ``[M, K]`` bfloat16/float16/float32; ``w`` is cast to its dtype.
+      transpose_w: ``w`` is ``[N, K]`` (a tied embedding used as the output head).
+      out_dtype: result dtype (default ``x.dtype``); accumulation is always float32.
+      interpret: run in the Pallas interpreter (CPU tests).
+
+    Returns:
+      ``[M, N]``; row ``i`` is bit-identical for any ``M`` and any other rows.
+    """
+    check(x.ndim == 2 and w.ndim == 2, f"matmul takes 2-D operands, got {x.shape} @ {w.shape}")
+    k_w = w.shape[1] if transpose_w else w.shape[0]
+    check(x.shape[1] == k_w, f"contraction mismatch: x {x.shape} vs w {w.shape}"
+          + (" (transposed)" if transpose_w else ""))
+    check_dtype("x", x)
+    return _matmul_jit(x, w, transpose_w=transpose_w, out_dtype=jnp.dtype(out_dtype or x.dtype),
+                       interpret=interpret)

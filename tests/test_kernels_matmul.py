@@ -1,0 +1,46 @@
+"""pallas_kernels.matmul (Pallas interpreter on CPU) against its reference, and its point:
+a row's result does not depend on the batch around it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matmul import matmul, matmul_reference
+
+
+@pytest.mark.parametrize("m, k, n, transpose_w, dtype", [
+    (1, 64, 64, False, jnp.float32), (5, 100, 70, False, jnp.float32),
+    (130, 64, 128, True, jnp.float32), (7, 96, 200, False, jnp.bfloat16),
+    (3, 80, 50, True, jnp.bfloat16)])
+def test_matmul_equals_reference(m, k, n, transpose_w, dtype):
+    kx, kw = jax.random.split(jax.random.PRNGKey(m * k + n))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = jax.random.normal(kw, (n, k) if transpose_w else (k, n), jnp.float32).astype(dtype)
+    got = matmul(x, w, transpose_w=transpose_w, out_dtype=jnp.float32, interpret=True)
+    want = matmul_reference(x, w, transpose_w=transpose_w, out_dtype=jnp.float32)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == jnp.float32 else 1e-2,
+                               atol=1e-4 if dtype == jnp.float32 else 5e-2)
+
+
+def test_a_row_is_bit_identical_whatever_the_batch():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(150, 192)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(192, 96)), jnp.bfloat16)
+    full = np.asarray(matmul(x, w, interpret=True).astype(jnp.float32))
+    for rows in ([0], [3, 77], list(range(64, 130)), [149, 0, 5]):
+        alone = matmul(x[jnp.asarray(rows)], w, interpret=True).astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(alone), full[rows])
+    noise = x.at[1:].set(jnp.asarray(rng.normal(size=(149, 192)) * 1e3, jnp.bfloat16))
+    np.testing.assert_array_equal(
+        np.asarray(matmul(noise, w, interpret=True)[0].astype(jnp.float32)), full[0])
+
+
+def test_bad_shapes_are_one_line_errors():
+    with pytest.raises(ValueError, match="contraction mismatch"):
+        matmul(jnp.zeros((2, 3)), jnp.zeros((4, 5)), interpret=True)
+    with pytest.raises(ValueError, match="2-D"):
+        matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)), interpret=True)
