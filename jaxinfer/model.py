@@ -35,10 +35,18 @@ from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-
 from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm with float32 statistics, result in ``x.dtype`` (HF Llama's order of casts)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, deterministic: bool = False
+             ) -> jax.Array:
+    """RMSNorm with float32 statistics, result in ``x.dtype`` (HF Llama's order of casts);
+    ``deterministic``: the mean square through the batch-invariant ``row_sum`` kernel."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if deterministic:
+        sq = (x32 * x32).reshape(-1, x.shape[-1])
+        total = pallas_kernels.row_sum(sq, interpret=jax.default_backend() != "gpu")
+        mean_sq = (total / x.shape[-1]).reshape(*x.shape[:-1], 1)
+    else:
+        mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(mean_sq + eps)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
@@ -362,7 +370,7 @@ def decoder_layer(
     c = config
     t = h.shape[1]
     inv_freq = rope_inv_freq(config)
-    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps, deterministic)
     q, k, v = _qkv(x, lp, c, deterministic)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
@@ -376,7 +384,7 @@ def decoder_layer(
                                  batch["cu_q_lens"], backend=backend, max_q_len=max_q_len,
                                  deterministic=deterministic)
     h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
-    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps)
+    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
     return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),
             k_pages, v_pages)
 
@@ -445,4 +453,5 @@ def forward_ragged(
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
         (h, k_pages, v_pages), _ = jax.lax.scan(body, (h, k_pages, v_pages),
                                                 (layers, layer_ids))
-    return rms_norm(h[0], params["final_norm"], c.rms_norm_eps), k_pages, v_pages
+    return (rms_norm(h[0], params["final_norm"], c.rms_norm_eps, deterministic), k_pages,
+            v_pages)

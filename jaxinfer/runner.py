@@ -33,7 +33,7 @@ from flax import struct
 from jaxinfer.config import LlamaConfig
 from jaxinfer.model import Params, forward_ragged, lm_head
 from jaxinfer.paged_cache import PagePool
-from jaxinfer.sampling import SamplingArrays, sample
+from jaxinfer.sampling import SamplingArrays, logsumexp_rows, sample
 from sharding.rules import engine_pool_spec
 
 Backend = Literal["reference", "pallas"]
@@ -138,7 +138,7 @@ def target_logprobs(params: Params, h: jax.Array, targets: jax.Array,
     def one(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, tc = xs
         logits = lm_head(params, hc, deterministic)  # [chunk, V] float32
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        lse = logsumexp_rows(logits, deterministic)
         safe = jnp.maximum(tc, 0)
         picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
         greedy = jnp.argmax(logits, axis=-1) == safe
@@ -182,7 +182,8 @@ def mixed_step(
                              deterministic=deterministic)
     k, v = _constrain_pool(k, v)
     logits = lm_head(params, h[inp.last_index], deterministic)  # [S, V]: each slot's last token
-    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index, stochastic)
+    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index, stochastic,
+                              deterministic)
     rows = jnp.arange(tokens.shape[0])
     seen = _replicated(seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples))
     out = {"tokens": tokens, "logprobs": logprobs}
@@ -247,7 +248,7 @@ def decode_steps(
             backend=backend, dtype=dtype, deterministic=deterministic)
         pool_k, pool_v = _constrain_pool(pool_k, pool_v)
         new, lp = sample(lm_head(params, h, deterministic), inp.sampling, seen_b, gen,
-                         stochastic)
+                         stochastic, deterministic)
         out_t = out_t.at[step].set(jnp.where(active, new, -1))
         out_lp = out_lp.at[step].set(lp)
         seen_b = seen_b.at[rows, new].set(seen_b[rows, new] | active)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+import pallas_kernels
 from jaxinfer.errors import InputError
 
 _INT32 = 2**31  # top_k and token ids live in int32 device arrays
@@ -181,12 +182,24 @@ def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return out.at[jnp.arange(out.shape[0])[:, None], order].set(filtered_sorted)
 
 
+def logsumexp_rows(x: jax.Array, deterministic: bool = False) -> jax.Array:
+    """``log(sum(exp(x), -1))`` of ``x [R, V]`` float32: ``[R]``. ``deterministic``: the sum
+    through the batch-invariant ``row_sum`` kernel (the max is exact in any order)."""
+    if not deterministic:
+        return jax.nn.logsumexp(x, axis=-1)
+    m = jnp.max(x, axis=-1)
+    total = pallas_kernels.row_sum(jnp.exp(x - m[:, None]),
+                                   interpret=jax.default_backend() != "gpu")
+    return m + jnp.log(total)
+
+
 def sample(
     logits: jax.Array,
     s: SamplingArrays,
     seen: jax.Array,
     step: jax.Array,
     stochastic: bool = True,
+    deterministic: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Choose the next token of every sequence.
 
@@ -202,12 +215,13 @@ def sample(
         temperatures would decide on the device, but XLA:GPU reads such a predicate on the
         host, stalling the stream once per call.) Rows with temperature 0 are greedy either
         way, so both variants give the same tokens for an all-greedy batch.
+      deterministic: the log-probabilities through ``logsumexp_rows``' batch-invariant sum.
 
     Returns:
       ``(tokens [B] int32, logprobs [B] float32)``: the log-probability is that of the chosen
       token under the model's raw distribution (before any sampling filter).
     """
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    lse = logsumexp_rows(logits, deterministic)
     penalised = apply_repetition_penalty(logits, seen, s.repetition_penalty)
     tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     if stochastic:
@@ -215,5 +229,5 @@ def sample(
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.wrap_key_data)(s.keys), step)
         drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
         tokens = jnp.where(s.temperature > 0, drawn, tokens)
-    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     return tokens, chosen

@@ -9,7 +9,7 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-from pallas_kernels.matmul import matmul, matmul_reference
+from pallas_kernels.matmul import matmul, matmul_reference, row_sum, row_sum_reference
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
@@ -23,6 +23,8 @@ __all__ = [
     "flash_attention_reference",
     "matmul",
     "matmul_reference",
+    "row_sum",
+    "row_sum_reference",
     "paged_attention",
     "paged_attention_reference",
     "ragged_attention",

@@ -1,11 +1,13 @@
-"""Batch-invariant matmul: every output row depends only on its own input row.
+"""Batch-invariant matmul and row sum: every output row depends only on its own input row.
 
 A library GEMM picks its algorithm (tile sizes, split-K) from the shapes, so the same row of
 ``x @ w`` can round differently when the batch around it has another size, and bf16 greedy
 decoding then flips a near-tie. This kernel fixes the tiling: each program computes a
 ``BLOCK_M x BLOCK_N`` tile by walking K in ``BLOCK_K`` steps, in order, with float32
 accumulation, whatever ``M`` is. Rows are padded to a multiple of ``BLOCK_M``; padding never
-mixes into a real row. What it costs is recorded in bench/NOTES.md (deterministic mode).
+mixes into a real row. ``row_sum`` does the same for reductions (RMSNorm statistics,
+log-sum-exp): XLA picks a reduction's strategy, and may fuse it into a Triton kernel, by
+the shapes around it. What they cost is recorded in bench/NOTES.md (deterministic mode).
 
 GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
 """
@@ -98,3 +100,46 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     check_dtype("x", x)
     return _matmul_jit(x, w, transpose_w=transpose_w, out_dtype=jnp.dtype(out_dtype or x.dtype),
                        interpret=interpret)
+
+
+ROW_BLOCK = 16  # rows per program
+COL_BLOCK = 512  # columns summed per inner step
+
+
+def row_sum_reference(x: jax.Array) -> jax.Array:
+    """``x [M, N]`` summed over its rows' columns, in float32: ``[M]``."""
+    return jnp.sum(x.astype(jnp.float32), axis=-1)
+
+
+def _row_sum_kernel(x_ref, o_ref, *, col_blocks: int) -> None:
+    def body(i, acc):
+        return acc + jnp.sum(x_ref[:, pl.ds(i * COL_BLOCK, COL_BLOCK)].astype(jnp.float32),
+                             axis=1)
+
+    o_ref[...] = lax.fori_loop(0, col_blocks, body, jnp.zeros((ROW_BLOCK,), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _row_sum_jit(x, *, interpret):
+    m, n = x.shape
+    mp, np_ = cdiv(m, ROW_BLOCK) * ROW_BLOCK, cdiv(n, COL_BLOCK) * COL_BLOCK
+    xp = jnp.pad(x.astype(jnp.float32), ((0, mp - m), (0, np_ - n)))  # zeros add nothing
+    out = pl.pallas_call(
+        functools.partial(_row_sum_kernel, col_blocks=np_ // COL_BLOCK),
+        grid=(mp // ROW_BLOCK,),
+        in_specs=[pl.BlockSpec((ROW_BLOCK, np_), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((ROW_BLOCK,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((mp,), jnp.float32),
+        compiler_params=gpu_params(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jaxinfer_invariant_row_sum",
+    )(xp)
+    return out[:m]
+
+
+def row_sum(x: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """Batch-invariant float32 sum of each row of ``x [M, N]``: ``[M]``, row ``i``
+    bit-identical for any ``M`` and any other rows (fixed column blocks, summed in order)."""
+    check(x.ndim == 2, f"row_sum takes a 2-D array, got shape {x.shape}")
+    check_dtype("x", x)
+    return _row_sum_jit(x, interpret=interpret)

@@ -44,3 +44,15 @@ def test_bad_shapes_are_one_line_errors():
         matmul(jnp.zeros((2, 3)), jnp.zeros((4, 5)), interpret=True)
     with pytest.raises(ValueError, match="2-D"):
         matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)), interpret=True)
+
+
+def test_row_sum_equals_reference_and_is_batch_invariant():
+    from pallas_kernels.matmul import row_sum, row_sum_reference
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(37, 1300)), jnp.float32)
+    full = np.asarray(row_sum(x, interpret=True))
+    np.testing.assert_allclose(full, row_sum_reference(x), rtol=1e-5, atol=1e-4)
+    for rows in ([5], [36, 0, 17], list(range(3, 30))):
+        np.testing.assert_array_equal(np.asarray(row_sum(x[jnp.asarray(rows)], interpret=True)),
+                                      full[rows])
