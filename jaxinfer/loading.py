@@ -15,6 +15,7 @@ from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
+from jaxinfer.quantize import QUANTIZATIONS, quantize_params
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -89,6 +90,7 @@ def load_model(
     mesh: Any = None,
     layout: str = "auto",
     deterministic: bool = False,
+    quantize: str | None = None,
 ) -> Model:
     """Load a model for ``generate``.
 
@@ -129,12 +131,24 @@ def load_model(
         attention through the ragged Pallas kernel with one query block size. Slower
         (bench/NOTES.md measures it); one device per replica (no tensor parallelism), GPU
         (or CPU, in the Pallas interpreter: for tests), not TPU.
+      quantize: ``"int8"``: weight-only int8 matmul weights, per output channel
+        (``jaxinfer.quantize``), made on the device after loading; embeddings, norms and a
+        tied output head stay in ``dtype``. ``Model.param_bytes`` reports the result. Not
+        with a tensor-parallel mesh or ``deterministic`` yet.
     """
     jdtype = _parse_dtype(dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
+    if quantize is not None:
+        if quantize not in QUANTIZATIONS:
+            raise InputError(f"quantize={quantize!r} must be one of {', '.join(QUANTIZATIONS)}"
+                             " or None")
+        if split or deterministic:
+            raise InputError(f"quantize={quantize!r} does not run with "
+                             f"{'a tensor-parallel mesh' if split else 'deterministic=True'}"
+                             " yet; load without one of them")
     if deterministic:
         backend = check_deterministic(backend, split)
     if split:
@@ -163,6 +177,8 @@ def load_model(
             layout = "stacked"
         # The loaded arrays are ours alone, so the layout may consume them (donate=True).
         params = apply_layout(params, layout, place=lambda a: _place(a, jdtype), donate=True)
+    if quantize is not None:  # the layout's arrays are ours: each is freed once quantized
+        params = quantize_params(params, quantize, donate=mesh is None)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic)

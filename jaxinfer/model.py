@@ -32,6 +32,7 @@ import numpy as np
 import pallas_kernels
 from jaxinfer.config import LlamaConfig
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
+from jaxinfer.quantize import QuantizedWeight
 from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
 
 
@@ -78,9 +79,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _dense(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
+def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
+           ) -> jax.Array:
     """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
-    (a row's result does not depend on the other rows), else XLA's GEMM."""
+    (a row's result does not depend on the other rows), else XLA's GEMM. An int8
+    ``QuantizedWeight`` is multiplied in ``x``'s dtype (XLA fuses the conversion into the
+    operand load) and the result scaled per output column."""
+    if isinstance(w, QuantizedWeight):
+        return jnp.einsum("...d,df->...f", x, w.dequantize(x.dtype))
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
@@ -91,6 +97,8 @@ def _dense(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array
 def _dense_fused(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
+    if isinstance(w, QuantizedWeight):
+        return _dense(x, w.first_shard())[..., None, :]
     if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
         return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
@@ -304,7 +312,10 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
                                        out_dtype=jnp.float32,
                                        interpret=jax.default_backend() != "gpu")
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
-    if "lm_head" in params:
+    if isinstance(params.get("lm_head"), QuantizedWeight):
+        logits = jnp.einsum("...d,dv->...v", h, params["lm_head"].dequantize(h.dtype),
+                            preferred_element_type=jnp.float32)
+    elif "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),
                             preferred_element_type=jnp.float32)
@@ -327,7 +338,7 @@ def layer_params(layers: Params | list[Params], i: int) -> Params:
     """Layer ``i``'s weights from either layout (a list entry, or a static slice of stacks)."""
     if isinstance(layers, list | tuple):
         return layers[i]
-    return {name: w[i] for name, w in layers.items()}
+    return {name: jax.tree.map(lambda a: a[i], w) for name, w in layers.items()}
 
 
 def _write_kv(pages: jax.Array, layer: int | jax.Array | None, new: jax.Array,

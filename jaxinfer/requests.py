@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxinfer.errors import InputError
 from jaxinfer.model import params_layout
+from jaxinfer.quantize import param_bytes
 from jaxinfer.sampling import SamplingParams, prng_key_data
 
 Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
@@ -48,6 +49,11 @@ class Model:
     deterministic: bool = False
     # The jaxinfer.Engine serving this model's requests, made on first use (engine_for).
     engine: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes the weights take on the devices, per copy (int8 weights count as int8)."""
+        return param_bytes(self.params)
 
     @property
     def layout(self) -> str:

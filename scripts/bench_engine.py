@@ -48,6 +48,7 @@ from jaxinfer import roofline
 from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
+from jaxinfer.quantize import QUANTIZATIONS, QuantizedWeight, quantize_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,7 +175,8 @@ def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
 
 
 def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: str,
-                seed: int, deterministic: bool = False) -> jaxinfer.Model:
+                seed: int, deterministic: bool = False, quantize: str | None = None
+                ) -> jaxinfer.Model:
     """Random bf16 weights of ``cfg``'s shapes, made on the default device, in ``layout``.
 
     ``init_params`` draws each weight on the device; ``apply_layout(donate=True)`` frees each
@@ -183,6 +185,8 @@ def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: st
     """
     params = init_params(cfg, jax.random.PRNGKey(seed), jnp.bfloat16)
     params = apply_layout(params, layout, donate=True)
+    if quantize is not None:
+        params = quantize_params(params, quantize, donate=True)
     return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.bfloat16,
                           name=preset, backend=backend, deterministic=deterministic)
 
@@ -262,8 +266,9 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
                new_tokens: int, read_bytes_per_s: float, dtype_bytes: int) -> dict[str, Any]:
     """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
 
-    The roofline reads the weights (``roofline.weight_bytes_per_step``) and the K/V of the
-    mean context once per token, at the read bandwidth.
+    The roofline reads the weights (``roofline.weight_bytes_per_step``, or the model's own
+    bytes less its embedding table when the weights are quantized) and the K/V of the mean
+    context once per token, at the read bandwidth.
     """
     vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
     prompt = np.random.default_rng(1).choice(vocab, size=prompt_len).tolist()
@@ -273,6 +278,11 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     tokens = len(engine.result(rid).token_ids)
     decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
     step_bytes = roofline.decode_step_bytes(cfg, 1, prompt_len + tokens // 2, dtype_bytes)
+    if any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
+            engine.model.params, is_leaf=lambda w: isinstance(w, QuantizedWeight))):
+        embed = 0 if cfg.tie_word_embeddings else engine.model.params["embed"].nbytes
+        step_bytes += (engine.model.param_bytes - embed
+                       - roofline.weight_bytes_per_step(cfg, dtype_bytes))
     floor_tok_per_s = read_bytes_per_s / step_bytes
     return dict(prompt_len=prompt_len, max_new_tokens=new_tokens, tokens=tokens,
                 ttft_ms=m.time_to_first_token * 1e3, decode_tok_per_s=decode_tok_per_s,
@@ -336,6 +346,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="page pool bytes (tiny: 4 MiB)")
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                    help="weight-only quantization (load_model(quantize=...))")
     ap.add_argument("--deterministic", action="store_true",
                     help="batch-invariant kernels (load_model(deterministic=True))")
     ap.add_argument("--schedule", choices=SCHEDULES, default=None,
@@ -377,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     command = " ".join(["python", *(sys.argv if argv is None else ["scripts/bench_engine.py",
                                                                   *argv])])
     model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
-                        args.deterministic)
+                        args.deterministic, args.quantize)
     record: dict[str, Any] = dict(
         date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
         command=command, preset=args.preset, layout=model.layout, dtype="bfloat16",

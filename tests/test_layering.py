@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "jaxinfer", "sharding", "checkpoints")
 
-CORE = {"errors", "config", "params", "tokenizer", "paged_cache", "attention", "sampling",
-        "presets", "roofline"}
+CORE = {"errors", "config", "params", "quantize", "tokenizer", "paged_cache", "attention",
+        "sampling", "presets", "roofline"}
 SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading"}
 TOOLS = {"cli", "perf_cli", "benchmark"}
 
