@@ -86,6 +86,10 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
     ``QuantizedWeight`` is multiplied in ``x``'s dtype (XLA fuses the conversion into the
     operand load) and the result scaled per output column."""
     if isinstance(w, QuantizedWeight):
+        if jax.default_backend() == "gpu" and w.q.ndim == 2 and w.group == 64:
+            # XLA does not fuse the dequantization into its GEMM (it writes a bf16 copy).
+            out = pallas_kernels.int8_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return jnp.einsum("...d,df->...f", x, w.dequantize(x.dtype))
     if deterministic:
         interpret = jax.default_backend() != "gpu"
@@ -313,8 +317,14 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
                                        interpret=jax.default_backend() != "gpu")
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if isinstance(params.get("lm_head"), QuantizedWeight):
-        logits = jnp.einsum("...d,dv->...v", h, params["lm_head"].dequantize(h.dtype),
-                            preferred_element_type=jnp.float32)
+        w = params["lm_head"]
+        if jax.default_backend() == "gpu" and w.group == 64:
+            logits = pallas_kernels.int8_matmul(h.reshape(-1, h.shape[-1]), w.q, w.scale,
+                                                out_dtype=jnp.float32)
+            logits = logits.reshape(*h.shape[:-1], logits.shape[-1])
+        else:
+            logits = jnp.einsum("...d,dv->...v", h, w.dequantize(h.dtype),
+                                preferred_element_type=jnp.float32)
     elif "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),

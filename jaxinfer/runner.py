@@ -33,6 +33,7 @@ from flax import struct
 from jaxinfer.config import LlamaConfig
 from jaxinfer.model import Params, forward_ragged, lm_head
 from jaxinfer.paged_cache import PagePool
+from jaxinfer.quantize import QuantizedWeight
 from jaxinfer.sampling import SamplingArrays, logsumexp_rows, sample
 from sharding.rules import engine_pool_spec
 
@@ -236,18 +237,25 @@ def decode_steps(
     num_pages = pool.num_pages
     rows = jnp.arange(b)
 
+    quantized = any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
+        params, is_leaf=lambda w: isinstance(w, QuantizedWeight)))
+
     def iteration(_: Any, carry: tuple) -> tuple:
         step, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t, out_lp = carry
+        # The weights are loop-invariant, so XLA would hoist an int8 weight's dequantization
+        # (the XLA path of ``model._dense``) out of the loop and keep a bf16 copy of the
+        # model; the barrier keeps it inside.
+        p = jax.lax.optimization_barrier(params) if quantized else params
         page = inp.block_tables[rows, jnp.minimum(pos // page_size,
                                                    inp.block_tables.shape[1] - 1)]
         write_pages = jnp.where(active, page, num_pages)  # inactive rows write nothing
         kv_lens = jnp.where(active, pos + 1, 0)
         h, pool_k, pool_v = forward_ragged(
-            params, config, tokens, pos, pool_k, pool_v, write_pages, pos % page_size,
+            p, config, tokens, pos, pool_k, pool_v, write_pages, pos % page_size,
             inp.block_tables, kv_lens, jnp.arange(b + 1, dtype=jnp.int32), max_q_len=1,
             backend=backend, dtype=dtype, deterministic=deterministic)
         pool_k, pool_v = _constrain_pool(pool_k, pool_v)
-        new, lp = sample(lm_head(params, h, deterministic), inp.sampling, seen_b, gen,
+        new, lp = sample(lm_head(p, h, deterministic), inp.sampling, seen_b, gen,
                          stochastic, deterministic)
         out_t = out_t.at[step].set(jnp.where(active, new, -1))
         out_lp = out_lp.at[step].set(lp)

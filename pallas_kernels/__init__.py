@@ -9,7 +9,14 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-from pallas_kernels.matmul import matmul, matmul_reference, row_sum, row_sum_reference
+from pallas_kernels.matmul import (
+    int8_matmul,
+    int8_matmul_reference,
+    matmul,
+    matmul_reference,
+    row_sum,
+    row_sum_reference,
+)
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
@@ -21,6 +28,8 @@ __all__ = [
     "decode_attention_reference",
     "flash_attention",
     "flash_attention_reference",
+    "int8_matmul",
+    "int8_matmul_reference",
     "matmul",
     "matmul_reference",
     "row_sum",

@@ -143,3 +143,64 @@ def row_sum(x: jax.Array, *, interpret: bool = False) -> jax.Array:
     check(x.ndim == 2, f"row_sum takes a 2-D array, got shape {x.shape}")
     check_dtype("x", x)
     return _row_sum_jit(x, interpret=interpret)
+
+
+def int8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *,
+                          out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``x [M, K] @ (q [K, N] int8 * scale [K / G, N])`` (one scale per group of ``G = K /
+    scale.shape[0]`` rows and column), float32 accumulation, in ``out_dtype``."""
+    g = q.shape[0] // scale.shape[0]
+    w = (q.astype(jnp.float32).reshape(scale.shape[0], g, -1) * scale[:, None, :]).reshape(q.shape)
+    return matmul_reference(x, w.astype(x.dtype), out_dtype=out_dtype)
+
+
+def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, k_blocks: int, block_m: int) -> None:
+    def body(i, acc):
+        x = x_ref[:, pl.ds(i * BLOCK_K, BLOCK_K)]  # [block_m, BLOCK_K]
+        w = q_ref[pl.ds(i * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, BLOCK_N]
+        w = w * s_ref[pl.ds(i, 1), :].astype(x.dtype)  # this group's scales: [1, BLOCK_N]
+        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _int8_jit(x, q, scale, *, out_dtype, interpret):
+    m, k = x.shape
+    n = q.shape[1]
+    block_m = 16 if m <= 16 else BLOCK_M  # decode: the smallest tensor-core tile
+    mp, np_ = cdiv(m, block_m) * block_m, cdiv(n, BLOCK_N) * BLOCK_N
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
+    sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, np_ - n)))
+    out = pl.pallas_call(
+        functools.partial(_int8_kernel, k_blocks=k // BLOCK_K, block_m=block_m),
+        grid=(mp // block_m, np_ // BLOCK_N),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((k, BLOCK_N), lambda i, j: (0, j)),
+                  pl.BlockSpec((k // BLOCK_K, BLOCK_N), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((block_m, BLOCK_N), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        compiler_params=gpu_params(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="jaxinfer_int8_matmul",
+    )(xp, qp, sp)
+    return out[:m, :n]
+
+
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
+                out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
+    """``x [M, K] @ w`` for an int8 weight ``q [K, N]`` with one scale per ``BLOCK_K`` (64)
+    rows and column, ``scale [K / 64, N]``: the weight is dequantized tile by tile inside the
+    kernel, so only int8 bytes (and the scales) are read from memory."""
+    check(x.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {x.shape} @ "
+          f"{q.shape}")
+    check(q.dtype == jnp.int8, f"q must be int8, got {q.dtype}")
+    check(x.shape[1] == q.shape[0] and q.shape[0] % BLOCK_K == 0
+          and scale.shape == (q.shape[0] // BLOCK_K, q.shape[1]),
+          f"int8_matmul needs K a multiple of {BLOCK_K} and scale [K / {BLOCK_K}, N]; got x "
+          f"{x.shape}, q {q.shape}, scale {scale.shape}")
+    check_dtype("x", x)
+    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret)

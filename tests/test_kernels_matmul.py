@@ -56,3 +56,17 @@ def test_row_sum_equals_reference_and_is_batch_invariant():
     for rows in ([5], [36, 0, 17], list(range(3, 30))):
         np.testing.assert_array_equal(np.asarray(row_sum(x[jnp.asarray(rows)], interpret=True)),
                                       full[rows])
+
+
+@pytest.mark.parametrize("m", [1, 20, 70])
+def test_int8_matmul_equals_reference(m):
+    from pallas_kernels.matmul import int8_matmul, int8_matmul_reference
+
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.normal(size=(m, 128)), jnp.float32)
+    q = jnp.asarray(rng.integers(-127, 128, size=(128, 96)), jnp.int8)
+    scale = jnp.asarray(rng.random((2, 96)) * 0.01, jnp.float32)
+    got = int8_matmul(x, q, scale, interpret=True)
+    np.testing.assert_allclose(got, int8_matmul_reference(x, q, scale), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        int8_matmul(x[:, :100], q[:100], scale, interpret=True)
