@@ -119,7 +119,7 @@ def test_soak_2000_random_requests(model):
 
     # A sample through generate(), the other entry point.
     rng = np.random.default_rng(1)
-    for k in rng.choice(kept, 20, replace=False):
+    for k in rng.choice(kept, 6, replace=False):
         (alone,) = jaxinfer.generate(model, [jobs[k].prompt], **jobs[k].options)
         assert (alone.token_ids, alone.finish_reason) == (got[k].token_ids,
                                                           got[k].finish_reason), k
