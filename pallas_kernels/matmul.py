@@ -166,11 +166,60 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, k_blocks: int, block_m: int) -> 
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+GEMV_ROWS = 16  # at most this many rows take the split-K path (decode)
+GEMV_BLOCK_N = 128
+_TARGET_PROGRAMS = 512  # about 4 per H100 SM
+
+
+def _int8_split_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
+    split = pl.program_id(1)
+
+    def body(i, acc):
+        kb = split * blocks_per_split + i
+        x = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [GEMV_ROWS, BLOCK_K]
+        w = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, GEMV_BLOCK_N]
+        w = w * s_ref[pl.ds(kb, 1), :].astype(x.dtype)
+        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+    o_ref[...] = lax.fori_loop(0, blocks_per_split, body,
+                               jnp.zeros((GEMV_ROWS, GEMV_BLOCK_N), jnp.float32))
+
+
+def _int8_gemv(x, q, scale, out_dtype, interpret):
+    """Few rows: split K over programs too (a weight-streaming GEMV has too few column
+    blocks to fill the GPU); each split writes a float32 partial, summed after."""
+    m, k = x.shape
+    n = q.shape[1]
+    np_ = cdiv(n, GEMV_BLOCK_N) * GEMV_BLOCK_N
+    k_blocks = k // BLOCK_K
+    want = max(1, _TARGET_PROGRAMS // (np_ // GEMV_BLOCK_N))
+    splits = max(d for d in range(1, min(want, k_blocks) + 1) if k_blocks % d == 0)
+    xp = jnp.pad(x, ((0, GEMV_ROWS - m), (0, 0)))
+    qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
+    sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, np_ - n)))
+    partial = pl.pallas_call(
+        functools.partial(_int8_split_kernel, blocks_per_split=k_blocks // splits),
+        grid=(np_ // GEMV_BLOCK_N, splits),
+        in_specs=[pl.BlockSpec((GEMV_ROWS, k), lambda j, t: (0, 0)),
+                  pl.BlockSpec((k, GEMV_BLOCK_N), lambda j, t: (0, j)),
+                  pl.BlockSpec((k_blocks, GEMV_BLOCK_N), lambda j, t: (0, j))],
+        out_specs=pl.BlockSpec((None, GEMV_ROWS, GEMV_BLOCK_N), lambda j, t: (t, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, GEMV_ROWS, np_), jnp.float32),
+        compiler_params=gpu_params(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="jaxinfer_int8_gemv",
+    )(xp, qp, sp)
+    return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def _int8_jit(x, q, scale, *, out_dtype, interpret):
     m, k = x.shape
     n = q.shape[1]
-    block_m = 16 if m <= 16 else BLOCK_M  # decode: the smallest tensor-core tile
+    if m <= GEMV_ROWS:
+        return _int8_gemv(x, q, scale, out_dtype, interpret)
+    block_m = BLOCK_M
     mp, np_ = cdiv(m, block_m) * block_m, cdiv(n, BLOCK_N) * BLOCK_N
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
@@ -194,7 +243,8 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
                 out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for an int8 weight ``q [K, N]`` with one scale per ``BLOCK_K`` (64)
     rows and column, ``scale [K / 64, N]``: the weight is dequantized tile by tile inside the
-    kernel, so only int8 bytes (and the scales) are read from memory."""
+    kernel, so only int8 bytes (and the scales) are read from memory. Up to ``GEMV_ROWS``
+    rows (decode) also split K over programs; more rows run 64 x 64 output tiles."""
     check(x.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {x.shape} @ "
           f"{q.shape}")
     check(q.dtype == jnp.int8, f"q must be int8, got {q.dtype}")
