@@ -21,6 +21,7 @@ of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -86,16 +87,30 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
     ``QuantizedWeight`` is multiplied in ``x``'s dtype (XLA fuses the conversion into the
     operand load) and the result scaled per output column."""
     if isinstance(w, QuantizedWeight):
-        if jax.default_backend() == "gpu" and w.q.ndim == 2 and w.group == 64:
-            # XLA does not fuse the dequantization into its GEMM (it writes a bf16 copy).
-            out = pallas_kernels.int8_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        return jnp.einsum("...d,df->...f", x, w.dequantize(x.dtype))
+        return _dense_int8(x, w, x.dtype)
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
         return out.reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
+
+
+def _dense_int8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
+    """``x [..., in]`` times an int8 ``w [in, out]``, in ``out_dtype``."""
+    rows = math.prod(x.shape[:-1])
+    if (jax.default_backend() == "gpu" and w.q.ndim == 2 and w.group == 64
+            and rows <= pallas_kernels.GEMV_ROWS):
+        # Decode rows: the kernel reads the int8 bytes only (XLA's GEMM would read a bf16
+        # copy it writes first).
+        out = pallas_kernels.int8_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale,
+                                         out_dtype=out_dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
+    # this layer's input, so XLA dequantizes one layer at a time rather than every layer up
+    # front (which ran an 8B model out of memory).
+    x, q = jax.lax.optimization_barrier((x, w.q))
+    return jnp.einsum("...d,df->...f", x, dataclasses.replace(w, q=q).dequantize(x.dtype),
+                      preferred_element_type=out_dtype)
 
 
 def _dense_fused(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
@@ -317,14 +332,7 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
                                        interpret=jax.default_backend() != "gpu")
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if isinstance(params.get("lm_head"), QuantizedWeight):
-        w = params["lm_head"]
-        if jax.default_backend() == "gpu" and w.group == 64:
-            logits = pallas_kernels.int8_matmul(h.reshape(-1, h.shape[-1]), w.q, w.scale,
-                                                out_dtype=jnp.float32)
-            logits = logits.reshape(*h.shape[:-1], logits.shape[-1])
-        else:
-            logits = jnp.einsum("...d,dv->...v", h, w.dequantize(h.dtype),
-                                preferred_element_type=jnp.float32)
+        logits = _dense_int8(h, params["lm_head"], jnp.float32)
     elif "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),

@@ -10,6 +10,7 @@ from pallas_kernels.decode_attention import (
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from pallas_kernels.matmul import (
+    GEMV_ROWS,
     int8_matmul,
     int8_matmul_reference,
     matmul,
@@ -21,6 +22,7 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
 __all__ = [
+    "GEMV_ROWS",
     "SUPPORTED_HEAD_DIMS",
     "decode_attention",
     "decode_attention_layer",

@@ -166,24 +166,25 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, k_blocks: int, block_m: int) -> 
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-GEMV_ROWS = 16  # at most this many rows take the split-K path (decode)
+GEMV_ROWS = 64  # at most this many rows take the split-K path (decode batches)
 GEMV_BLOCK_N = 128
 _TARGET_PROGRAMS = 512  # about 4 per H100 SM
 
 
-def _int8_split_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
+def _int8_split_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int, rows: int
+                       ) -> None:
     split = pl.program_id(1)
 
     def body(i, acc):
         kb = split * blocks_per_split + i
-        x = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [GEMV_ROWS, BLOCK_K]
+        x = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [rows, BLOCK_K]
         w = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, GEMV_BLOCK_N]
         w = w * s_ref[pl.ds(kb, 1), :].astype(x.dtype)
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
 
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body,
-                               jnp.zeros((GEMV_ROWS, GEMV_BLOCK_N), jnp.float32))
+                               jnp.zeros((rows, GEMV_BLOCK_N), jnp.float32))
 
 
 def _int8_gemv(x, q, scale, out_dtype, interpret):
@@ -195,17 +196,18 @@ def _int8_gemv(x, q, scale, out_dtype, interpret):
     k_blocks = k // BLOCK_K
     want = max(1, _TARGET_PROGRAMS // (np_ // GEMV_BLOCK_N))
     splits = max(d for d in range(1, min(want, k_blocks) + 1) if k_blocks % d == 0)
-    xp = jnp.pad(x, ((0, GEMV_ROWS - m), (0, 0)))
+    rows = 16 if m <= 16 else GEMV_ROWS  # the smallest tensor-core tile that holds them
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
     sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, np_ - n)))
     partial = pl.pallas_call(
-        functools.partial(_int8_split_kernel, blocks_per_split=k_blocks // splits),
+        functools.partial(_int8_split_kernel, blocks_per_split=k_blocks // splits, rows=rows),
         grid=(np_ // GEMV_BLOCK_N, splits),
-        in_specs=[pl.BlockSpec((GEMV_ROWS, k), lambda j, t: (0, 0)),
+        in_specs=[pl.BlockSpec((rows, k), lambda j, t: (0, 0)),
                   pl.BlockSpec((k, GEMV_BLOCK_N), lambda j, t: (0, j)),
                   pl.BlockSpec((k_blocks, GEMV_BLOCK_N), lambda j, t: (0, j))],
-        out_specs=pl.BlockSpec((None, GEMV_ROWS, GEMV_BLOCK_N), lambda j, t: (t, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, GEMV_ROWS, np_), jnp.float32),
+        out_specs=pl.BlockSpec((None, rows, GEMV_BLOCK_N), lambda j, t: (t, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, np_), jnp.float32),
         compiler_params=gpu_params(num_warps=4, num_stages=3),
         interpret=interpret,
         name="jaxinfer_int8_gemv",
