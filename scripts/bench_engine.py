@@ -236,7 +236,7 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
             time.sleep(max(0.0, w.arrivals_s[nxt] - now))
     elapsed_s = time.perf_counter() - t0
     metrics = [engine.request_metrics(i) for i in ids]
-    output_tokens = sum(len(engine.result(i).token_ids) for i in ids)
+    output_tokens = sum(len(_completed(engine, i).token_ids) for i in ids)
     s = engine.stats()
     computed, padded = (s.computed_tokens - before.computed_tokens,
                         s.padded_tokens - before.padded_tokens)
@@ -262,6 +262,15 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
         slots=engine.max_batch, max_tokens_per_step=engine.max_tokens)
 
 
+def _completed(engine: jaxinfer.Engine, rid: int) -> jaxinfer.Completion:
+    """A request's result; a failed request (a device OOM, say) stops the benchmark, whose
+    figures would otherwise count it."""
+    result = engine.result(rid)
+    if result.error is not None:
+        raise RuntimeError(f"benchmark request failed: {result.error}")
+    return result
+
+
 def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: int,
                new_tokens: int, read_bytes_per_s: float, dtype_bytes: int) -> dict[str, Any]:
     """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
@@ -275,7 +284,7 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     rid = engine.submit(prompt, max_new_tokens=new_tokens)
     engine.run_until_done()
     m = engine.request_metrics(rid)
-    tokens = len(engine.result(rid).token_ids)
+    tokens = len(_completed(engine, rid).token_ids)
     decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
     step_bytes = roofline.decode_step_bytes(cfg, 1, prompt_len + tokens // 2, dtype_bytes)
     if any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
