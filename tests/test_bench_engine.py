@@ -80,3 +80,14 @@ def test_tiny_end_to_end(bench, tmp_path):
     assert b1["tokens"] == 6 and b1["decode_tok_per_s"] > 0
     assert b1["fraction_of_floor"] == pytest.approx(b1["decode_tok_per_s"]
                                                     / b1["floor_tok_per_s"])
+
+
+def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch):
+    from jaxinfer import engine as engine_module
+    from tests.conftest import tiny_engine_model
+
+    monkeypatch.setattr(engine_module, "add_tokens", lambda *a: 1 / 0)
+    model = tiny_engine_model()
+    engine = engine_module.Engine(model, num_pages=16, page_size=4, verbose=False)
+    with pytest.raises(RuntimeError, match="benchmark request failed: .*ZeroDivisionError"):
+        bench.run_batch1(engine, model.config, 4, 3, 3e12, 4)
