@@ -21,16 +21,17 @@ from pallas_kernels import SUPPORTED_HEAD_DIMS
 Backend = Literal["reference", "pallas", "auto"]
 
 
-def resolve_backend(backend: Backend, head_dim: int, deterministic: bool = False
-                    ) -> Literal["reference", "pallas"]:
+def resolve_backend(backend: Backend, head_dim: int, deterministic: bool = False,
+                    tensor_parallel: bool = False) -> Literal["reference", "pallas"]:
     """Map ``"auto"`` to the best backend for the default JAX platform and head size.
 
     ``"auto"`` picks the Pallas kernels on GPU when they support ``head_dim``; an explicit
     ``"pallas"`` with an unsupported head size is an error rather than a silent fallback.
-    ``deterministic`` (batch-invariant kernels) always takes Pallas (``check_deterministic``).
+    ``deterministic`` (batch-invariant kernels) always takes Pallas; ``check_deterministic``
+    says where it cannot run (``tensor_parallel``: the model is split over devices).
     """
     if deterministic:
-        backend = check_deterministic(backend)
+        backend = check_deterministic(backend, tensor_parallel)
     if backend == "auto":
         use = jax.default_backend() == "gpu" and head_dim in SUPPORTED_HEAD_DIMS
         return "pallas" if use else "reference"

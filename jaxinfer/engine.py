@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfer.attention import check_deterministic, resolve_backend
+from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
 from jaxinfer.model import pool_is_stacked
 from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
@@ -363,9 +363,8 @@ class Engine(StepLoop):
                                cfg.max_position_embeddings, capacity)
         self.pages_per_seq = math.ceil(self.max_seq_len / page_size)
         self.chunked_prefill = chunked_prefill
-        if model.deterministic:
-            check_deterministic(model.backend, model_size > 1)
-        self.backend = resolve_backend(model.backend, cfg.head_dim, model.deterministic)
+        self.backend = resolve_backend(model.backend, cfg.head_dim, model.deterministic,
+                                       tensor_parallel=model_size > 1)
         # Fine buckets where padding costs device time; powers of two on CPU, where compile
         # time dominates.
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),

@@ -15,7 +15,7 @@ from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
-from jaxinfer.quantize import QUANTIZATIONS, quantize_params
+from jaxinfer.quantize import check_method, quantize_params
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -131,10 +131,10 @@ def load_model(
         attention through the ragged Pallas kernel with one query block size. Slower
         (bench/NOTES.md measures it); one device per replica (no tensor parallelism), GPU
         (or CPU, in the Pallas interpreter: for tests), not TPU.
-      quantize: ``"int8"``: weight-only int8 matmul weights, per output channel
-        (``jaxinfer.quantize``), made on the device after loading; embeddings, norms and a
-        tied output head stay in ``dtype``. ``Model.param_bytes`` reports the result. Not
-        with a tensor-parallel mesh or ``deterministic`` yet.
+      quantize: ``"int8"``: weight-only int8 matmul weights, one scale per output column
+        and 64 input rows (``jaxinfer.quantize``), made on the device after loading;
+        embeddings, norms and a tied output head stay in ``dtype``. ``Model.param_bytes``
+        reports the result. Not with a tensor-parallel mesh or ``deterministic`` yet.
     """
     jdtype = _parse_dtype(dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
@@ -142,9 +142,7 @@ def load_model(
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
     if quantize is not None:
-        if quantize not in QUANTIZATIONS:
-            raise InputError(f"quantize={quantize!r} must be one of {', '.join(QUANTIZATIONS)}"
-                             " or None")
+        check_method(quantize)
         if split or deterministic:
             raise InputError(f"quantize={quantize!r} does not run with "
                              f"{'a tensor-parallel mesh' if split else 'deterministic=True'}"

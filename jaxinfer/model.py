@@ -84,8 +84,7 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
            ) -> jax.Array:
     """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
     (a row's result does not depend on the other rows), else XLA's GEMM. An int8
-    ``QuantizedWeight`` is multiplied in ``x``'s dtype (XLA fuses the conversion into the
-    operand load) and the result scaled per output column."""
+    ``QuantizedWeight`` goes through ``_dense_int8``."""
     if isinstance(w, QuantizedWeight):
         return _dense_int8(x, w, x.dtype)
     if deterministic:

@@ -3,11 +3,12 @@
 
 A quantized weight is a ``QuantizedWeight`` pytree (``q`` int8 in the weight's own shape,
 ``scale`` float32 ``[..., in / group, *out]``), so every execution layout (stacked under the
-layer scan, per layer, fused QKV / gate|up) holds it like any other array; ``model._dense``
-multiplies by the weight dequantized in the activations' dtype, which XLA fuses into the
-matmul's operand load. Decode reads about half the bytes of bf16 (int8 values plus a float32
-scale per group). Groups, rather than one scale per column: the default model's perplexity
-rises 3.0% with per-column scales and stays within 1% with groups (tests/test_quantize.py).
+layer scan, per layer, fused QKV / gate|up) holds it like any other array. ``model._dense``
+multiplies decode rows with ``pallas_kernels.int8_matmul`` on a GPU, which reads only the int8
+values and scales (about half the bytes of bf16); larger steps, and other backends, multiply
+by the weight dequantized in the activations' dtype (XLA does not fuse that into its GEMM).
+Groups, rather than one scale per column: the default model's perplexity rises 3.0% with
+per-column scales and stays within 1% with groups (tests/test_quantize.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ class QuantizedWeight:
         return self.q.ndim - self.out_axes - 1
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        """The weight ``q * scale`` in ``dtype`` (computed in ``dtype``: inside a jitted
-        matmul XLA fuses it into the operand load)."""
+        """The weight ``q * scale``, computed and returned in ``dtype``."""
         a = self.in_axis
         shape = self.q.shape
         grouped = self.q.reshape(*shape[:a], shape[a] // self.group, self.group, *shape[a + 1:])
@@ -62,11 +62,6 @@ class QuantizedWeight:
         """A fused ``[in, 1, out]`` weight as the plain ``[in, out]`` one (one device)."""
         return QuantizedWeight(q=self.q[:, 0], scale=self.scale[:, 0], out_axes=1,
                                group=self.group)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the weight takes (int8 values plus scales)."""
-        return int(self.q.nbytes + self.scale.nbytes)
 
 
 def _quantize_one(w: jax.Array, out_axes: int, group: int) -> QuantizedWeight:
@@ -84,6 +79,19 @@ def _quantize_one(w: jax.Array, out_axes: int, group: int) -> QuantizedWeight:
 _quantize_jit = jax.jit(_quantize_one, static_argnames=("out_axes", "group"))
 
 
+def check_method(method: str) -> None:
+    """``InputError`` unless ``method`` is one of ``QUANTIZATIONS``."""
+    if method not in QUANTIZATIONS:
+        raise InputError(f"quantize={method!r} must be one of {', '.join(QUANTIZATIONS)} or "
+                         "None")
+
+
+def is_quantized(params: Any) -> bool:
+    """Whether any weight of ``params`` is a ``QuantizedWeight``."""
+    return any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
+        params, is_leaf=lambda w: isinstance(w, QuantizedWeight)))
+
+
 def quantize_params(params: dict[str, Any], method: str, donate: bool = False
                     ) -> dict[str, Any]:
     """``params`` (any execution layout) with every matmul weight quantized by ``method``.
@@ -91,9 +99,7 @@ def quantize_params(params: dict[str, Any], method: str, donate: bool = False
     ``donate`` deletes each original device array once its quantized copy exists, so the
     device holds at most one bf16 weight beside the quantized model.
     """
-    if method not in QUANTIZATIONS:
-        raise InputError(f"quantize={method!r} must be one of {', '.join(QUANTIZATIONS)} or "
-                         "None")
+    check_method(method)
 
     def convert(tree: Any) -> Any:
         if isinstance(tree, list | tuple):

@@ -33,7 +33,7 @@ from flax import struct
 from jaxinfer.config import LlamaConfig
 from jaxinfer.model import Params, forward_ragged, lm_head
 from jaxinfer.paged_cache import PagePool
-from jaxinfer.quantize import QuantizedWeight
+from jaxinfer.quantize import is_quantized
 from jaxinfer.sampling import SamplingArrays, logsumexp_rows, sample
 from sharding.rules import engine_pool_spec
 
@@ -237,8 +237,7 @@ def decode_steps(
     num_pages = pool.num_pages
     rows = jnp.arange(b)
 
-    quantized = any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
-        params, is_leaf=lambda w: isinstance(w, QuantizedWeight)))
+    quantized = is_quantized(params)
 
     def iteration(_: Any, carry: tuple) -> tuple:
         step, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t, out_lp = carry

@@ -48,7 +48,7 @@ from jaxinfer import roofline
 from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
-from jaxinfer.quantize import QUANTIZATIONS, QuantizedWeight, quantize_params
+from jaxinfer.quantize import QUANTIZATIONS, is_quantized, quantize_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,8 +287,7 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     tokens = len(_completed(engine, rid).token_ids)
     decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
     step_bytes = roofline.decode_step_bytes(cfg, 1, prompt_len + tokens // 2, dtype_bytes)
-    if any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
-            engine.model.params, is_leaf=lambda w: isinstance(w, QuantizedWeight))):
+    if is_quantized(engine.model.params):
         embed = 0 if cfg.tie_word_embeddings else engine.model.params["embed"].nbytes
         step_bytes += (engine.model.param_bytes - embed
                        - roofline.weight_bytes_per_step(cfg, dtype_bytes))
