@@ -154,91 +154,57 @@ def int8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *,
     return matmul_reference(x, w.astype(x.dtype), out_dtype=out_dtype)
 
 
-def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, k_blocks: int, block_m: int) -> None:
-    def body(i, acc):
-        x = x_ref[:, pl.ds(i * BLOCK_K, BLOCK_K)]  # [block_m, BLOCK_K]
-        w = q_ref[pl.ds(i * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, BLOCK_N]
-        w = w * s_ref[pl.ds(i, 1), :].astype(x.dtype)  # this group's scales: [1, BLOCK_N]
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-
-    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
 GEMV_ROWS = 64  # at most this many rows take the split-K path (decode batches)
 GEMV_BLOCK_N = 128
 _TARGET_PROGRAMS = 512  # about 4 per H100 SM
 
 
-def _int8_split_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int, rows: int
-                       ) -> None:
-    split = pl.program_id(1)
+def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
+    """One ``[rows, block_n]`` float32 partial: this program's split of the K blocks."""
+    split = pl.program_id(2)
 
     def body(i, acc):
         kb = split * blocks_per_split + i
         x = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [rows, BLOCK_K]
-        w = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, GEMV_BLOCK_N]
-        w = w * s_ref[pl.ds(kb, 1), :].astype(x.dtype)
+        w = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, block_n]
+        w = w * s_ref[pl.ds(kb, 1), :].astype(x.dtype)  # this group's scales: [1, block_n]
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
 
-    o_ref[...] = lax.fori_loop(0, blocks_per_split, body,
-                               jnp.zeros((rows, GEMV_BLOCK_N), jnp.float32))
-
-
-def _int8_gemv(x, q, scale, out_dtype, interpret):
-    """Few rows: split K over programs too (a weight-streaming GEMV has too few column
-    blocks to fill the GPU); each split writes a float32 partial, summed after."""
-    m, k = x.shape
-    n = q.shape[1]
-    np_ = cdiv(n, GEMV_BLOCK_N) * GEMV_BLOCK_N
-    k_blocks = k // BLOCK_K
-    want = max(1, _TARGET_PROGRAMS // (np_ // GEMV_BLOCK_N))
-    splits = max(d for d in range(1, min(want, k_blocks) + 1) if k_blocks % d == 0)
-    rows = 16 if m <= 16 else GEMV_ROWS  # the smallest tensor-core tile that holds them
-    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
-    sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, np_ - n)))
-    partial = pl.pallas_call(
-        functools.partial(_int8_split_kernel, blocks_per_split=k_blocks // splits, rows=rows),
-        grid=(np_ // GEMV_BLOCK_N, splits),
-        in_specs=[pl.BlockSpec((rows, k), lambda j, t: (0, 0)),
-                  pl.BlockSpec((k, GEMV_BLOCK_N), lambda j, t: (0, j)),
-                  pl.BlockSpec((k_blocks, GEMV_BLOCK_N), lambda j, t: (0, j))],
-        out_specs=pl.BlockSpec((None, rows, GEMV_BLOCK_N), lambda j, t: (t, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, np_), jnp.float32),
-        compiler_params=gpu_params(num_warps=4, num_stages=3),
-        interpret=interpret,
-        name="jaxinfer_int8_gemv",
-    )(xp, qp, sp)
-    return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
+    o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def _int8_jit(x, q, scale, *, out_dtype, interpret):
     m, k = x.shape
     n = q.shape[1]
+    k_blocks = k // BLOCK_K
     if m <= GEMV_ROWS:
-        return _int8_gemv(x, q, scale, out_dtype, interpret)
-    block_m = BLOCK_M
-    mp, np_ = cdiv(m, block_m) * block_m, cdiv(n, BLOCK_N) * BLOCK_N
+        # Decode rows: one row tile (the smallest tensor-core tile that holds them), and K
+        # split over programs too, since a weight-streaming GEMV has too few column blocks to
+        # fill the GPU; each split writes a float32 partial, summed after.
+        rows, block_n = (16 if m <= 16 else GEMV_ROWS), GEMV_BLOCK_N
+        want = max(1, _TARGET_PROGRAMS // cdiv(n, block_n))
+        splits = max(d for d in range(1, min(want, k_blocks) + 1) if k_blocks % d == 0)
+    else:
+        rows, block_n, splits = BLOCK_M, BLOCK_N, 1
+    mp, np_ = cdiv(m, rows) * rows, cdiv(n, block_n) * block_n
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
     sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, np_ - n)))
-    out = pl.pallas_call(
-        functools.partial(_int8_kernel, k_blocks=k // BLOCK_K, block_m=block_m),
-        grid=(mp // block_m, np_ // BLOCK_N),
-        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((k, BLOCK_N), lambda i, j: (0, j)),
-                  pl.BlockSpec((k // BLOCK_K, BLOCK_N), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((block_m, BLOCK_N), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+    partial = pl.pallas_call(
+        functools.partial(_int8_kernel, blocks_per_split=k_blocks // splits),
+        grid=(mp // rows, np_ // block_n, splits),
+        in_specs=[pl.BlockSpec((rows, k), lambda i, j, t: (i, 0)),
+                  pl.BlockSpec((k, block_n), lambda i, j, t: (0, j)),
+                  pl.BlockSpec((k_blocks, block_n), lambda i, j, t: (0, j))],
+        out_specs=pl.BlockSpec((None, rows, block_n), lambda i, j, t: (t, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32),
         compiler_params=gpu_params(num_warps=4, num_stages=3),
         interpret=interpret,
         name="jaxinfer_int8_matmul",
     )(xp, qp, sp)
-    return out[:m, :n]
+    return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
 
 
 def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
