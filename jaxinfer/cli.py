@@ -1,4 +1,4 @@
-"""Command line: ``jaxinfer generate``, ``jaxinfer chat``, ``jaxinfer convert``."""
+"""Command line: ``jaxinfer generate``, ``chat``, ``serve``, ``convert``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,23 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     add_mesh_args(ch)
     add_sampling_args(ch)
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health and /metrics; Ctrl-C or SIGTERM drains and stops.")
+    sv.add_argument("--model", default="smollm2-135m-instruct")
+    sv.add_argument("--served-model-name", default=None,
+                    help="the model id clients pass (default: --model)")
+    sv.add_argument("--dtype", default="bfloat16")
+    sv.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_mesh_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=1024,
+                    help="requests that may wait for a slot before new ones get 429")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0,
+                    help="seconds running requests get to finish at shutdown (then cancelled)")
+    sv.add_argument("--no-warmup", action="store_true",
+                    help="compile the engine's step programs on first use, not at start")
     from jaxinfer.perf_cli import add_parsers
 
     add_parsers(sub)  # plan, bench
@@ -188,6 +205,31 @@ def _chat(args: argparse.Namespace) -> None:
     chat_session(model, options, read_line, sys.stdout, system=args.system)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from jaxinfer.errors import InputError
+    from jaxinfer.loading import load_model
+    from jaxinfer.replicas import engine_for
+    from jaxinfer.server import create_app
+
+    if args.max_queue < 0:
+        raise InputError(f"--max-queue={args.max_queue} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port={args.port} must be in [1, 65535]")
+    model = load_model(args.model, dtype=args.dtype, backend=args.backend,
+                       mesh=mesh_from_args(args))
+    engine = engine_for(model)
+    if not args.no_warmup:
+        engine.warmup(sampled=True)
+    app = create_app(model, engine=engine, name=args.served_model_name or args.model,
+                     max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)
+    # uvicorn stops on SIGINT/SIGTERM: it closes the listening socket, lets open responses
+    # finish for the grace period, then the app's shutdown cancels what is left.
+    uvicorn.run(app, host=args.host, port=args.port,
+                timeout_graceful_shutdown=args.shutdown_grace)
+
+
 def _convert(args: argparse.Namespace) -> None:
     from jaxinfer.loading import convert
 
@@ -202,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "perf_handler"):
             args.perf_handler(args)
             return 0
-        {"generate": _generate, "chat": _chat, "convert": _convert}[args.command](args)
+        {"generate": _generate, "chat": _chat, "convert": _convert,
+         "serve": _serve}[args.command](args)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ sampling and stop rules serve one prompt or thousands.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -142,24 +143,51 @@ def stream(
     """
     if model.tokenizer is None:
         raise InputError("stream() needs a tokenizer; use stream_tokens() for token ids")
-    stops = SamplingParams.from_kwargs(**sampling_kwargs).stop
-    hold = max((len(s) - 1 for s in stops), default=0)
-    tokens: list[int] = []
-    emitted = ""
+    text = TextStream(model, SamplingParams.from_kwargs(**sampling_kwargs).stop)
     pieces = stream_tokens(model, prompt, chat=chat, chunk_steps=chunk_steps, **sampling_kwargs)
-    for new in [*pieces, None]:  # None: the stream ended, nothing more to hold back
-        tokens += new or []
-        text = model.tokenizer.decode(tokens)
-        cut = find_stop(text, stops)  # the token completing a stop string stays; its text not
+    try:
+        for new in itertools.chain(pieces, [None]):  # None: the end, nothing more held back
+            piece = text.add(new)
+            if piece:
+                yield piece
+    finally:  # closed early: the request is cancelled now, not when garbage collected
+        pieces.close()
+
+
+class TextStream:
+    """The final text of one generation, in pieces, as its tokens arrive (``stream`` and the
+    server's streamed responses).
+
+    Each ``add`` decodes the tokens so far and returns the text that became final: an
+    incomplete character and anything that could start a stop string are held back until
+    more tokens (or the end, ``add(None)``) decide them; a stop string and what follows it
+    are never returned. The pieces add up to the request's ``Completion.text``.
+    """
+
+    def __init__(self, model: Model, stops: Sequence[str]) -> None:
+        if model.tokenizer is None:
+            raise InputError("streaming text needs a tokenizer; stream token ids instead")
+        self._tokenizer = model.tokenizer
+        self._stops = tuple(stops)
+        self._hold = max((len(s) - 1 for s in self._stops), default=0)
+        self._tokens: list[int] = []
+        self.text = ""  # emitted so far
+
+    def add(self, new: Sequence[int] | None) -> str:
+        """Take newly generated token ids (``None`` at the end); return the new final text."""
+        self._tokens += new or []
+        text = self._tokenizer.decode(self._tokens)
+        cut = find_stop(text, self._stops)  # the token completing a stop string stays
         if cut >= 0:
             text = text[:cut]
         elif new is not None:
             # Hold back an incomplete character and anything that could start a stop string.
             text = text.rstrip("\ufffd")
-            text = text[: max(len(emitted), len(text) - hold)]
-        if text.startswith(emitted) and len(text) > len(emitted):
-            yield text[len(emitted):]
-            emitted = text
+            text = text[: max(len(self.text), len(text) - self._hold)]
+        if text.startswith(self.text) and len(text) > len(self.text):
+            piece, self.text = text[len(self.text):], text
+            return piece
+        return ""
 
 
 def score(model: Model, requests: ScorePair | Sequence[ScorePair]) -> list[ScoreResult]:

@@ -19,7 +19,7 @@ PACKAGES = ("pallas_kernels", "jaxinfer", "sharding", "checkpoints")
 
 CORE = {"errors", "config", "params", "quantize", "tokenizer", "paged_cache", "attention",
         "sampling", "presets", "roofline"}
-SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading"}
+SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading", "server"}
 TOOLS = {"cli", "perf_cli", "benchmark"}
 
 

@@ -1,0 +1,897 @@
+"""An OpenAI-compatible HTTP server over the one engine (``jaxinfer serve``).
+
+One thread (``EngineWorker``) owns the engine: it takes new requests and cancellations from
+a thread-safe inbox between steps, runs ``engine.step()`` and hands each request's new tokens
+and result to the HTTP handler that submitted it. The handlers run on the asyncio loop of
+the ASGI server (FastAPI on uvicorn); they validate the body, turn it into engine
+``Request`` objects (``requests.make_requests``, the library's validation) and wait on an
+``asyncio.Queue`` fed by the worker. So requests of every HTTP client share the engine's
+continuous batch, and the engine is only touched from its own thread.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed over SSE
+with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus
+text). Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
+a bad request, 429 with ``Retry-After`` when the queue is full, 503 while shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxinfer.errors import InputError
+from jaxinfer.generate import TextStream
+from jaxinfer.replicas import engine_for
+from jaxinfer.requests import (
+    Completion,
+    Model,
+    ScoreResult,
+    encode,
+    make_requests,
+    make_score_requests,
+)
+from jaxinfer.requests import (
+    Request as EngineRequest,
+)
+from jaxinfer.sampling import SamplingParams
+
+DEFAULT_MAX_QUEUE = 1024
+"""Requests that may wait for a slot (beyond those the engine runs) before new ones get 429."""
+
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 429 answer, in seconds."""
+
+MAX_CHOICES = 128
+"""Largest ``n`` (choices per prompt) a request may ask for."""
+
+# SamplingParams field -> the OpenAI parameter it comes from, to name it in 400 answers.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop": "stop", "seed": "seed",
+                 "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                 "ignore_eos": "ignore_eos"}
+
+
+# ---------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered with an OpenAI-style body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """This error as an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def input_error(e: InputError) -> APIError:
+    """A 400 for the library's one-line ``InputError``, naming the OpenAI parameter when the
+    message starts with a sampling option (``max_new_tokens=-1 must be ...``)."""
+    m = re.match(r"(\w+)=", str(e))
+    return APIError(400, str(e), param=_OPENAI_NAMES.get(m.group(1)) if m else None)
+
+
+class QueueFull(Exception):
+    """The engine's queue holds ``max_queue`` waiting requests already."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining and takes no new requests."""
+
+
+# ---------------------------------------------------------------------------- request bodies
+class _Body(BaseModel):
+    # Strict: "5" is no integer and 1.5 no token id; unknown fields are refused, not ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Parameters both endpoints share (OpenAI's, plus vLLM's ``top_k``, ``min_p``,
+    ``repetition_penalty`` and ``ignore_eos``)."""
+
+    model: str
+    temperature: float | None = None  # OpenAI's default: 1
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's logs; it changes nothing here
+
+    def wants_logprobs(self) -> bool:
+        """Whether the chosen tokens' log-probabilities are asked for."""
+        raise NotImplementedError
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """``(parameter, why)`` for values this server does not implement."""
+        out = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                out.append((name, f"{name} is not supported yet; leave it at 0"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported; leave it out"))
+        return out
+
+
+class CompletionBody(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def wants_logprobs(self) -> bool:
+        """``logprobs=0``: the chosen tokens' log-probabilities."""
+        return self.logprobs is not None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """``_Sampling.unsupported`` plus the completion-only parameters."""
+        out = super().unsupported()
+        if self.logprobs is not None and self.logprobs != 0:
+            out.append(("logprobs", "only logprobs=0 (the chosen token's log-probability) is "
+                        "supported; top alternatives are not available yet"))
+        if self.best_of not in (None, 1, self.n):
+            out.append(("best_of", "best_of must equal n (or 1); ranking choices is not "
+                        "supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix (insertion) is not supported"))
+        if self.echo and self.stream:
+            out.append(("echo", "echo is not supported with stream=true"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens=0 needs echo=true (prompt scoring)"))
+        return out
+
+
+class ChatMessage(_Body):
+    """One chat message; ``content`` a string or a list of ``{"type": "text"}`` parts."""
+
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class ChatBody(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def wants_logprobs(self) -> bool:
+        """``logprobs=true``."""
+        return self.logprobs
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """``_Sampling.unsupported`` plus the chat-only parameters."""
+        out = super().unsupported()
+        if self.top_logprobs:
+            out.append(("top_logprobs", "top_logprobs is not supported yet; use logprobs=true "
+                        "for the chosen tokens' log-probabilities"))
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            out.append(("response_format", "only response_format {'type': 'text'} is "
+                        "supported yet"))
+        if self.tools or self.tool_choice not in (None, "none"):
+            out.append(("tools", "tool calls are not supported"))
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            out.append(("max_tokens", "give max_tokens or max_completion_tokens, not both"))
+        return out
+
+    def texts(self) -> list[dict[str, str]]:
+        """The messages as ``{"role", "content"}`` dicts with string content."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if not isinstance(content, str):
+                if not all(p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"message {i}: only text content parts "
+                                   "({'type': 'text', 'text': ...}) are supported",
+                                   param="messages")
+                content = "".join(p["text"] for p in content)
+            out.append({"role": m.role, "content": content})
+        return out
+
+
+def parse_body(raw: bytes, kind: type[_Body]) -> Any:
+    """The JSON body as ``kind``, or a 400 naming the first bad field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = str(err["loc"][0]) if err["loc"] else None
+        if err["type"] == "extra_forbidden":
+            message = f"unrecognized request argument {param!r}"
+        elif err["type"] == "missing":
+            message = f"missing required argument {param!r}"
+        else:
+            where = ".".join(str(x) for x in err["loc"])
+            message = f"invalid value for {where}: {err['msg']} (got {err['input']!r:.60})"
+        raise APIError(400, message, param=param) from None
+    for param, why in body.unsupported():
+        raise APIError(400, why, param=param)
+    return body
+
+
+# ---------------------------------------------------------------------------- engine worker
+Message = tuple[str, Any, Any]  # (kind, key, payload): "accepted"/"rejected"/"tokens"/"done"
+
+
+@dataclasses.dataclass
+class Ticket:
+    """One HTTP request's engine requests, each under the key its handler chose."""
+
+    jobs: list[tuple[Any, EngineRequest]]
+    deliver: Callable[[Message], None]  # called from the worker thread
+    rids: dict[int, Any] = dataclasses.field(default_factory=dict)  # engine id -> key
+    cancelled: bool = False
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server (their own registry, so servers in one process do
+    not mix)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("jaxinfer_requests_running", "Requests in the engine's batch",
+                             registry=r)
+        self.waiting = Gauge("jaxinfer_requests_waiting", "Requests waiting for a slot",
+                             registry=r)
+        self.pages = Gauge("jaxinfer_kv_pages", "KV cache pages by state: used (by running "
+                           "requests), cached (prefix cache, evictable), free", ["state"],
+                           registry=r)
+        self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token "
+                              "from the request's arrival in the engine", registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.tpot = Histogram("jaxinfer_time_per_output_token_seconds", "Mean time between a "
+                              "request's later tokens", registry=r,
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generated_tokens = Counter("jaxinfer_generation_tokens", "Tokens generated for "
+                                        "finished requests", registry=r)
+        self.finished = Counter("jaxinfer_requests_finished", "Engine requests finished, by "
+                                "finish reason (cancelled: the client went away)",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("jaxinfer_requests_rejected", "HTTP requests answered 429 "
+                                "(queue full) or 503 (shutting down)", ["status"], registry=r)
+
+    def observe(self, result: Completion | ScoreResult) -> None:
+        """Count a finished engine request."""
+        if isinstance(result, ScoreResult):
+            self.finished.labels("error" if result.error else "score").inc()
+            self.prompt_tokens.inc(len(result.context_token_ids)
+                                   + len(result.continuation_token_ids))
+            return
+        self.finished.labels(result.finish_reason).inc()
+        self.prompt_tokens.inc(len(result.prompt_token_ids))
+        self.generated_tokens.inc(len(result.token_ids))
+        if result.token_ids:
+            self.ttft.observe(result.time_to_first_token)
+        if len(result.token_ids) > 1:
+            self.tpot.observe(result.time_per_output_token)
+
+
+class EngineWorker:
+    """The thread that owns the engine: requests in through ``submit``/``cancel`` (from any
+    thread), tokens and results out through each ticket's ``deliver``.
+
+    Args:
+      engine: an ``Engine`` or ``DataParallelEngine`` (nothing else may step it).
+      metrics: updated after every step.
+      max_queue: engine requests that may wait for a slot; ``submit`` raises ``QueueFull``
+        beyond ``engine.max_batch + max_queue`` unfinished ones.
+      max_decode_steps: tokens per sequence per decode call (``engine.step``); None keeps
+        the engine's own (about ``decode_call_seconds`` of device time), for throughput;
+        smaller values stream in smaller pieces and admit new requests sooner.
+    """
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int = DEFAULT_MAX_QUEUE,
+                 max_decode_steps: int | None = None) -> None:
+        if max_queue < 0:
+            raise InputError(f"max_queue={max_queue} must be >= 0")
+        self.engine = engine
+        self.metrics = metrics
+        self.capacity = engine.max_batch + max_queue
+        self.max_decode_steps = max_decode_steps
+        self._inbox: queue.SimpleQueue[tuple[str, Ticket]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._outstanding = 0  # engine requests submitted and not finished or cancelled
+        self._closing = False
+        self._deadline: float | None = None  # stop(): cancel what is left at this time
+        self._tickets: dict[int, Ticket] = {}  # engine id -> ticket (worker thread only)
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``stop`` was called (no new requests are taken)."""
+        return self._closing
+
+    @property
+    def outstanding(self) -> int:
+        """Engine requests submitted and not yet finished or cancelled."""
+        return self._outstanding
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queue a ticket's requests; the worker answers ``("accepted", None, None)`` or
+        ``("rejected", None, message)`` through ``ticket.deliver`` before any tokens."""
+        with self._lock:
+            if self._closing:
+                raise ShuttingDown
+            if self._outstanding + len(ticket.jobs) > self.capacity:
+                raise QueueFull
+            self._outstanding += len(ticket.jobs)
+        self._inbox.put(("add", ticket))
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Cancel a ticket's unfinished requests (its client went away); their pages free."""
+        self._inbox.put(("cancel", ticket))
+
+    def stop(self, grace_s: float) -> None:
+        """Take no new requests; let the running ones finish for up to ``grace_s`` seconds,
+        then cancel what is left (their handlers get ``("done", key, None)``); join.
+        ``submit`` raises ``ShuttingDown`` from now on."""
+        with self._lock:
+            self._closing = True
+        self._deadline = time.monotonic() + grace_s
+        self._inbox.put(("stop", None))  # wake an idle loop
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            self._take(block=not self.engine.has_unfinished())
+            if self._deadline is not None and (time.monotonic() >= self._deadline
+                                               or not self.engine.has_unfinished()):
+                for ticket in {id(t): t for t in self._tickets.values()}.values():
+                    self._cancel(ticket)
+                self._take(block=False, refuse=True)  # submissions that raced with stop()
+                return
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                events = self.engine.step(self.max_decode_steps)
+            except Exception as e:  # noqa: BLE001 - a bug must not leave clients hanging
+                self._fail_all(f"the engine step raised {type(e).__name__}: {e}")
+                continue
+            for rid, tokens, finished in events:
+                ticket = self._tickets.get(rid)
+                if ticket is None:
+                    continue
+                key = ticket.rids[rid]
+                if tokens:
+                    ticket.deliver(("tokens", key, tokens))
+                if finished:
+                    self._finish(rid, ticket, key)
+            self._publish()
+
+    def _take(self, block: bool, refuse: bool = False) -> None:
+        """Apply the inbox's commands; wait for one first when ``block``; ``refuse`` new
+        requests (the thread is ending)."""
+        try:
+            command, ticket = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command == "add":
+                self._add(ticket, refuse)
+            elif command == "cancel":
+                self._cancel(ticket)
+            try:
+                command, ticket = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, ticket: Ticket, refuse: bool) -> None:
+        if refuse:
+            self._release(len(ticket.jobs))
+            ticket.deliver(("rejected", None, None))
+            return
+        try:
+            for key, req in ticket.jobs:
+                ticket.rids[self.engine.add_request(req)] = key
+        except InputError as e:  # it does not fit this engine (max_seq_len)
+            for rid in ticket.rids:
+                self.engine.cancel(rid)
+                self.engine.forget(rid)
+            ticket.rids.clear()
+            self._release(len(ticket.jobs))
+            ticket.deliver(("rejected", None, str(e)))
+            return
+        for rid in ticket.rids:
+            self._tickets[rid] = ticket
+        ticket.deliver(("accepted", None, None))
+        self._publish()
+
+    def _cancel(self, ticket: Ticket) -> None:
+        ticket.cancelled = True
+        for rid, key in list(ticket.rids.items()):
+            if self._tickets.pop(rid, None) is None:
+                continue  # finished already
+            self.engine.cancel(rid)
+            self.engine.forget(rid)
+            self.metrics.finished.labels("cancelled").inc()
+            self._release(1)
+            ticket.deliver(("done", key, None))
+        self._publish()
+
+    def _finish(self, rid: int, ticket: Ticket, key: Any) -> None:
+        del self._tickets[rid]
+        result = self.engine.result(rid)
+        self.engine.forget(rid)
+        self._release(1)
+        self.metrics.observe(result)
+        ticket.deliver(("done", key, result))
+
+    def _fail_all(self, why: str) -> None:
+        """End every live request with an error (the engine raised); keep serving."""
+        for rid, ticket in list(self._tickets.items()):
+            self.engine.cancel(rid)
+            self.engine.forget(rid)
+            del self._tickets[rid]
+            self._release(1)
+            self.metrics.finished.labels("error").inc()
+            ticket.deliver(("failed", ticket.rids[rid], why))
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._outstanding -= n
+
+    def _publish(self) -> None:
+        s = self.engine.stats()
+        m = self.metrics
+        m.running.set(s.running)
+        m.waiting.set(s.waiting)
+        m.pages.labels("used").set(s.pages_used)
+        m.pages.labels("cached").set(s.pages_cached)
+        m.pages.labels("free").set(s.pages_free)
+
+
+# ---------------------------------------------------------------------------- one HTTP request
+class Submission:
+    """The asyncio side of a ticket: messages from the worker arrive on ``queue``."""
+
+    def __init__(self, server: Server, jobs: list[tuple[Any, EngineRequest]]) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = server
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.ticket = Ticket(jobs, lambda m: loop.call_soon_threadsafe(self.queue.put_nowait, m))
+        self.done = False
+
+    async def start(self) -> None:
+        """Submit; return once the engine took the requests (raise ``APIError`` otherwise)."""
+        try:
+            self.server.worker.submit(self.ticket)
+        except QueueFull:
+            self.server.metrics.rejected.labels("429").inc()
+            raise APIError(429, "the server's queue is full; retry later",
+                           kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ShuttingDown:
+            self.server.metrics.rejected.labels("503").inc()
+            raise APIError(503, "the server is shutting down", kind="server_error",
+                           code="shutting_down") from None
+        kind, _, why = await self.queue.get()
+        if kind == "rejected":
+            self.done = True
+            if why is None:
+                raise APIError(503, "the server is shutting down", kind="server_error",
+                               code="shutting_down")
+            raise APIError(400, why)
+
+    def cancel(self) -> None:
+        """Cancel what is still running (the client went away)."""
+        if not self.done:
+            self.done = True
+            self.server.worker.cancel(self.ticket)
+
+
+@dataclasses.dataclass
+class Choice:
+    """One generated choice while it runs: its request, streamed text, final result."""
+
+    index: int
+    request: EngineRequest
+    text: TextStream
+    result: Completion | None = None
+    error: str | None = None
+    ended: bool = False
+
+
+async def collect(sub: Submission, request: Request) -> dict[Any, Any] | None:
+    """Wait for every job's result (``key -> result``); a client that disconnects first
+    cancels them (None). A job that failed raises a 500."""
+    results: dict[Any, Any] = {}
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        while len(results) < len(sub.ticket.jobs):
+            getter = asyncio.ensure_future(sub.queue.get())
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                return None  # nobody is left to answer; finally cancels the jobs
+            kind, key, payload = getter.result()
+            if kind == "failed":
+                raise APIError(500, f"the request failed: {payload}", kind="server_error")
+            if kind == "done":
+                if payload is None:
+                    raise APIError(503, "the server is shutting down", kind="server_error",
+                                   code="shutting_down")
+                if payload.error is not None:
+                    raise APIError(500, f"the request failed: {payload.error}",
+                                   kind="server_error")
+                results[key] = payload
+    finally:
+        watcher.cancel()
+        sub.done = len(results) == len(sub.ticket.jobs) or sub.done
+        sub.cancel()
+    return results
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body was read, so ``receive`` waits)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------------------- the server
+class Server:
+    """The model, its engine worker and metrics behind one FastAPI app."""
+
+    def __init__(self, model: Model, engine: Any, name: str, worker: EngineWorker) -> None:
+        self.model, self.engine, self.name = model, engine, name
+        self.worker = worker
+        self.metrics = worker.metrics
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ helpers
+    def check_model(self, name: str) -> None:
+        """400 unless ``name`` is the served model's."""
+        if name != self.name:
+            raise APIError(400, f"the model {name!r} is not served here; this server serves "
+                           f"{self.name!r}", param="model", code="model_not_found")
+
+    def sampling(self, body: _Sampling, max_tokens: int, index: int) -> SamplingParams:
+        """The ``SamplingParams`` of choice ``index`` (its seed is ``seed + index``)."""
+        seed = None if body.seed is None else body.seed + index
+        options = dict(max_new_tokens=max_tokens, seed=seed,
+                       stop=() if body.stop is None else body.stop,
+                       ignore_eos=body.ignore_eos,
+                       temperature=1.0 if body.temperature is None else body.temperature,
+                       top_p=1.0 if body.top_p is None else body.top_p,
+                       top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+                       repetition_penalty=(1.0 if body.repetition_penalty is None
+                                           else body.repetition_penalty),
+                       logprobs=body.wants_logprobs())
+        return SamplingParams(**options)
+
+    def generation_jobs(self, body: _Sampling, prompts: Sequence[Any], chat: bool,
+                        max_tokens: int | None) -> tuple[list[list[int]], list[Choice]]:
+        """Prompt ids and the ``n`` choices per prompt, validated by the library
+        (``InputError`` -> 400). ``max_tokens`` None: up to the context's end."""
+        ids_list, choices = [], []
+        for i, prompt in enumerate(prompts):
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            try:
+                ids = encode(self.model, prompt, chat=chat)
+                ids_list.append(ids)
+                if max_tokens == 0:
+                    continue  # echo only: the prompt is scored, nothing generated
+                limit = max_tokens
+                if limit is None:
+                    limit = max(1, self.max_seq_len - len(ids))
+                for j in range(body.n):
+                    sp = self.sampling(body, limit, j)
+                    (req,) = make_requests(self.model, ids, False, sp, {})
+                    choices.append(Choice(len(choices), req, TextStream(self.model, sp.stop)))
+            except InputError as e:
+                err = input_error(e)
+                err.message = where + err.message
+                raise err from None
+        return ids_list, choices
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt + output the engine holds."""
+        engines = getattr(self.engine, "replicas", [self.engine])
+        return min(e.max_seq_len for e in engines)
+
+    # ------------------------------------------------------------------ endpoints
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        body: CompletionBody = parse_body(await request.body(), CompletionBody)
+        self.check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        ids_list, choices = self.generation_jobs(body, prompts, False, body.max_tokens)
+        jobs: list[tuple[Any, EngineRequest]] = [(c.index, c.request) for c in choices]
+        if body.echo and body.wants_logprobs():
+            for i, ids in enumerate(ids_list):
+                if len(ids) > 1:  # the first token has no context to be scored with
+                    (req,) = make_score_requests(self.model, [(ids[:1], ids[1:])])
+                    jobs.append((("echo", i), req))
+        sub = Submission(self, jobs)
+        await sub.start()
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return self._stream(sub, choices, body, rid, created, chat=False)
+        results = await collect(sub, request)
+        if results is None:
+            return Response(status_code=499)  # client gone: never sent
+        out = []
+        for i, ids in enumerate(ids_list):
+            prompt_text = self.model.tokenizer.decode(ids) if body.echo else ""
+            echo = results.get(("echo", i))
+            echo_lps = [None] + (echo.token_logprobs if echo is not None else [])
+            if body.max_tokens == 0:
+                out.append(self._text_choice(len(out), prompt_text, [], ids, echo_lps, "length",
+                                             body.wants_logprobs()))
+                continue
+            for j in range(body.n):
+                c = results[i * body.n + j]
+                text = prompt_text + c.text
+                out.append(self._text_choice(
+                    len(out), text, c.token_ids, ids if body.echo else [],
+                    echo_lps if body.echo else [], c.finish_reason, body.wants_logprobs(),
+                    c.logprobs))
+        generated = sum(len(c.token_ids) for c in results.values()
+                        if isinstance(c, Completion))
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": self.name,
+            "choices": out, "usage": _usage(sum(len(ids) for ids in ids_list), generated)})
+
+    def _text_choice(self, index: int, text: str, token_ids: list[int], prompt_ids: list[int],
+                     prompt_lps: list[float | None], finish_reason: str, with_logprobs: bool,
+                     logprobs: list[float] | None = None) -> dict[str, Any]:
+        """One ``/v1/completions`` choice; ``logprobs`` in OpenAI's legacy layout."""
+        lp = None
+        if with_logprobs:
+            ids = list(prompt_ids) + list(token_ids)
+            values = list(prompt_lps) + list(logprobs or [])
+            tok = self.model.tokenizer  # offsets count characters from the choice's start
+            lp = {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": values,
+                  "top_logprobs": None,
+                  "text_offset": [len(tok.decode(ids[:k])) for k in range(len(ids))]}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+
+    async def chat(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        body: ChatBody = parse_body(await request.body(), ChatBody)
+        self.check_model(body.model)
+        if self.model.tokenizer is None or not self.model.tokenizer.chat_template:
+            raise APIError(400, f"the model {self.name!r} has no chat template; use "
+                           "/v1/completions", param="messages")
+        max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+        (ids,), choices = self.generation_jobs(body, [body.texts()], True, max_tokens)
+        sub = Submission(self, [(c.index, c.request) for c in choices])
+        await sub.start()
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return self._stream(sub, choices, body, rid, created, chat=True)
+        results = await collect(sub, request)
+        if results is None:
+            return Response(status_code=499)  # client gone: never sent
+        out = []
+        for c in choices:
+            r = results[c.index]
+            out.append({"index": c.index, "message": {"role": "assistant", "content": r.text},
+                        "logprobs": self._chat_logprobs(r) if body.logprobs else None,
+                        "finish_reason": r.finish_reason})
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": self.name,
+            "choices": out,
+            "usage": _usage(len(ids), sum(len(r.token_ids) for r in results.values()))})
+
+    def _chat_logprobs(self, r: Completion) -> dict[str, Any]:
+        tok = self.model.tokenizer
+        pieces = [tok.decode([t]) for t in r.token_ids]
+        return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
+                             "top_logprobs": []}
+                            for p, lp in zip(pieces, r.logprobs or [], strict=True)]}
+
+    def _stream(self, sub: Submission, choices: list[Choice], body: _Sampling, rid: str,
+                created: int, chat: bool) -> StreamingResponse:
+        return StreamingResponse(self._events(sub, choices, body, rid, created, chat),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _events(self, sub: Submission, choices: list[Choice], body: _Sampling, rid: str,
+                      created: int, chat: bool) -> AsyncIterator[str]:
+        """SSE ``data:`` chunks of a streamed response, then ``data: [DONE]``.
+
+        Text arrives in final pieces (``TextStream``); per-token log-probabilities come with
+        each choice's last chunk. A choice that fails or is cancelled by shutdown ends with an
+        ``{"error": ...}`` chunk.
+        """
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(c: Choice, text: str, finish: str | None, lps: Any = None) -> str:
+            if chat:
+                delta = {"content": text} if text else {}
+                piece: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lps,
+                                         "finish_reason": finish}
+            else:
+                piece = {"index": c.index, "text": text, "logprobs": lps,
+                         "finish_reason": finish}
+            return _sse({"id": rid, "object": obj, "created": created, "model": self.name,
+                         "choices": [piece]})
+
+        try:
+            if chat:  # OpenAI opens each choice with the assistant role
+                for c in choices:
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": self.name,
+                                "choices": [{"index": c.index,
+                                             "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+            left = len(choices)
+            while left:
+                kind, key, payload = await sub.queue.get()
+                c = choices[key]
+                if kind == "tokens":
+                    piece = c.text.add(payload)
+                    if piece:
+                        yield chunk(c, piece, None)
+                    continue
+                left -= 1
+                c.ended = True
+                if kind == "failed" or payload is None or payload.error is not None:
+                    why = ("the server is shutting down" if kind == "done" and payload is None
+                           else payload if kind == "failed" else payload.error)
+                    yield _sse(APIError(500, f"choice {c.index} failed: {why}",
+                                        kind="server_error").body())
+                    continue
+                c.result = payload
+                lps = None
+                if body.wants_logprobs():
+                    lps = (self._chat_logprobs(payload) if chat else self._text_choice(
+                        c.index, payload.text, payload.token_ids, [], [], "", True,
+                        payload.logprobs)["logprobs"])
+                rest = c.text.add(None)
+                yield chunk(c, rest, payload.finish_reason, lps)
+            sub.done = True
+            if body.stream_options is not None and body.stream_options.include_usage:
+                prompt = len(choices[0].request.prompt_ids) if choices else 0
+                gen = sum(len(c.result.token_ids) for c in choices if c.result is not None)
+                yield _sse({"id": rid, "object": obj, "created": created, "model": self.name,
+                            "choices": [], "usage": _usage(prompt, gen)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (cancelled) or the response ended
+            sub.cancel()
+
+    async def models(self) -> dict[str, Any]:
+        """``GET /v1/models``."""
+        return {"object": "list", "data": [{"id": self.name, "object": "model",
+                                            "created": self.created, "owned_by": "jaxinfer",
+                                            "max_model_len": self.max_seq_len}]}
+
+    async def health(self) -> Response:
+        """``GET /health``: 200 while serving, 503 while shutting down."""
+        if self.worker.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        """``GET /metrics``: Prometheus text exposition."""
+        return Response(generate_latest(self.metrics.registry),
+                        media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _usage(prompt: int, generated: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": generated,
+            "total_tokens": prompt + generated}
+
+
+def create_app(model: Model, *, engine: Any = None, name: str | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE, max_decode_steps: int | None = None,
+               shutdown_grace_s: float = 30.0) -> FastAPI:
+    """The FastAPI app serving ``model`` (``uvicorn.run(create_app(model))``).
+
+    Args:
+      model: a loaded model with a tokenizer.
+      engine: the engine to serve from (default ``engine_for(model)``, the model's own);
+        only the server's thread steps it while the app runs.
+      name: the model id clients pass as ``"model"`` (default ``model.name``).
+      max_queue: requests that may wait for a slot before new ones get 429.
+      max_decode_steps: see ``EngineWorker``.
+      shutdown_grace_s: at shutdown, running requests get this long to finish before they
+        are cancelled.
+
+    The engine thread starts with the app (lifespan start) and stops with it.
+    """
+    if model.tokenizer is None:
+        raise InputError("serving needs a model with a tokenizer (text in and out)")
+    engine = engine if engine is not None else engine_for(model)
+    server = Server(model, engine, name or model.name or "jaxinfer",
+                    EngineWorker(engine, ServerMetrics(), max_queue, max_decode_steps))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.worker.start()
+        yield
+        await asyncio.to_thread(server.worker.stop, shutdown_grace_s)
+
+    app = FastAPI(title="jaxinfer", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind: Literal["invalid_request_error", "server_error"] = (
+            "invalid_request_error" if e.status_code < 500 else "server_error")
+        return APIError(e.status_code, str(e.detail), kind=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(e).__name__}: {e}",
+                        kind="server_error").response()
+
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
+    return app
