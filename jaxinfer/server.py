@@ -90,9 +90,9 @@ class APIError(Exception):
 
 def input_error(e: InputError) -> APIError:
     """A 400 for the library's one-line ``InputError``, naming the OpenAI parameter when the
-    message starts with a sampling option (``max_new_tokens=-1 must be ...``)."""
-    m = re.match(r"(\w+)=", str(e))
-    return APIError(400, str(e), param=_OPENAI_NAMES.get(m.group(1)) if m else None)
+    message names a sampling option (``max_new_tokens=-1 must be ...``)."""
+    names = (_OPENAI_NAMES.get(m) for m in re.findall(r"\b(\w+)=", str(e)))
+    return APIError(400, str(e), param=next((n for n in names if n), None))
 
 
 class QueueFull(Exception):

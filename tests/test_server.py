@@ -1,0 +1,412 @@
+"""jaxinfer.server: the OpenAI-compatible server, through real clients on loopback sockets.
+
+A tiny random model with a byte-level tokenizer and a chat template (float32, reference
+attention, so outputs are batch-invariant and equal ``jaxinfer.generate``'s). Its
+``generate`` engine has the server engine's sizes, so both share compiled step programs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import jaxinfer
+from jaxinfer.engine import Engine
+from jaxinfer.server import create_app
+
+REPO = Path(__file__).resolve().parents[1]
+# One token bucket and two decode row buckets: few step programs to compile.
+SIZES = dict(num_pages=96, page_size=8, max_batch=8, max_tokens_per_step=16, verbose=False)
+PROMPTS = ["Hello there", "The sea is", "Once upon a time", "1, 2, 3,", "abc", "Why?",
+           "Tell me more", "x y z"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, graceful_s: float | None = None) -> Iterator[tuple[str, object]]:
+    """Run ``app`` under uvicorn in a thread on a free loopback port; yield (url, server)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           timeout_graceful_shutdown=graceful_s))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from sharding.testing import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("server") / "model")
+    m = jaxinfer.load_model(folder, dtype="float32", backend="reference")
+    m.engine = Engine(m, **SIZES)  # generate()'s engine: the server's sizes, shared programs
+    return m
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    engine = Engine(model, **SIZES)
+    app = create_app(model, engine=engine, name="tiny", max_decode_steps=8)
+    with serving(app) as (url, _):
+        yield url, app.state.server
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed with prometheus_client: ``(sample name, labels) -> value``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_idle(url: str) -> dict:
+    """Poll /metrics until no request runs or waits and no page is in use."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(url)
+        idle = (m[("jaxinfer_requests_running", ())] == m[("jaxinfer_requests_waiting", ())]
+                == m[("jaxinfer_kv_pages", (("state", "used"),))] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_openai_client_completions_and_chat(model, client):
+    want = jaxinfer.generate(model, PROMPTS[:2], max_new_tokens=12, temperature=0.0,
+                             logprobs=True)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=12,
+                                  temperature=0, logprobs=0)
+    assert [c.text for c in r.choices] == [w.text for w in want]
+    assert [c.finish_reason for c in r.choices] == [w.finish_reason for w in want]
+    for c, w in zip(r.choices, want, strict=True):
+        assert c.logprobs.token_logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want[0].text
+
+    # Chat: the template renders the messages; streamed and not give the same text.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (chat_want,) = jaxinfer.generate(model, [messages], max_new_tokens=10, temperature=0.0)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                       temperature=0, logprobs=True)
+    assert r.choices[0].message.content == chat_want.text
+    assert r.choices[0].message.role == "assistant"
+    assert len(r.choices[0].logprobs.content) == len(chat_want.token_ids)
+    pieces = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(pieces)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == chat_want.text
+    assert chunks[-1].usage.completion_tokens == len(chat_want.token_ids)
+    assert chunks[-2].choices[0].finish_reason == chat_want.finish_reason
+
+
+def test_n_seed_and_stop(model, client):
+    kwargs = dict(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=1.0,
+                  seed=7, n=2, extra_body={"ignore_eos": True})
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert [c.index for c in a.choices] == [0, 1]
+    # Choice i samples with seed + i, as generate does with that seed.
+    want = jaxinfer.generate(model, ["Once upon a time"] * 2, sampling=[
+        jaxinfer.SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True)
+        for s in (7, 8)])
+    assert [c.text for c in a.choices] == [w.text for w in want]
+    assert want[0].text != want[1].text
+
+    # A stop string cuts the text before it, streamed or not.
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=16, temperature=0)
+    stop = full.choices[0].text[3:5]
+    assert len(stop) == 2
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=16, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == full.choices[0].text[: full.choices[0].text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt="abc", max_tokens=16,
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_echo_logprobs_score_the_prompt(model, served):
+    url, _ = served
+    ids = model.tokenizer.encode("The sea is blue")
+    r = httpx.post(url + "/v1/completions", json={
+        "model": "tiny", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0},
+        timeout=60).json()
+    (choice,) = r["choices"]
+    assert choice["text"] == model.tokenizer.decode(ids)
+    lps = choice["logprobs"]["token_logprobs"]
+    (want,) = jaxinfer.score(model, [(ids[:1], ids[1:])])
+    assert lps[0] is None and lps[1:] == pytest.approx(want.token_logprobs, abs=1e-5)
+    assert r["usage"]["completion_tokens"] == 0
+
+
+def test_64_concurrent_streaming_clients_equal_generate(model, served):
+    url, _ = served
+    n = 64
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(n)]
+    lengths = [4 + (i * 7) % 13 for i in range(n)]
+
+    async def one(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True}
+        text, done = [], False
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        assert done
+        return "".join(text)
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one(http, p, k)
+                                          for p, k in zip(prompts, lengths, strict=True)))
+
+    got = asyncio.run(run())
+    want = [jaxinfer.generate(model, p, max_new_tokens=k, temperature=0.0)[0].text
+            for p, k in zip(prompts, lengths, strict=True)]
+    assert got == want
+    wait_idle(url)
+
+
+def test_bad_requests_get_400(served):
+    url, _ = served
+    ok = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    cases = [
+        ("/v1/completions", "{not json", None),
+        ("/v1/completions", "[1, 2]", None),
+        ("/v1/completions", {**ok, "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {**ok, "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {**ok, "temperature": -1}, "temperature"),
+        ("/v1/completions", {**ok, "top_p": 2.0}, "top_p"),
+        ("/v1/completions", {**ok, "stop": [""]}, "stop"),
+        ("/v1/completions", {**ok, "n": 0}, "n"),
+        ("/v1/completions", {**ok, "model": "gpt-4"}, "model"),
+        ("/v1/completions", {**ok, "frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {**ok, "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {**ok, "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {**ok, "echo": True, "stream": True}, "echo"),
+        ("/v1/completions", {**ok, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {**ok, "prompt": ""}, None),
+        ("/v1/completions", {**ok, "prompt": []}, "prompt"),
+        ("/v1/completions", {**ok, "prompt": [1, 99999]}, None),
+        ("/v1/completions", {**ok, "prompt": [1, 2.5]}, "prompt"),
+        ("/v1/completions", {**ok, "prompt": "x" * 600}, None),  # over the 512 context
+        ("/v1/completions", {**ok, "max_tokens": 500, "prompt": "x" * 100}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi"}, "model"),
+        ("/v1/chat/completions", {**chat, "messages": []}, "messages"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]},
+         None),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user"}]}, "messages"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**chat, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages"),
+    ]
+    for path, body, param in cases:
+        content = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(url + path, content=content, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["type"] == "invalid_request_error" and err["message"], err
+        assert "\n" not in err["message"]
+        if param is not None:
+            assert err["param"] == param, (body, err)
+    assert httpx.get(url + "/v1/nothing").status_code == 404
+    assert httpx.get(url + "/v1/completions").status_code == 405
+    # The server still serves after all that.
+    assert httpx.post(url + "/v1/completions", json=ok, timeout=60).status_code == 200
+
+
+def test_models_health_and_metrics_move(served):
+    url, _ = served
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    (entry,) = httpx.get(url + "/v1/models").json()["data"]
+    assert entry["id"] == "tiny" and entry["max_model_len"] == 512
+    before = wait_idle(url)
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": ["a b", "c d"],
+                                                  "max_tokens": 6, "temperature": 0},
+                   timeout=60).json()
+    after = wait_idle(url)
+
+    def moved(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("jaxinfer_generation_tokens_total") == r["usage"]["completion_tokens"]
+    assert moved("jaxinfer_prompt_tokens_total") == r["usage"]["prompt_tokens"]
+    assert moved("jaxinfer_time_to_first_token_seconds_count") == 2
+    assert moved("jaxinfer_time_per_output_token_seconds_count") == sum(
+        c["finish_reason"] == "length" for c in r["choices"])
+    done = sum(moved("jaxinfer_requests_finished_total", (("finish_reason", k),))
+               for k in ("stop", "length"))
+    assert done == 2
+    total = sum(after[("jaxinfer_kv_pages", (("state", s),))] for s in ("used", "cached", "free"))
+    assert total == SIZES["num_pages"]
+
+
+@pytest.fixture
+def slow(model):
+    """A server whose engine sleeps 20 ms per step and decodes one token per step, with no
+    room to queue beyond its 8 slots: requests stay in flight long enough to disconnect,
+    overflow the queue and shut down under them."""
+    engine = Engine(model, **SIZES)
+    step = engine.step
+
+    def slow_step(max_decode_steps=None):
+        time.sleep(0.02)
+        return step(max_decode_steps)
+
+    engine.step = slow_step
+    app = create_app(model, engine=engine, name="tiny", max_queue=0, max_decode_steps=1,
+                     shutdown_grace_s=0.0)
+    return app, engine
+
+
+LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": True}
+
+
+def test_full_queue_429_and_disconnects_free_pages(slow):
+    app, engine = slow
+    with serving(app) as (url, _), httpx.Client(timeout=60) as http:
+        streams = [http.stream("POST", url + "/v1/completions", json={**LONG, "stream": True})
+                   for _ in range(SIZES["max_batch"])]
+        lines = []  # kept: a dropped line iterator closes its response
+        for s in streams:
+            r = s.__enter__()
+            assert r.status_code == 200
+            lines.append(r.iter_lines())
+            next(lines[-1])  # the request runs
+        full = http.post(url + "/v1/completions", json=LONG)
+        assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+        assert full.json()["error"]["code"] == "queue_full"
+        assert metrics(url)[("jaxinfer_requests_rejected_total", (("status", "429"),))] == 1
+        assert metrics(url)[("jaxinfer_kv_pages", (("state", "used"),))] > 0
+        for s in streams:  # the clients go away mid-stream
+            s.__exit__(None, None, None)
+        m = wait_idle(url)
+        cancelled = ("jaxinfer_requests_finished_total", (("finish_reason", "cancelled"),))
+        assert m[cancelled] == SIZES["max_batch"]
+
+        # A non-streaming client that gives up (read timeout) cancels its request too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=LONG, timeout=0.5)
+        m = wait_idle(url)
+        assert m[cancelled] == SIZES["max_batch"] + 1
+        assert app.state.server.worker.outstanding == 0
+    assert engine.stats().pages_used == 0 and not engine.has_unfinished()
+    engine.blocks.check_all_free()
+
+
+def test_shutdown_drains_short_requests_and_cancels_the_rest(slow):
+    app, engine = slow
+    with serving(app, graceful_s=1.0) as (url, server), httpx.Client(timeout=60) as http:
+        short = http.stream("POST", url + "/v1/completions",
+                            json={**LONG, "max_tokens": 5, "stream": True})
+        long = http.stream("POST", url + "/v1/completions", json={**LONG, "stream": True})
+        rs, rl = short.__enter__(), long.__enter__()
+        lines_s, lines_l = rs.iter_lines(), rl.iter_lines()
+        next(lines_s), next(lines_l)
+        server.should_exit = True  # what SIGINT/SIGTERM do
+        assert "data: [DONE]" in list(lines_s)  # drained: finished within the grace period
+        with contextlib.suppress(httpx.HTTPError):
+            assert "data: [DONE]" not in list(lines_l)  # cut at the grace period's end
+        short.__exit__(None, None, None)
+        long.__exit__(None, None, None)
+    assert not app.state.server.worker.outstanding
+    assert engine.stats().pages_used == 0 and not engine.has_unfinished()
+    with pytest.raises(httpx.ConnectError):  # nothing listens any more
+        httpx.get(url + "/health")
+
+
+def test_serve_rejects_bad_flags_before_loading(capsys):
+    from jaxinfer.cli import main
+
+    assert main(["serve", "--max-queue", "-1"]) == 2
+    assert "--max-queue=-1 must be >= 0" in capsys.readouterr().err
+    assert main(["serve", "--port", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_jaxinfer_serve_default_model_end_to_end(default_gguf, tmp_path):
+    """``jaxinfer serve`` in a process of its own: a chat answer, then SIGINT stops it."""
+    import openai
+
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(default_gguf),
+         "--served-model-name", "smollm2", "--port", str(port), "--no-warmup",
+         "--dtype", "float32"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is 2+2?"}],
+            max_tokens=24, temperature=0)
+        assert "4" in r.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
