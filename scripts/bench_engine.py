@@ -208,7 +208,8 @@ def warmup(engine: jaxinfer.Engine) -> float:
     return time.perf_counter() - t0
 
 
-def _percentiles_ms(xs_s: Sequence[float]) -> dict[str, float | None]:
+def percentiles_ms(xs_s: Sequence[float]) -> dict[str, float | None]:
+    """p50/p90/p99 of durations in seconds, in milliseconds (None when there are none)."""
     a_ms = np.asarray(xs_s, float) * 1e3
     return {f"p{q}": float(np.percentile(a_ms, q)) if a_ms.size else None for q in (50, 90, 99)}
 
@@ -244,9 +245,9 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
         elapsed_s=elapsed_s, output_tokens=output_tokens,
         planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=output_tokens / elapsed_s, req_per_s=len(ids) / elapsed_s,
-        ttft_ms=_percentiles_ms([m.time_to_first_token + late
+        ttft_ms=percentiles_ms([m.time_to_first_token + late
                                  for m, late in zip(metrics, late_s, strict=True)]),
-        tpot_ms=_percentiles_ms([m.time_per_output_token for m in metrics
+        tpot_ms=percentiles_ms([m.time_per_output_token for m in metrics
                                  if m.time_per_output_token is not None]),
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
         step_s=s.step_seconds - before.step_seconds,

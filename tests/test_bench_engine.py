@@ -91,3 +91,34 @@ def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch)
     engine = engine_module.Engine(model, num_pages=16, page_size=4, verbose=False)
     with pytest.raises(RuntimeError, match="benchmark request failed: .*ZeroDivisionError"):
         bench.run_batch1(engine, model.config, 4, 3, 3e12, 4)
+
+
+def test_bench_server_tiny_served_and_offline(tmp_path):
+    """scripts/bench_server.py on the same tiny engine sizes as above (its step programs are
+    compiled already): the workload through HTTP streaming clients and offline."""
+    spec = importlib.util.spec_from_file_location("bench_server",
+                                                  REPO / "scripts" / "bench_server.py")
+    server_bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_server"] = server_bench
+    spec.loader.exec_module(server_bench)
+
+    out = tmp_path / "r.json"
+    argv = ["--preset", "tiny", "--requests", "12", "--max-batch", "4", "--token-budget", "16",
+            "--output-max", "12", "--json", str(out)]
+    record = server_bench.main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert record["command"].endswith(" ".join(argv))
+    offline, served = record["offline"], record["served"]
+    bench = server_bench.bench_engine
+    planned = sum(bench.make_workload(bench.PRESETS["tiny"], 12, (4, 64), (4, 12), 0.0,
+                                      0).output_lens)
+    assert offline["planned_output_tokens"] == served["planned_output_tokens"] == planned
+    # The clients count the tokens the engine generated (usage chunks), every request once.
+    assert 0 < served["output_tokens"] == served["engine_generated_tokens"] <= planned
+    assert served["clients"] == 12 and served["programs_compiled_in_run"] == 0
+    assert served["output_tok_per_s"] == pytest.approx(served["output_tokens"]
+                                                       / served["elapsed_s"])
+    assert record["served_over_offline"] == pytest.approx(served["output_tok_per_s"]
+                                                          / offline["output_tok_per_s"])
+    assert served["ttft_ms"]["p50"] <= served["ttft_ms"]["p99"]
+    assert served["tpot_ms"]["p50"] is not None

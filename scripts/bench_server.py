@@ -1,0 +1,282 @@
+"""Serving benchmark over HTTP: the OpenAI-compatible server against the offline engine.
+
+Runs ``scripts/bench_engine.py``'s offline workload (same presets, lengths and seed: prompts
+of random token ids, output lengths forced with ``max_tokens``, greedy) twice in one
+process, each on a fresh ``Engine`` of the same sizes:
+
+1. offline: every request submitted to the engine at once (``bench_engine.run_workload``);
+2. served: the server (``jaxinfer.server.create_app`` under uvicorn, in a thread of this
+   process, on 127.0.0.1) and one concurrent streaming HTTP client per request (or
+   ``--clients N`` clients taking requests from a shared queue), each posting
+   ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
+
+It prints and records output tok/s of both, their ratio (the issue's target: >= 0.9), the
+fraction of the workload's device floor (``bench_engine.workload_floor``), and the clients'
+TTFT (request sent -> first text chunk) and TPOT ((last chunk - first chunk) / (tokens - 1))
+percentiles. A preset's random model has no tokenizer; it gets one that spells token ``i``
+as ``<i>`` (a word-level vocabulary of the preset's size), so the server detokenizes as it
+would for a real model.
+
+Needs fastapi, uvicorn, starlette, httpx and prometheus-client (no openai package).
+
+Usage:
+    python scripts/bench_server.py --preset 1b --json auto
+    python scripts/bench_server.py --preset 8b --requests 1000 --json auto
+    JAX_PLATFORMS=cpu python scripts/bench_server.py --preset tiny --requests 16 \
+        --max-batch 4 --token-budget 16 --json /tmp/x.json                     # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import jaxinfer
+from jaxinfer.benchmark import device_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_engine  # noqa: E402 - the sibling script, importable once its folder is on the path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def numbered_tokenizer(cfg: jaxinfer.LlamaConfig) -> Any:
+    """A ``jaxinfer.tokenizer.Tokenizer`` spelling token ``i`` as ``<i>`` (space-joined)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from jaxinfer.tokenizer import Tokenizer
+
+    backend = HFTokenizer(models.WordLevel({f"<{i}>": i for i in range(cfg.vocab_size)},
+                                           unk_token="<0>"))
+    return Tokenizer(backend, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids)
+
+
+def load(args: argparse.Namespace) -> tuple[jaxinfer.Model, jaxinfer.LlamaConfig]:
+    """The model to serve: ``--model`` loaded, or the preset's random weights with a
+    numbered tokenizer."""
+    if args.model:
+        model = jaxinfer.load_model(args.model, backend=args.backend)
+        return model, model.config
+    cfg = bench_engine.PRESETS[args.preset]
+    model = bench_engine.build_model(cfg, args.preset, args.layout, args.backend, args.seed)
+    model.tokenizer = numbered_tokenizer(cfg)
+    return model, cfg
+
+
+class ServerThread:
+    """uvicorn serving an app on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", backlog=4096))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn")
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start; see its log above")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+async def stream_one(http: Any, url: str, name: str, prompt: list[int], max_tokens: int
+                     ) -> dict[str, float]:
+    """One streamed completion; its token count (``usage``) and client-side timings."""
+    body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = last = None
+    tokens = None
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"the server answered {r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"benchmark request failed: {chunk['error']['message']}")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"][0]["text"]:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    if tokens is None:
+        raise RuntimeError("a stream ended without its usage chunk")
+    return dict(tokens=tokens, ttft_s=(first or sent) - sent,
+                tpot_s=(last - first) / (tokens - 1) if first and tokens > 1 else None)
+
+
+async def run_clients(url: str, name: str, w: bench_engine.Workload, clients: int
+                      ) -> tuple[list[dict[str, float]], float]:
+    """``clients`` concurrent streaming clients (0: one per request) over the workload, in
+    order; return per-request figures and the wall time."""
+    import httpx
+
+    jobs: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(w.prompts)):
+        jobs.put_nowait(i)
+    out: list[dict[str, float]] = [{} for _ in w.prompts]
+    n = clients or len(w.prompts)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+
+        async def client() -> None:
+            while not jobs.empty():
+                i = jobs.get_nowait()
+                out[i] = await stream_one(http, url, name, w.prompts[i], w.output_lens[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(n)))
+        elapsed = time.perf_counter() - t0
+    return out, elapsed
+
+
+def run_served(model: jaxinfer.Model, args: argparse.Namespace, w: bench_engine.Workload
+               ) -> dict[str, Any]:
+    """The workload through the server on a fresh, warmed-up engine; the run's figures."""
+    from jaxinfer.server import create_app
+
+    engine = bench_engine.make_engine(model, args)
+    warmup_s = bench_engine.warmup(engine)
+    before = engine.stats()
+    app = create_app(model, engine=engine, name="bench", max_queue=len(w.prompts))
+    with ServerThread(app) as srv:
+        per, elapsed = asyncio.run(run_clients(srv.url, "bench", w, args.clients))
+    s = engine.stats()
+    tokens = sum(r["tokens"] for r in per)
+    return dict(
+        warmup_s=warmup_s, clients=args.clients or len(w.prompts), elapsed_s=elapsed,
+        output_tokens=tokens, planned_output_tokens=sum(w.output_lens),
+        output_tok_per_s=tokens / elapsed, req_per_s=len(per) / elapsed,
+        ttft_ms=bench_engine.percentiles_ms([r["ttft_s"] for r in per]),
+        tpot_ms=bench_engine.percentiles_ms([r["tpot_s"] for r in per
+                                             if r["tpot_s"] is not None]),
+        engine_generated_tokens=s.generated_tokens - before.generated_tokens,
+        steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
+        device_s=s.device_seconds - before.device_seconds,
+        preemptions=s.num_preemptions - before.num_preemptions,
+        programs_compiled_in_run=s.num_programs - before.num_programs,
+        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """``bench_engine``'s flags (one offline rate) plus ``--model`` and ``--clients``."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(bench_engine.PRESETS), default="tiny")
+    ap.add_argument("--model", default=None,
+                    help="a model folder or name (load_model) instead of a preset's random "
+                         "weights; its config sets the workload's vocabulary")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--clients", type=int, default=0,
+                    help="concurrent HTTP clients; 0 (default) = one per request, all at once")
+    for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help="default: bench_engine's for the preset")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", default="auto")
+    ap.add_argument("--backend", default="auto", choices=("auto", "pallas", "reference"))
+    ap.add_argument("--max-batch", type=int, default=None, help="engine slots")
+    ap.add_argument("--token-budget", type=int, default=None, help="max_tokens_per_step")
+    ap.add_argument("--kv-bytes", type=float, default=None)
+    ap.add_argument("--decode-steps", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--schedule", default=None, choices=("fcfs", "longest_first"))
+    ap.add_argument("--matmul-tflops", type=float, default=None)
+    ap.add_argument("--read-tbps", type=float, default=None)
+    ap.add_argument("--compile-cache", default=None,
+                    help="JAX persistent compilation cache folder")
+    ap.add_argument("--json", default=None,
+                    help="write the record here; 'auto' = bench/results/<device>/"
+                         "server_issue14/server_<preset>_<date>.json")
+    args = ap.parse_args(argv)
+    if args.kv_bytes is None:
+        args.kv_bytes = bench_engine.DEFAULT_KV_BYTES.get(args.preset)
+    for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
+                           bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.clients < 0:
+        ap.error(f"--clients={args.clients} must be >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run both; return the JSON record (also written to ``--json``)."""
+    args = parse_args(argv)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    model, cfg = load(args)
+    kind = jax.devices()[0].device_kind
+    flops, bandwidth, note = bench_engine.ceilings(kind, args.matmul_tflops, args.read_tbps)
+    now = datetime.datetime.now(datetime.UTC)
+    label = args.preset if args.model is None else Path(args.model).name
+    w = bench_engine.make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
+                                   (args.output_min, args.output_max), 0.0, args.seed)
+    print(f"== {label} ({model.layout} layout) on {kind}: {args.requests} requests, prompts "
+          f"{args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-{args.output_max}",
+          flush=True)
+
+    engine = bench_engine.make_engine(model, args)
+    floor = bench_engine.workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
+                                        jnp.dtype(model.dtype).itemsize)
+    offline = dict(warmup_s=bench_engine.warmup(engine), **bench_engine.run_workload(engine, w))
+    del engine
+    print(f"-- offline engine: {offline['output_tokens']} tokens in {offline['elapsed_s']:.2f} s"
+          f" = {offline['output_tok_per_s']:.0f} output tok/s "
+          f"({offline['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor "
+          f"{floor['floor_output_tok_per_s']:.4g} tok/s)", flush=True)
+
+    served = run_served(model, args, w)
+    ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
+    print(f"-- served over HTTP ({served['clients']} streaming clients): "
+          f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
+          f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline, "
+          f"{served['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor")
+    print(f"   client TTFT ms {served['ttft_ms']}  TPOT ms {served['tpot_ms']}", flush=True)
+    record = dict(
+        date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
+        command=" ".join(["python", *(sys.argv if argv is None
+                                      else ["scripts/bench_server.py", *argv])]),
+        model=label, layout=model.layout, dtype=str(jnp.dtype(model.dtype)),
+        args=vars(args), ceilings=dict(matmul_flops_per_s=flops, read_bytes_per_s=bandwidth,
+                                       source=note),
+        floor=floor, offline=offline, served=served, served_over_offline=ratio,
+        served_fraction_of_floor=served["output_tok_per_s"] / floor["floor_output_tok_per_s"])
+    if args.json:
+        path = (REPO / "bench" / "results" / device_name() / "server_issue14"
+                / f"server_{label}_{now.strftime('%Y%m%d')}.json"
+                if args.json == "auto" else Path(args.json))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
