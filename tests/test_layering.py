@@ -20,7 +20,7 @@ PACKAGES = ("pallas_kernels", "jaxinfer", "sharding", "checkpoints")
 CORE = {"errors", "config", "params", "quantize", "tokenizer", "paged_cache", "attention",
         "sampling", "presets", "roofline"}
 SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading", "server"}
-TOOLS = {"cli", "perf_cli", "benchmark"}
+TOOLS = {"cli", "perf_cli", "benchmark", "lm_eval_adapter"}
 
 
 def group(module: str) -> str:
