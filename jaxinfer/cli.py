@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-grace", type=float, default=30.0,
                     help="seconds running requests get to finish at shutdown (then cancelled)")
     sv.add_argument("--no-warmup", action="store_true",
-                    help="compile the engine's step programs on first use, not at start")
+                    help="on an accelerator, compile the engine's step programs on first use "
+                         "instead of at start (on CPU they always are)")
     from jaxinfer.perf_cli import add_parsers
 
     add_parsers(sub)  # plan, bench
@@ -206,6 +207,7 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import jax
     import uvicorn
 
     from jaxinfer.errors import InputError
@@ -220,8 +222,8 @@ def _serve(args: argparse.Namespace) -> None:
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
                        mesh=mesh_from_args(args))
     engine = engine_for(model)
-    if not args.no_warmup:
-        engine.warmup(sampled=True)
+    if not args.no_warmup and jax.default_backend() != "cpu":
+        engine.warmup(sampled=True)  # seconds per program there; minutes in all on a CPU
     app = create_app(model, engine=engine, name=args.served_model_name or args.model,
                      max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)
     # uvicorn stops on SIGINT/SIGTERM: it closes the listening socket, lets open responses

@@ -273,6 +273,7 @@ class Ticket:
 
     jobs: list[tuple[Any, EngineRequest]]
     deliver: Callable[[Message], None]  # called from the worker thread
+    stream: bool  # deliver each step's new tokens (else only results)
     rids: dict[int, Any] = dataclasses.field(default_factory=dict)  # engine id -> key
     cancelled: bool = False
 
@@ -413,7 +414,7 @@ class EngineWorker:
                 if ticket is None:
                     continue
                 key = ticket.rids[rid]
-                if tokens:
+                if tokens and ticket.stream:
                     ticket.deliver(("tokens", key, tokens))
                 if finished:
                     self._finish(rid, ticket, key)
@@ -505,11 +506,13 @@ class EngineWorker:
 class Submission:
     """The asyncio side of a ticket: messages from the worker arrive on ``queue``."""
 
-    def __init__(self, server: Server, jobs: list[tuple[Any, EngineRequest]]) -> None:
+    def __init__(self, server: Server, jobs: list[tuple[Any, EngineRequest]], stream: bool
+                 ) -> None:
         loop = asyncio.get_running_loop()
         self.server = server
         self.queue: asyncio.Queue[Message] = asyncio.Queue()
-        self.ticket = Ticket(jobs, lambda m: loop.call_soon_threadsafe(self.queue.put_nowait, m))
+        self.ticket = Ticket(jobs, lambda m: loop.call_soon_threadsafe(self.queue.put_nowait, m),
+                             stream)
         self.done = False
 
     async def start(self) -> None:
@@ -667,7 +670,7 @@ class Server:
                 if len(ids) > 1:  # the first token has no context to be scored with
                     (req,) = make_score_requests(self.model, [(ids[:1], ids[1:])])
                     jobs.append((("echo", i), req))
-        sub = Submission(self, jobs)
+        sub = Submission(self, jobs, body.stream)
         await sub.start()
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -720,7 +723,7 @@ class Server:
                            "/v1/completions", param="messages")
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         (ids,), choices = self.generation_jobs(body, [body.texts()], True, max_tokens)
-        sub = Submission(self, [(c.index, c.request) for c in choices])
+        sub = Submission(self, [(c.index, c.request) for c in choices], body.stream)
         await sub.start()
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
