@@ -275,7 +275,6 @@ class Ticket:
     deliver: Callable[[Message], None]  # called from the worker thread
     stream: bool  # deliver each step's new tokens (else only results)
     rids: dict[int, Any] = dataclasses.field(default_factory=dict)  # engine id -> key
-    cancelled: bool = False
 
 
 class ServerMetrics:
@@ -459,7 +458,6 @@ class EngineWorker:
         self._publish()
 
     def _cancel(self, ticket: Ticket) -> None:
-        ticket.cancelled = True
         for rid, key in list(ticket.rids.items()):
             if self._tickets.pop(rid, None) is None:
                 continue  # finished already
@@ -551,8 +549,6 @@ class Choice:
     request: EngineRequest
     text: TextStream
     result: Completion | None = None
-    error: str | None = None
-    ended: bool = False
 
 
 async def collect(sub: Submission, request: Request) -> dict[Any, Any] | None:
@@ -674,7 +670,8 @@ class Server:
         await sub.start()
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return self._stream(sub, choices, body, rid, created, chat=False)
+            return self._stream(sub, choices, body, rid, created, False,
+                                sum(len(ids) for ids in ids_list))
         results = await collect(sub, request)
         if results is None:
             return Response(status_code=499)  # client gone: never sent
@@ -727,7 +724,7 @@ class Server:
         await sub.start()
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return self._stream(sub, choices, body, rid, created, chat=True)
+            return self._stream(sub, choices, body, rid, created, True, len(ids))
         results = await collect(sub, request)
         if results is None:
             return Response(status_code=499)  # client gone: never sent
@@ -750,13 +747,14 @@ class Server:
                             for p, lp in zip(pieces, r.logprobs or [], strict=True)]}
 
     def _stream(self, sub: Submission, choices: list[Choice], body: _Sampling, rid: str,
-                created: int, chat: bool) -> StreamingResponse:
-        return StreamingResponse(self._events(sub, choices, body, rid, created, chat),
+                created: int, chat: bool, prompt_tokens: int) -> StreamingResponse:
+        return StreamingResponse(self._events(sub, choices, body, rid, created, chat,
+                                              prompt_tokens),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def _events(self, sub: Submission, choices: list[Choice], body: _Sampling, rid: str,
-                      created: int, chat: bool) -> AsyncIterator[str]:
+                      created: int, chat: bool, prompt_tokens: int) -> AsyncIterator[str]:
         """SSE ``data:`` chunks of a streamed response, then ``data: [DONE]``.
 
         Text arrives in final pieces (``TextStream``); per-token log-probabilities come with
@@ -793,7 +791,6 @@ class Server:
                         yield chunk(c, piece, None)
                     continue
                 left -= 1
-                c.ended = True
                 if kind == "failed" or payload is None or payload.error is not None:
                     why = ("the server is shutting down" if kind == "done" and payload is None
                            else payload if kind == "failed" else payload.error)
@@ -810,10 +807,9 @@ class Server:
                 yield chunk(c, rest, payload.finish_reason, lps)
             sub.done = True
             if body.stream_options is not None and body.stream_options.include_usage:
-                prompt = len(choices[0].request.prompt_ids) if choices else 0
                 gen = sum(len(c.result.token_ids) for c in choices if c.result is not None)
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.name,
-                            "choices": [], "usage": _usage(prompt, gen)})
+                            "choices": [], "usage": _usage(prompt_tokens, gen)})
             yield "data: [DONE]\n\n"
         finally:  # the client went away (cancelled) or the response ended
             sub.cancel()

@@ -123,9 +123,13 @@ def test_openai_client_completions_and_chat(model, client):
     assert r.usage.completion_tokens == sum(len(w.token_ids) for w in want)
     assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
 
-    streamed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12,
-                                         temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in streamed) == want[0].text
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i, w in enumerate(want):
+        assert "".join(c.choices[0].text for c in chunks
+                       if c.choices and c.choices[0].index == i) == w.text
+    assert chunks[-1].usage.model_dump() == r.usage.model_dump()
 
     # Chat: the template renders the messages; streamed and not give the same text.
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
