@@ -158,36 +158,40 @@ class TextStream:
     """The final text of one generation, in pieces, as its tokens arrive (``stream`` and the
     server's streamed responses).
 
-    Each ``add`` decodes the tokens so far and returns the text that became final: an
-    incomplete character and anything that could start a stop string are held back until
-    more tokens (or the end, ``add(None)``) decide them; a stop string and what follows it
-    are never returned. The pieces add up to the request's ``Completion.text``.
+    Tokens are detokenized incrementally (``Tokenizer.incremental_decoder``: a short window
+    per token, so a long output costs linear time); ``add`` returns the text that became
+    final: an incomplete character and anything that could start a stop string are held
+    back until more tokens (or the end, ``add(None)``) decide them; a stop string and what
+    follows it are never returned. The pieces add up to the request's ``Completion.text``.
     """
 
     def __init__(self, model: Model, stops: Sequence[str]) -> None:
         if model.tokenizer is None:
             raise InputError("streaming text needs a tokenizer; stream token ids instead")
-        self._tokenizer = model.tokenizer
+        self._decoder = model.tokenizer.incremental_decoder()
         self._stops = tuple(stops)
         self._hold = max((len(s) - 1 for s in self._stops), default=0)
-        self._tokens: list[int] = []
-        self.text = ""  # emitted so far
+        self._decoded = ""  # text the decoder made final
+        self._stopped = False  # a stop string was found: nothing more is returned
+        self.text = ""  # returned so far
 
     def add(self, new: Sequence[int] | None) -> str:
         """Take newly generated token ids (``None`` at the end); return the new final text."""
-        self._tokens += new or []
-        text = self._tokenizer.decode(self._tokens)
-        cut = find_stop(text, self._stops)  # the token completing a stop string stays
+        if self._stopped:
+            return ""
+        self._decoded += (self._decoder.add_many(new) if new is not None
+                          else self._decoder.flush())
+        text = self._decoded
+        # A stop string ending in the new text starts at most len(stop) - 1 characters
+        # before it, inside the held-back tail.
+        cut = find_stop(text[len(self.text):], self._stops)
         if cut >= 0:
-            text = text[:cut]
+            text, self._stopped = text[: len(self.text) + cut], True
         elif new is not None:
-            # Hold back an incomplete character and anything that could start a stop string.
-            text = text.rstrip("\ufffd")
             text = text[: max(len(self.text), len(text) - self._hold)]
-        if text.startswith(self.text) and len(text) > len(self.text):
-            piece, self.text = text[len(self.text):], text
-            return piece
-        return ""
+        piece = text[len(self.text):]
+        self.text = text
+        return piece
 
 
 def score(model: Model, requests: ScorePair | Sequence[ScorePair]) -> list[ScoreResult]:

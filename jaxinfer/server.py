@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -267,14 +267,21 @@ def parse_body(raw: bytes, kind: type[_Body]) -> Any:
 Message = tuple[str, Any, Any]  # (kind, key, payload): "accepted"/"rejected"/"tokens"/"done"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity
 class Ticket:
-    """One HTTP request's engine requests, each under the key its handler chose."""
+    """One HTTP request's engine requests, each under the key its handler chose, and where
+    the worker puts its messages: lists of them on ``queue``, through ``loop``."""
 
     jobs: list[tuple[Any, EngineRequest]]
-    deliver: Callable[[Message], None]  # called from the worker thread
-    stream: bool  # deliver each step's new tokens (else only results)
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[list[Message]]
+    stream: bool  # send each step's new tokens (else only results)
     rids: dict[int, Any] = dataclasses.field(default_factory=dict)  # engine id -> key
+
+
+def _put_all(items: list[tuple[asyncio.Queue[list[Message]], list[Message]]]) -> None:
+    for q, messages in items:
+        q.put_nowait(messages)
 
 
 class ServerMetrics:
@@ -324,7 +331,8 @@ class ServerMetrics:
 
 class EngineWorker:
     """The thread that owns the engine: requests in through ``submit``/``cancel`` (from any
-    thread), tokens and results out through each ticket's ``deliver``.
+    thread), tokens and results out to each ticket's queue, one wake-up of the handlers'
+    event loop per step with every ticket's messages of that step.
 
     Args:
       engine: an ``Engine`` or ``DataParallelEngine`` (nothing else may step it).
@@ -350,6 +358,7 @@ class EngineWorker:
         self._closing = False
         self._deadline: float | None = None  # stop(): cancel what is left at this time
         self._tickets: dict[int, Ticket] = {}  # engine id -> ticket (worker thread only)
+        self._outbox: dict[Ticket, list[Message]] = {}  # sent at the end of each iteration
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
 
     def start(self) -> None:
@@ -368,7 +377,7 @@ class EngineWorker:
 
     def submit(self, ticket: Ticket) -> None:
         """Queue a ticket's requests; the worker answers ``("accepted", None, None)`` or
-        ``("rejected", None, message)`` through ``ticket.deliver`` before any tokens."""
+        ``("rejected", None, message)`` (None: shutting down) before any tokens."""
         with self._lock:
             if self._closing:
                 raise ShuttingDown
@@ -397,16 +406,19 @@ class EngineWorker:
             self._take(block=not self.engine.has_unfinished())
             if self._deadline is not None and (time.monotonic() >= self._deadline
                                                or not self.engine.has_unfinished()):
-                for ticket in {id(t): t for t in self._tickets.values()}.values():
+                for ticket in set(self._tickets.values()):
                     self._cancel(ticket)
                 self._take(block=False, refuse=True)  # submissions that raced with stop()
+                self._flush()
                 return
+            self._flush()  # acceptances and cancellations now, not after the step
             if not self.engine.has_unfinished():
                 continue
             try:
                 events = self.engine.step(self.max_decode_steps)
             except Exception as e:  # noqa: BLE001 - a bug must not leave clients hanging
                 self._fail_all(f"the engine step raised {type(e).__name__}: {e}")
+                self._flush()
                 continue
             for rid, tokens, finished in events:
                 ticket = self._tickets.get(rid)
@@ -414,10 +426,24 @@ class EngineWorker:
                     continue
                 key = ticket.rids[rid]
                 if tokens and ticket.stream:
-                    ticket.deliver(("tokens", key, tokens))
+                    self._send(ticket, ("tokens", key, tokens))
                 if finished:
                     self._finish(rid, ticket, key)
             self._publish()
+            self._flush()
+
+    def _send(self, ticket: Ticket, message: Message) -> None:
+        self._outbox.setdefault(ticket, []).append(message)
+
+    def _flush(self) -> None:
+        """Hand the iteration's messages to their event loops, one wake-up per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for ticket, messages in self._outbox.items():
+            by_loop.setdefault(ticket.loop, []).append((ticket.queue, messages))
+        self._outbox = {}
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _take(self, block: bool, refuse: bool = False) -> None:
         """Apply the inbox's commands; wait for one first when ``block``; ``refuse`` new
@@ -439,7 +465,7 @@ class EngineWorker:
     def _add(self, ticket: Ticket, refuse: bool) -> None:
         if refuse:
             self._release(len(ticket.jobs))
-            ticket.deliver(("rejected", None, None))
+            self._send(ticket, ("rejected", None, None))
             return
         try:
             for key, req in ticket.jobs:
@@ -450,11 +476,11 @@ class EngineWorker:
                 self.engine.forget(rid)
             ticket.rids.clear()
             self._release(len(ticket.jobs))
-            ticket.deliver(("rejected", None, str(e)))
+            self._send(ticket, ("rejected", None, str(e)))
             return
         for rid in ticket.rids:
             self._tickets[rid] = ticket
-        ticket.deliver(("accepted", None, None))
+        self._send(ticket, ("accepted", None, None))
         self._publish()
 
     def _cancel(self, ticket: Ticket) -> None:
@@ -465,7 +491,7 @@ class EngineWorker:
             self.engine.forget(rid)
             self.metrics.finished.labels("cancelled").inc()
             self._release(1)
-            ticket.deliver(("done", key, None))
+            self._send(ticket, ("done", key, None))
         self._publish()
 
     def _finish(self, rid: int, ticket: Ticket, key: Any) -> None:
@@ -474,7 +500,7 @@ class EngineWorker:
         self.engine.forget(rid)
         self._release(1)
         self.metrics.observe(result)
-        ticket.deliver(("done", key, result))
+        self._send(ticket, ("done", key, result))
 
     def _fail_all(self, why: str) -> None:
         """End every live request with an error (the engine raised); keep serving."""
@@ -484,7 +510,7 @@ class EngineWorker:
             del self._tickets[rid]
             self._release(1)
             self.metrics.finished.labels("error").inc()
-            ticket.deliver(("failed", ticket.rids[rid], why))
+            self._send(ticket, ("failed", ticket.rids[rid], why))
 
     def _release(self, n: int) -> None:
         with self._lock:
@@ -502,16 +528,25 @@ class EngineWorker:
 
 # ---------------------------------------------------------------------------- one HTTP request
 class Submission:
-    """The asyncio side of a ticket: messages from the worker arrive on ``queue``."""
+    """The asyncio side of a ticket: the worker's messages, in order, through ``messages``."""
 
     def __init__(self, server: Server, jobs: list[tuple[Any, EngineRequest]], stream: bool
                  ) -> None:
-        loop = asyncio.get_running_loop()
         self.server = server
-        self.queue: asyncio.Queue[Message] = asyncio.Queue()
-        self.ticket = Ticket(jobs, lambda m: loop.call_soon_threadsafe(self.queue.put_nowait, m),
-                             stream)
+        self.ticket = Ticket(jobs, asyncio.get_running_loop(), asyncio.Queue(), stream)
+        self._held: list[Message] = []  # what came with the acceptance
         self.done = False
+
+    async def messages(self) -> list[Message]:
+        """The messages that arrived since the last call (waits for at least one)."""
+        if self._held:
+            out, self._held = self._held, []
+            return out
+        q = self.ticket.queue
+        out = await q.get()
+        while not q.empty():
+            out += q.get_nowait()
+        return out
 
     async def start(self) -> None:
         """Submit; return once the engine took the requests (raise ``APIError`` otherwise)."""
@@ -526,7 +561,8 @@ class Submission:
             self.server.metrics.rejected.labels("503").inc()
             raise APIError(503, "the server is shutting down", kind="server_error",
                            code="shutting_down") from None
-        kind, _, why = await self.queue.get()
+        first, *self._held = await self.messages()
+        kind, _, why = first
         if kind == "rejected":
             self.done = True
             if why is None:
@@ -558,22 +594,22 @@ async def collect(sub: Submission, request: Request) -> dict[Any, Any] | None:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         while len(results) < len(sub.ticket.jobs):
-            getter = asyncio.ensure_future(sub.queue.get())
+            getter = asyncio.ensure_future(sub.messages())
             await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
                 return None  # nobody is left to answer; finally cancels the jobs
-            kind, key, payload = getter.result()
-            if kind == "failed":
-                raise APIError(500, f"the request failed: {payload}", kind="server_error")
-            if kind == "done":
-                if payload is None:
-                    raise APIError(503, "the server is shutting down", kind="server_error",
-                                   code="shutting_down")
-                if payload.error is not None:
-                    raise APIError(500, f"the request failed: {payload.error}",
-                                   kind="server_error")
-                results[key] = payload
+            for kind, key, payload in getter.result():
+                if kind == "failed":
+                    raise APIError(500, f"the request failed: {payload}", kind="server_error")
+                if kind == "done":
+                    if payload is None:
+                        raise APIError(503, "the server is shutting down", kind="server_error",
+                                       code="shutting_down")
+                    if payload.error is not None:
+                        raise APIError(500, f"the request failed: {payload.error}",
+                                       kind="server_error")
+                    results[key] = payload
     finally:
         watcher.cancel()
         sub.done = len(results) == len(sub.ticket.jobs) or sub.done
@@ -783,28 +819,35 @@ class Server:
                                              "logprobs": None, "finish_reason": None}]})
             left = len(choices)
             while left:
-                kind, key, payload = await sub.queue.get()
-                c = choices[key]
-                if kind == "tokens":
-                    piece = c.text.add(payload)
-                    if piece:
-                        yield chunk(c, piece, None)
-                    continue
-                left -= 1
-                if kind == "failed" or payload is None or payload.error is not None:
-                    why = ("the server is shutting down" if kind == "done" and payload is None
-                           else payload if kind == "failed" else payload.error)
-                    yield _sse(APIError(500, f"choice {c.index} failed: {why}",
-                                        kind="server_error").body())
-                    continue
-                c.result = payload
-                lps = None
-                if body.wants_logprobs():
-                    lps = (self._chat_logprobs(payload) if chat else self._text_choice(
-                        c.index, payload.text, payload.token_ids, [], [], "", True,
-                        payload.logprobs)["logprobs"])
-                rest = c.text.add(None)
-                yield chunk(c, rest, payload.finish_reason, lps)
+                # Everything queued so far becomes one chunk per choice: a client (or a
+                # server) that falls behind the engine gets fewer, larger chunks.
+                batch = await sub.messages()
+                pending: dict[int, str] = {}  # choice -> text not yet sent
+                for kind, key, payload in batch:
+                    c = choices[key]
+                    if kind == "tokens":
+                        pending[key] = pending.get(key, "") + c.text.add(payload)
+                        continue
+                    left -= 1
+                    text = pending.pop(key, "")
+                    if kind == "failed" or payload is None or payload.error is not None:
+                        why = ("the server is shutting down" if kind == "done" and payload is None
+                               else payload if kind == "failed" else payload.error)
+                        if text:
+                            yield chunk(c, text, None)
+                        yield _sse(APIError(500, f"choice {c.index} failed: {why}",
+                                            kind="server_error").body())
+                        continue
+                    c.result = payload
+                    lps = None
+                    if body.wants_logprobs():
+                        lps = (self._chat_logprobs(payload) if chat else self._text_choice(
+                            c.index, payload.text, payload.token_ids, [], [], "", True,
+                            payload.logprobs)["logprobs"])
+                    yield chunk(c, text + c.text.add(None), payload.finish_reason, lps)
+                for key, text in pending.items():
+                    if text:
+                        yield chunk(choices[key], text, None)
             sub.done = True
             if body.stream_options is not None and body.stream_options.include_usage:
                 gen = sum(len(c.result.token_ids) for c in choices if c.result is not None)

@@ -6,9 +6,10 @@ process, each on a fresh ``Engine`` of the same sizes:
 
 1. offline: every request submitted to the engine at once (``bench_engine.run_workload``);
 2. served: the server (``jaxinfer.server.create_app`` under uvicorn, in a thread of this
-   process, on 127.0.0.1) and one concurrent streaming HTTP client per request (or
-   ``--clients N`` clients taking requests from a shared queue), each posting
-   ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
+   process, on 127.0.0.1) and, in a process of their own (``scripts/http_clients.py``),
+   one concurrent streaming HTTP client per request (or ``--clients N`` clients taking
+   requests from a shared queue), each posting ``/v1/completions`` with ``"stream": true``
+   and reading the SSE chunks.
 
 It prints and records output tok/s of both, their ratio (the issue's target: >= 0.9), the
 fraction of the workload's device floor (``bench_engine.workload_floor``), and the clients'
@@ -29,10 +30,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -103,63 +104,13 @@ class ServerThread:
         self.thread.join()
 
 
-async def stream_one(http: Any, url: str, name: str, prompt: list[int], max_tokens: int
-                     ) -> dict[str, float]:
-    """One streamed completion; its token count (``usage``) and client-side timings."""
-    body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    first = last = None
-    tokens = None
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"the server answered {r.status_code}: {await r.aread()!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"benchmark request failed: {chunk['error']['message']}")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"][0]["text"]:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-    if tokens is None:
-        raise RuntimeError("a stream ended without its usage chunk")
-    return dict(tokens=tokens, ttft_s=(first or sent) - sent,
-                tpot_s=(last - first) / (tokens - 1) if first and tokens > 1 else None)
-
-
-async def run_clients(url: str, name: str, w: bench_engine.Workload, clients: int
-                      ) -> tuple[list[dict[str, float]], float]:
-    """``clients`` concurrent streaming clients (0: one per request) over the workload, in
-    order; return per-request figures and the wall time."""
-    import httpx
-
-    jobs: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(w.prompts)):
-        jobs.put_nowait(i)
-    out: list[dict[str, float]] = [{} for _ in w.prompts]
-    n = clients or len(w.prompts)
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-
-        async def client() -> None:
-            while not jobs.empty():
-                i = jobs.get_nowait()
-                out[i] = await stream_one(http, url, name, w.prompts[i], w.output_lens[i])
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(n)))
-        elapsed = time.perf_counter() - t0
-    return out, elapsed
-
-
 def run_served(model: jaxinfer.Model, args: argparse.Namespace, w: bench_engine.Workload
                ) -> dict[str, Any]:
-    """The workload through the server on a fresh, warmed-up engine; the run's figures."""
+    """The workload through the server on a fresh, warmed-up engine; the run's figures.
+
+    The clients run in a process of their own (``scripts/http_clients.py``), so their HTTP
+    and SSE work does not take this interpreter from the server and the engine thread.
+    """
     from jaxinfer.server import create_app
 
     engine = bench_engine.make_engine(model, args)
@@ -167,7 +118,15 @@ def run_served(model: jaxinfer.Model, args: argparse.Namespace, w: bench_engine.
     before = engine.stats()
     app = create_app(model, engine=engine, name="bench", max_queue=len(w.prompts))
     with ServerThread(app) as srv:
-        per, elapsed = asyncio.run(run_clients(srv.url, "bench", w, args.clients))
+        clients = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("http_clients.py")), srv.url, "bench",
+             str(args.clients)],
+            input=json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}),
+            capture_output=True, text=True, check=False)
+    if clients.returncode != 0:
+        raise RuntimeError(f"the HTTP clients failed:\n{clients.stderr}")
+    result = json.loads(clients.stdout)
+    per, elapsed = result["requests"], result["elapsed_s"]
     s = engine.stats()
     tokens = sum(r["tokens"] for r in per)
     return dict(
