@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.speculative import METHODS, Speculative
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--speculative", choices=METHODS, default=None,
+                        help="speculative decoding: ngram = prompt lookup (same output)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="tokens proposed per verification (with --speculative)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -29,6 +34,9 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty, "seed": args.seed,
         "stop": tuple(args.stop),
+        "speculative": (Speculative(method=args.speculative,
+                                    num_tokens=args.num_speculative_tokens)
+                        if args.speculative else None),
     }
 
 

@@ -69,6 +69,8 @@ class Completion:
     string's tail); ``logprobs`` (when asked for) align with them. Times are in seconds from
     the request's submission. ``finish_reason`` ``"error"``: the request failed while it ran
     (``error`` says why); the tokens are those it had before the failure.
+    ``draft_tokens`` counts the tokens proposed for it by speculative decoding and
+    ``accepted_tokens`` those that verification accepted.
     """
 
     text: str
@@ -79,6 +81,8 @@ class Completion:
     time_per_output_token: float
     logprobs: list[float] | None = None
     error: str | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -341,6 +345,8 @@ class Progress:
     error: str | None = None  # why the request failed (reason "error")
     t_first: float = 0.0
     t_last: float = 0.0
+    draft_tokens: int = 0  # tokens proposed for verification (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted
 
 
 def add_tokens(model: Model, r: Request, p: Progress, tokens: Sequence[int],
@@ -401,6 +407,8 @@ def completion(model: Model, r: Request, p: Progress) -> Completion:
         time_per_output_token=(p.t_last - p.t_first) / (n - 1) if n > 1 else 0.0,
         logprobs=list(p.logprobs) if r.sampling.logprobs else None,
         error=p.error,
+        draft_tokens=p.draft_tokens,
+        accepted_tokens=p.accepted_tokens,
     )
 
 
