@@ -76,7 +76,7 @@ from jaxinfer.runner import (
     verify_step,
 )
 from jaxinfer.sampling import SamplingArrays, SamplingParams, prng_key_data
-from jaxinfer.speculative import propose_ngram
+from jaxinfer.speculative import Speculative, propose_ngram
 from sharding.mesh import mesh_sizes, spans_processes
 from sharding.placement import on_mesh, to_host
 from sharding.rules import engine_pool_sharding
@@ -486,7 +486,7 @@ class Engine(StepLoop):
             if self._prompt_work_pending():
                 call = self._launch_mixed()
             else:
-                call = self._launch_verify(max_decode_steps)
+                call = self._launch_decode_step(max_decode_steps)
             events = [] if call is None else self._collect(call)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -601,16 +601,17 @@ class Engine(StepLoop):
             verified_rows=self._verified_rows, draft_tokens=self._draft_tokens,
             accepted_tokens=self._accepted_tokens)
 
-    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
-               ) -> float:
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
+               speculative: Speculative | None = None) -> float:
         """Compile (or load from JAX's compilation cache) every step shape now; return the
         seconds it took.
 
         ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
-        sample with a temperature above 0. Runs them on all-padding inputs, which write no
-        page and sample for no slot, so the engine's state is unchanged. Benchmarks and
-        ``batch_eval`` call this before timing.
+        sample with a temperature above 0; ``speculative``: the verify step of each row
+        bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens``. Runs them on all-padding
+        inputs, which write no page and sample for no slot, so the engine's state is
+        unchanged. Benchmarks and ``batch_eval`` call this before timing.
         """
         if self.has_unfinished():
             raise InputError("warmup() runs on an idle engine; call it before submitting")
@@ -618,7 +619,9 @@ class Engine(StepLoop):
         samplers = (False, True) if sampled else (False,)
         mixed = [(sc, st) for sc in (False,) * generate + (True,) * score for st in samplers]
         decode = samplers if generate else ()
-        n = len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
+        verify = [b for b in self.row_buckets if b <= VERIFY_MAX_ROWS] if speculative else []
+        n = (len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
+             + len(verify) * len(samplers))
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
@@ -628,6 +631,9 @@ class Engine(StepLoop):
         for b in self.row_buckets:
             for st in decode:
                 to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
+        for b in verify:
+            for st in samplers:
+                to_host(self._dispatch_verify([], b, speculative.num_tokens, st))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -1175,7 +1181,7 @@ class Engine(StepLoop):
         gain = sum(1 + self._acceptance * n for n in proposed)
         return gain / self._verify_s[b] > len(proposed) / self._iteration_s[b]
 
-    def _launch_verify(self, max_steps: int | None) -> _Call | None:
+    def _launch_decode_step(self, max_steps: int | None) -> _Call | None:
         """The step after a mixed one: a verify step when running sequences speculate, their
         row bucket is small enough, the pages fit and it is expected to be faster; a decode
         call otherwise, a short one while speculation pays but nothing can be proposed yet
@@ -1197,31 +1203,47 @@ class Engine(StepLoop):
             return self._launch_decode(max_steps)
         bm = self.blocks
         ends = [s.num_computed + 1 + len(p) for s, p in proposals]
+        width = max(s.req.sampling.speculative.num_tokens for s, p in proposals if p)
+        if (sum(e - s.num_computed for (s, _), e in zip(proposals, ends, strict=True))
+                > self._verify_tokens(b, width)):
+            return self._launch_decode(max_steps)  # more tokens than the step's budget
         if sum(bm.pages_needed(s.rid, s.num_computed, e)
                for (s, _), e in zip(proposals, ends, strict=True)) > bm.num_free:
             return self._launch_decode(max_steps)  # its planning preempts as needed
         for (s, _), e in zip(proposals, ends, strict=True):
             self._reserve(s, e)
-        width = max(s.req.sampling.speculative.num_tokens for s, p in proposals if p)
-        t = bucket(sum(e - s.num_computed for (s, _), e in zip(proposals, ends, strict=True)),
-                   self.token_buckets)
         stochastic = any(s.req.sampling.temperature > 0 for s, _ in proposals)
-        inp, drafts, counts = self._verify_inputs(proposals, b, t, width)
-        compiled = self._program_key(("verify", b, t, width, stochastic)) not in _ANNOUNCED
-        self._announce(("verify", b, t, width, stochastic),
-                       f"verify step for {b} rows x {width + 1} tokens"
-                       + (", sampled" if stochastic else ""))
+        compiled = self._program_key(self._verify_program(b, width, stochastic)) not in _ANNOUNCED
         self._inflight = (f"verify step of {b} rows x {width + 1} tokens",
                           [s for s, _ in proposals])
         launched = time.perf_counter()
+        out = self._dispatch_verify(proposals, b, width, stochastic)
+        return _Call(out=out, launched=launched, padded=self._verify_tokens(b, width),
+                     proposals=proposals, compiled=compiled)
+
+    def _verify_tokens(self, b: int, width: int) -> int:
+        """Packed tokens of a verify step over ``b`` rows proposing up to ``width``: room for
+        every row's full proposal, so one program serves each row bucket."""
+        return bucket(min(b * (width + 1), self.max_tokens), self.token_buckets)
+
+    def _verify_program(self, b: int, width: int, stochastic: bool) -> tuple[Any, ...]:
+        return ("verify", b, width, stochastic)
+
+    def _dispatch_verify(self, proposals: list[tuple[_Seq, list[int]]], b: int, width: int,
+                         stochastic: bool) -> dict[str, jax.Array]:
+        """Launch one verify step program (asynchronously); the pool and ``seen`` advance."""
+        t = self._verify_tokens(b, width)
+        self._announce(self._verify_program(b, width, stochastic),
+                       f"verify step for {b} rows x {width + 1} tokens"
+                       + (", sampled" if stochastic else ""))
+        inp, drafts, counts = self._verify_inputs(proposals, b, t, width)
         with on_mesh(self.mesh):
             self.pool, self._seen, out = verify_step(
                 self.model.params, self.pool, self._seen, self._put(inp), *self._put(
                     (drafts, counts)), config=self.model.config, backend=self.backend,
                 dtype=self.model.dtype, max_q_len=t, stochastic=stochastic,
                 deterministic=self.model.deterministic)
-        return _Call(out=out, launched=launched, padded=t, proposals=proposals,
-                     compiled=compiled)
+        return out
 
     def _verify_inputs(self, proposals: list[tuple[_Seq, list[int]]], b: int, t: int,
                        width: int) -> tuple[MixedInputs, np.ndarray, np.ndarray]:

@@ -49,6 +49,7 @@ from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
 from jaxinfer.quantize import QUANTIZATIONS, is_quantized, quantize_params
+from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -201,10 +202,18 @@ def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Eng
     return jaxinfer.Engine(model, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def warmup(engine: jaxinfer.Engine) -> float:
+def speculative(args: argparse.Namespace) -> jaxinfer.Speculative | None:
+    """The ``--speculative`` settings every request gets (None: plain decoding)."""
+    if args.speculative is None:
+        return None
+    return jaxinfer.Speculative(method=args.speculative, num_tokens=args.num_speculative_tokens,
+                                adaptive=not args.always_speculate)
+
+
+def warmup(engine: jaxinfer.Engine, spec: jaxinfer.Speculative | None = None) -> float:
     """Compile every step shape (``engine.warmup``); return the seconds it took."""
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(speculative=spec)
     return time.perf_counter() - t0
 
 
@@ -213,7 +222,8 @@ def _percentiles_ms(xs_s: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": float(np.percentile(a_ms, q)) if a_ms.size else None for q in (50, 90, 99)}
 
 
-def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
+def run_workload(engine: jaxinfer.Engine, w: Workload,
+                 spec: jaxinfer.Speculative | None = None) -> dict[str, Any]:
     """Submit each request at its arrival time and step until all finish; the run's figures.
 
     TTFT counts from the scheduled arrival (a request that arrives during a step is submitted
@@ -227,7 +237,8 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
     while nxt < len(w.prompts) or engine.has_unfinished():
         now = time.perf_counter() - t0
         while nxt < len(w.prompts) and w.arrivals_s[nxt] <= now:
-            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt]))
+            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt],
+                                     speculative=spec))
             late_s.append(time.perf_counter() - t0 - w.arrivals_s[nxt])
             nxt += 1
         if engine.has_unfinished():
@@ -259,7 +270,10 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
         peak_pages_used=s.peak_pages_used, pages_total=s.pages_total,
         cached_tokens=s.cached_tokens - before.cached_tokens,
         prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens)
+        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens,
+        verify_steps=s.verify_steps - before.verify_steps,
+        draft_tokens=s.draft_tokens - before.draft_tokens,
+        accepted_tokens=s.accepted_tokens - before.accepted_tokens)
 
 
 def _completed(engine: jaxinfer.Engine, rid: int) -> jaxinfer.Completion:
@@ -272,7 +286,8 @@ def _completed(engine: jaxinfer.Engine, rid: int) -> jaxinfer.Completion:
 
 
 def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: int,
-               new_tokens: int, read_bytes_per_s: float, dtype_bytes: int) -> dict[str, Any]:
+               new_tokens: int, read_bytes_per_s: float, dtype_bytes: int,
+               spec: jaxinfer.Speculative | None = None) -> dict[str, Any]:
     """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
 
     The roofline reads the weights (``roofline.weight_bytes_per_step``, or the model's own
@@ -281,7 +296,7 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     """
     vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
     prompt = np.random.default_rng(1).choice(vocab, size=prompt_len).tolist()
-    rid = engine.submit(prompt, max_new_tokens=new_tokens)
+    rid = engine.submit(prompt, max_new_tokens=new_tokens, speculative=spec)
     engine.run_until_done()
     m = engine.request_metrics(rid)
     tokens = len(_completed(engine, rid).token_ids)
@@ -318,6 +333,9 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
     print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
           f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in decode calls, the rest "
           "in mixed steps); the rest is host planning and output handling")
+    if run["verify_steps"]:
+        print(f"  speculative: {run['verify_steps']} verify steps, {run['accepted_tokens']} of "
+              f"{run['draft_tokens']} proposed tokens accepted")
     print(f"  steps {run['steps']} (decode calls {run['decode_calls']}), tokens computed "
           f"{run['computed_tokens']} of {run['padded_tokens']} padded "
           f"({run['padding_fraction']:.1%} padding), preemptions {run['preemptions']}, "
@@ -360,6 +378,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="batch-invariant kernels (load_model(deterministic=True))")
     ap.add_argument("--schedule", choices=SCHEDULES, default=None,
                     help="admission order (Engine(schedule=...)); default fcfs")
+    ap.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                    help="speculative decoding for every request (jaxinfer.Speculative)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--always-speculate", action="store_true",
+                    help="verify whenever there is a proposal (Speculative(adaptive=False))")
     ap.add_argument("--matmul-tflops", type=float, default=None,
                     help="bf16 matmul rate for the floor (default: measured H100 634, H200 790)")
     ap.add_argument("--read-tbps", type=float, default=None,
@@ -427,10 +450,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"decode {f['decode_tokens']} tokens in ~{f['decode_steps']:.0f} steps of "
                   f"{f['batch_eff']}: {(f['decode_weight_bytes'] + f['decode_kv_bytes']) / 1e9:.1f}"
                   f" GB = {f['decode_s']:.4g} s)", flush=True)
-        warmup_s = warmup(engine)
+        warmup_s = warmup(engine, speculative(args))
         print(f"\n-- rate {rate or 'offline'}: {engine.max_batch} slots, {engine.max_tokens} "
               f"tokens per step", flush=True)
-        run = dict(rate=rate, warmup_s=warmup_s, **run_workload(engine, w))
+        run = dict(rate=rate, warmup_s=warmup_s, **run_workload(engine, w, speculative(args)))
         run["fraction_of_floor"] = (run["output_tok_per_s"]
                                     / record["floor"]["floor_output_tok_per_s"])
         report(run, record["floor"])
@@ -439,9 +462,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del engine
     if args.batch1_tokens > 0:
         engine = make_engine(model, args)
-        warmup_s = warmup(engine)
+        warmup_s = warmup(engine, speculative(args))
         b1 = dict(warmup_s=warmup_s, **run_batch1(engine, cfg, args.batch1_prompt,
-                                                 args.batch1_tokens, bandwidth, dtype_bytes))
+                                                 args.batch1_tokens, bandwidth, dtype_bytes,
+                                                 speculative(args)))
         b1_tok_per_s = b1["decode_tok_per_s"]
         print(f"\n-- batch 1: {b1['tokens']} tokens after a {b1['prompt_len']}-token prompt: "
               + (f"decode {b1_tok_per_s:.1f} tok/s, roofline {b1['floor_tok_per_s']:.4g} tok/s "

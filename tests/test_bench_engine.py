@@ -91,3 +91,14 @@ def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch)
     engine = engine_module.Engine(model, num_pages=16, page_size=4, verbose=False)
     with pytest.raises(RuntimeError, match="benchmark request failed: .*ZeroDivisionError"):
         bench.run_batch1(engine, model.config, 4, 3, 3e12, 4)
+
+
+def test_speculative_run_counts_its_proposals_and_compiles_nothing_in_the_run(bench):
+    argv = ["--preset", "tiny", "--requests", "6", "--max-batch", "4", "--token-budget", "16",
+            "--speculative", "ngram", "--num-speculative-tokens", "3", "--always-speculate"]
+    plain = bench.main(argv[:8])["runs"][0]
+    run = bench.main(argv)["runs"][0]
+    assert run["output_tokens"] == plain["output_tokens"]  # greedy: the same outputs
+    assert run["verify_steps"] > 0 and 0 <= run["accepted_tokens"] <= run["draft_tokens"]
+    assert run["draft_tokens"] > 0 and plain["draft_tokens"] == 0
+    assert run["programs_compiled_in_run"] == 0  # warmup(speculative=...) compiled the verify
