@@ -10,7 +10,14 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-from pallas_kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, dequantize_kv, quantize_kv
+from pallas_kernels.kv_quant import (
+    KV_CACHE_DTYPES,
+    SCALE_DTYPE,
+    dequantize_kv,
+    hadamard_rotate,
+    quantize_kv,
+    rotates_keys,
+)
 from pallas_kernels.matmul import (
     GEMV_ROWS,
     int8_matmul,
@@ -35,6 +42,7 @@ __all__ = [
     "dequantize_kv",
     "flash_attention",
     "flash_attention_reference",
+    "hadamard_rotate",
     "int8_matmul",
     "int8_matmul_reference",
     "matmul",
@@ -46,4 +54,5 @@ __all__ = [
     "quantize_kv",
     "ragged_attention",
     "ragged_attention_reference",
+    "rotates_keys",
 ]
