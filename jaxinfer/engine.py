@@ -309,7 +309,7 @@ class Engine(StepLoop):
         # A copy sharing params and tokenizer: the model may keep this engine (engine_for)
         # without a reference cycle, so dropping the model frees the pool at once.
         self.model = dataclasses.replace(model)
-        check_kv_cache_dtype(model.kv_cache_dtype)
+        check_kv_cache_dtype(model.kv_cache_dtype, cfg.head_dim)
         accelerator = jax.default_backend() != "cpu"
         if page_size < 1 or page_size & (page_size - 1):
             raise InputError(f"page_size={page_size} must be a power of two")

@@ -165,6 +165,7 @@ def load_model(
         shardings = lambda cfg: stored_shardings(cfg, mesh)
     config, params, tokenizer = _load_raw(name_or_path, shardings)
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
+    check_kv_cache_dtype(kv_cache_dtype, config.head_dim)
     if split:
         config, params = shard_params(config, params, mesh, jdtype)
         params = apply_layout(params, layout, mesh=mesh, donate=True)  # ours: just placed

@@ -40,18 +40,23 @@ from flax import struct
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import InputError
-from pallas_kernels import KV_CACHE_DTYPES, SCALE_DTYPE
+from pallas_kernels import KV_CACHE_DTYPES, SCALE_DTYPE, rotates_keys
 
 KV_CACHE_CHOICES = tuple(KV_CACHE_DTYPES)
 """Values ``load_model(kv_cache_dtype=...)`` accepts besides None (the model's dtype)."""
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
-    """``InputError`` unless ``kv_cache_dtype`` is None or one of ``KV_CACHE_CHOICES``."""
+def check_kv_cache_dtype(kv_cache_dtype: str | None, head_dim: int | None = None) -> None:
+    """``InputError`` unless ``kv_cache_dtype`` is None or one of ``KV_CACHE_CHOICES`` (and,
+    given the model's ``head_dim``, one its heads can be stored in)."""
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use "
                          f"{' or '.join(repr(c) for c in KV_CACHE_CHOICES)}, or None for the "
                          "model's dtype")
+    if (kv_cache_dtype is not None and head_dim is not None and head_dim & (head_dim - 1)
+            and rotates_keys(KV_CACHE_DTYPES[kv_cache_dtype])):
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} stores keys Hadamard-rotated, "
+                         f"which needs a power-of-two head_dim, not {head_dim}; use 'fp8'")
 
 
 @struct.dataclass
@@ -117,7 +122,7 @@ class PagePool:
         splits the K/V head axis only, so it fits the scales too). ``kv_cache_dtype``
         (``"int8"``/``"fp8"``) makes ``QuantizedPages`` buffers; None stores ``dtype``.
         """
-        check_kv_cache_dtype(kv_cache_dtype)
+        check_kv_cache_dtype(kv_cache_dtype, config.head_dim)
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         n = config.num_layers
         if stacked:

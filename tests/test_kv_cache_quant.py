@@ -1,0 +1,235 @@
+"""The int8 / fp8 KV cache (``load_model(kv_cache_dtype=...)``): bad values are one-line
+errors, the pool holds about twice the tokens for the same bytes, the engine (preemption,
+prefix reuse, a pool lost to an out-of-memory error) gives ``generate``'s tokens with the same
+storage, the Pallas kernels serve it (deterministic mode included), a mesh splits it, and the
+default model's perplexity stays within 1% (int8) / 3% (fp8) of a bfloat16 cache.
+
+The kernels against their references over many shapes: ``tests/test_kernels_attention.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer import cli
+from jaxinfer import engine as engine_module
+from jaxinfer.engine import Engine
+from jaxinfer.errors import InputError
+from jaxinfer.model import apply_layout
+from jaxinfer.paged_cache import PagePool, QuantizedPages, check_kv_cache_dtype, pages_for_budget
+from jaxinfer.params import init_params
+from jaxinfer.presets import preset_config
+from tests.conftest import tiny_engine_model
+
+KV = ["int8", "fp8"]
+VALUE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def test_bad_kv_cache_dtype_is_a_one_line_error(capsys):
+    with pytest.raises(InputError, match=r"^kv_cache_dtype='int4' is not supported; use 'int8' "
+                                         r"or 'fp8', or None for the model's dtype$"):
+        jaxinfer.load_model("no-such-model", kv_cache_dtype="int4")  # before any loading
+    with pytest.raises(InputError, match="kv_cache_dtype='bfloat16' is not supported"):
+        Engine(dataclasses.replace(tiny_engine_model(), kv_cache_dtype="bfloat16"),
+               num_pages=8, verbose=False)
+    # int8 keys are stored Hadamard-rotated, which needs a power-of-two head_dim.
+    with pytest.raises(InputError, match="power-of-two head_dim, not 80; use 'fp8'"):
+        check_kv_cache_dtype("int8", 80)
+    check_kv_cache_dtype("fp8", 80)
+    assert cli.main(["generate", "--prompt", "hi", "--model", "no-such-model",
+                     "--kv-cache-dtype", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kv_cache_dtype='int4' is not supported" in err
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_the_pool_holds_about_twice_the_tokens_for_the_same_bytes(kv):
+    for name in ("llama-3.1-8b", "llama-3.2-1b", "smollm2-135m-instruct"):  # head_dim 128, 64
+        cfg = preset_config(name)
+        bf16, quant = (pages_for_budget(cfg, 16, jnp.bfloat16, 2**32, kv_cache_dtype=k) * 16
+                       for k in (None, kv))
+        assert quant >= 1.9 * bf16, (name, quant / bf16)
+    # The engine sizes its pool from the same bytes, and the pool takes what it counted.
+    cfg = jaxinfer.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                               num_heads=2, num_kv_heads=1, head_dim=64,
+                               max_position_embeddings=64)
+    model = jaxinfer.Model(cfg, init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16), None,
+                           jnp.bfloat16)
+    plain = Engine(model, kv_cache_bytes=2**20, verbose=False)
+    quant = Engine(dataclasses.replace(model, kv_cache_dtype=kv), kv_cache_bytes=2**20,
+                   verbose=False)
+    assert quant.stats().tokens_capacity >= 1.9 * plain.stats().tokens_capacity
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(quant.pool))
+    assert pool_bytes == quant.num_pages * PagePool.bytes_per_page(cfg, 16, jnp.bfloat16, kv)
+    assert pool_bytes <= 2**20
+    k = quant.pool.k
+    assert isinstance(k, QuantizedPages) and k.values.dtype == VALUE_DTYPES[kv]
+    assert k.scales.dtype == jnp.bfloat16 and k.scales.shape == k.values.shape[:-1]
+
+
+def _prompts() -> list[list[int]]:
+    # The first two share two full pages (prefix reuse); lengths cross page boundaries.
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 128, size=8).tolist()
+    return [shared + [5, 6, 7], shared + [9], *(rng.integers(3, 128, size=n).tolist()
+                                                  for n in (3, 13, 6))]
+
+
+@pytest.mark.parametrize("kv, layout", [("int8", "stacked"), ("fp8", "fast")])
+def test_engine_with_preemption_gives_generates_tokens(kv, layout):
+    base = tiny_engine_model(context=128)
+    if layout == "fast":  # per-layer pool buffers (a tuple of QuantizedPages)
+        base = dataclasses.replace(base, params=apply_layout(base.params, "fast"))
+    model = dataclasses.replace(base, kv_cache_dtype=kv)
+    prompts = _prompts()
+    # The quantized cache is in use: logits move, a little.
+    ids = prompts[3]
+    diff = np.abs(jaxinfer.compute_logits(model, ids) - jaxinfer.compute_logits(base, ids)).max()
+    assert 1e-4 < diff < 0.5, diff
+    want = [c.token_ids for c in jaxinfer.generate(model, prompts, max_new_tokens=10,
+                                                   ignore_eos=True)]
+    # 11 pages of 4 tokens for 5 sequences of up to 23: sequences are preempted and
+    # recomputed (mapping their cached pages back), and prompts share cached pages.
+    engine = Engine(model, max_batch=4, num_pages=11, page_size=4, max_tokens_per_step=16,
+                    max_seq_len=32, decode_steps=4, verbose=False)
+    rids = [engine.submit(p, max_new_tokens=10, ignore_eos=True) for p in prompts]
+    assert [r.token_ids for r in engine.run(rids)] == want
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.cached_tokens > 0, stats
+    assert isinstance(engine.pool.k, tuple) == (layout == "fast")
+    engine.blocks.check_all_free()
+
+
+def test_a_pool_lost_to_out_of_memory_comes_back_quantized(monkeypatch):
+    model = dataclasses.replace(tiny_engine_model(context=128), kv_cache_dtype="int8")
+    prompts = _prompts()
+    want = [c.token_ids for c in jaxinfer.generate(model, prompts, max_new_tokens=8,
+                                                   ignore_eos=True)]
+    real, calls = engine_module.decode_steps, {"n": 0}
+
+    def decode_steps(params, pool, *args, **kwargs):  # the second decode call fails, pool lost
+        calls["n"] += 1
+        if calls["n"] == 2:
+            for x in jax.tree.leaves(pool):
+                x.delete()
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+        return real(params, pool, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_steps", decode_steps)
+    engine = Engine(model, max_batch=4, num_pages=40, page_size=4, max_tokens_per_step=16,
+                    max_seq_len=32, decode_steps=4, verbose=False)
+    results = engine.run([engine.submit(p, max_new_tokens=8, ignore_eos=True) for p in prompts])
+    assert any(r.error for r in results)
+    for r, w in zip(results, want, strict=True):
+        if r.error is None:  # recomputed into the new pool: the same tokens
+            assert r.token_ids == w
+    assert isinstance(engine.pool.k, QuantizedPages) and engine.pool.k.values.dtype == jnp.int8
+
+
+@pytest.mark.slow  # the Pallas kernels run in the interpreter on CPU
+def test_pallas_kernels_serve_the_quantized_pool():
+    cfg = jaxinfer.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
+                               max_position_embeddings=64)
+    params = init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
+    prompts = [[5, 17, 33, 2, 41, 8, 9], [60, 3, 3], [11] * 12]
+    kw = dict(num_pages=12, page_size=4, max_seq_len=24, max_tokens_per_step=16, verbose=False)
+
+    def serve(model, batch):
+        engine = Engine(model, max_batch=batch, **kw)
+        ids = [engine.submit(p, max_new_tokens=6, ignore_eos=True, logprobs=True)
+               for p in prompts[:batch]]
+        return engine.run(ids)
+
+    # float32, int8 cache: the ragged (mixed steps) and split-K paged (decode) kernels give
+    # the reference backend's tokens, the log-probabilities to float32 rounding.
+    ref, pallas = (serve(jaxinfer.Model(cfg, params, None, jnp.float32, backend=b,
+                                        kv_cache_dtype="int8"), 3)
+                   for b in ("reference", "pallas"))
+    for a, b in zip(ref, pallas, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    # Deterministic mode with an fp8 cache: bf16 results bit-identical alone and batched.
+    det = jaxinfer.Model(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), None,
+                         jnp.bfloat16, deterministic=True, kv_cache_dtype="fp8")
+    alone = serve(det, 1)[0]
+    together = serve(det, 3)[0]
+    assert alone.token_ids == together.token_ids
+    assert np.array_equal(np.asarray(alone.logprobs, np.float32),
+                          np.asarray(together.logprobs, np.float32))
+
+
+@pytest.mark.slow
+def test_a_mesh_splits_the_quantized_pool_by_kv_heads():
+    from test_sharding import run_with_devices
+
+    res = run_with_devices([__file__, "worker"], n=2)
+    assert res["preemptions"] > 0
+    for name in ("stacked", "fast"):
+        assert res[name]["tokens"] == res["ref_tokens"], name
+        assert res[name]["scale_shard"] == res[name]["scale_shard_want"], name
+
+
+def _worker() -> None:
+    from sharding import make_mesh, shard_params
+    from sharding.testing import tiny_config, tiny_params
+
+    cfg = tiny_config(num_heads=8, num_kv_heads=2)
+    host = tiny_params(cfg)
+    prompts = _prompts()
+    kw = dict(num_pages=11, page_size=4, max_tokens_per_step=16, max_seq_len=32,
+              decode_steps=4, verbose=False)
+
+    def serve(model):
+        engine = Engine(model, **kw)
+        results = engine.run([engine.submit(p, max_new_tokens=8, ignore_eos=True)
+                              for p in prompts])
+        return engine, [r.token_ids for r in results]
+
+    single = jaxinfer.Model(cfg, jax.tree.map(jnp.asarray, host), None, jnp.float32,
+                            backend="reference", max_batch=4, kv_cache_dtype="int8")
+    engine, ref = serve(single)
+    out = {"ref_tokens": ref, "preemptions": engine.stats().num_preemptions}
+    mesh = make_mesh(data=1, model=2)
+    mcfg, params = shard_params(cfg, host, mesh, jnp.float32)
+    for name in ("stacked", "fast"):
+        if name == "fast":
+            params = apply_layout(params, "fast", mesh=mesh)
+        model = jaxinfer.Model(mcfg, params, None, jnp.float32, backend="reference",
+                               max_batch=4, mesh=mesh, kv_cache_dtype="int8")
+        engine, tokens = serve(model)
+        k = engine.pool.k if name == "stacked" else engine.pool.k[0]
+        lead = [cfg.num_layers] if name == "stacked" else []
+        out[name] = {"tokens": tokens,
+                     "scale_shard": list(k.scales.addressable_shards[0].data.shape),
+                     "scale_shard_want": [*lead, mcfg.num_kv_heads // 2, 11, 4]}
+    print(json.dumps(out))
+
+
+@pytest.mark.slow
+def test_default_model_perplexity_with_a_quantized_cache(default_gguf):
+    from tests.test_quantize import TEXT  # the weight-quantization test's fixed text
+
+    base = jaxinfer.load_model(str(default_gguf))  # bfloat16 weights and cache
+    ids = base.tokenizer.encode(TEXT)
+
+    def perplexity(model: jaxinfer.Model) -> float:
+        logp = jax.nn.log_softmax(jnp.asarray(jaxinfer.compute_logits(model, ids)), axis=-1)
+        return float(np.exp(-np.mean(np.asarray(logp)[np.arange(len(ids) - 1), ids[1:]])))
+
+    ppl = {kv: perplexity(dataclasses.replace(base, kv_cache_dtype=kv))
+           for kv in (None, "int8", "fp8")}
+    assert abs(ppl["int8"] / ppl[None] - 1) < 0.01, ppl
+    assert abs(ppl["fp8"] / ppl[None] - 1) < 0.03, ppl
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    _worker()
