@@ -78,6 +78,7 @@ class QuantizedPages:
         return self.values.shape
 
     def __getitem__(self, index: int | jax.Array) -> QuantizedPages:
+        """Values and scales indexed alike (a layer of a stacked pool)."""
         return QuantizedPages(values=self.values[index], scales=self.scales[index])
 
 

@@ -26,7 +26,6 @@ from jaxinfer import cli
 from jaxinfer import engine as engine_module
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
-from jaxinfer.model import apply_layout
 from jaxinfer.paged_cache import PagePool, QuantizedPages, check_kv_cache_dtype, pages_for_budget
 from jaxinfer.params import init_params
 from jaxinfer.presets import preset_config
@@ -34,7 +33,6 @@ from tests.conftest import tiny_engine_model
 
 REPO = Path(__file__).resolve().parents[1]
 KV = ["int8", "fp8"]
-VALUE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 def test_bad_kv_cache_dtype_is_a_one_line_error(capsys, tmp_path):
@@ -42,8 +40,9 @@ def test_bad_kv_cache_dtype_is_a_one_line_error(capsys, tmp_path):
                                          r"or 'fp8', or None for the model's dtype$"):
         jaxinfer.load_model("no-such-model", kv_cache_dtype="int4")  # before any loading
     with pytest.raises(InputError, match="kv_cache_dtype='bfloat16' is not supported"):
-        Engine(dataclasses.replace(tiny_engine_model(), kv_cache_dtype="bfloat16"),
-               num_pages=8, verbose=False)
+        # Checked before the engine looks at the weights (none here).
+        Engine(jaxinfer.Model(preset_config("llama-3.2-1b"), {}, None,
+                              kv_cache_dtype="bfloat16"), num_pages=8, verbose=False)
     # int8 keys are stored Hadamard-rotated, which needs a power-of-two head_dim.
     with pytest.raises(InputError, match="power-of-two head_dim, not 80; use 'fp8'"):
         check_kv_cache_dtype("int8", 80)
@@ -85,7 +84,8 @@ def test_the_pool_holds_about_twice_the_tokens_for_the_same_bytes(kv):
     assert pool_bytes == quant.num_pages * PagePool.bytes_per_page(cfg, 16, jnp.bfloat16, kv)
     assert pool_bytes <= 2**20
     k = quant.pool.k
-    assert isinstance(k, QuantizedPages) and k.values.dtype == VALUE_DTYPES[kv]
+    assert isinstance(k, QuantizedPages)
+    assert k.values.dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv]
     assert k.scales.dtype == jnp.bfloat16 and k.scales.shape == k.values.shape[:-1]
 
 
@@ -98,12 +98,10 @@ def _prompts() -> list[list[int]]:
 
 
 @functools.cache
-def _model_and_tokens(kv: str, layout: str) -> tuple[jaxinfer.Model, list[list[int]]]:
-    """The tiny float32 model with a ``kv`` cache in ``layout``, and ``generate``'s greedy
-    tokens for ``_prompts`` with it (its own engine: a pool that never preempts)."""
-    model = tiny_engine_model(context=128)
-    model = dataclasses.replace(model, params=apply_layout(model.params, layout),
-                                kv_cache_dtype=kv)
+def _int8_model_and_tokens() -> tuple[jaxinfer.Model, list[list[int]]]:
+    """The tiny float32 model with an int8 cache, and ``generate``'s greedy tokens for
+    ``_prompts`` with it (its own engine: a pool that never preempts)."""
+    model = dataclasses.replace(tiny_engine_model(context=128), kv_cache_dtype="int8")
     return model, [c.token_ids for c in jaxinfer.generate(model, _prompts(), max_new_tokens=10,
                                                           ignore_eos=True)]
 
@@ -115,22 +113,20 @@ def _small_engine(model: jaxinfer.Model) -> Engine:
                   max_seq_len=32, decode_steps=4, verbose=False)
 
 
-@pytest.mark.parametrize("kv, layout", [("int8", "stacked"), ("fp8", "fast")])
-def test_engine_with_preemption_gives_generates_tokens(kv, layout):
-    model, want = _model_and_tokens(kv, layout)
+def test_engine_with_preemption_gives_generates_tokens():
+    # (fp8 and the per-layer pool of the unrolled layers: the Pallas test below.)
+    model, want = _int8_model_and_tokens()
     engine = _small_engine(model)
     rids = [engine.submit(p, max_new_tokens=10, ignore_eos=True) for p in _prompts()]
     assert [r.token_ids for r in engine.run(rids)] == want
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.cached_tokens > 0, stats
-    pages = engine.pool.k[0] if layout == "fast" else engine.pool.k  # fast: one per layer
-    assert isinstance(engine.pool.k, tuple) == (layout == "fast")
-    assert isinstance(pages, QuantizedPages) and pages.values.dtype == VALUE_DTYPES[kv]
+    assert isinstance(engine.pool.k, QuantizedPages) and engine.pool.k.values.dtype == jnp.int8
     engine.blocks.check_all_free()
 
 
 def test_a_pool_lost_to_out_of_memory_comes_back_quantized(monkeypatch):
-    model, want = _model_and_tokens("int8", "stacked")
+    model, want = _int8_model_and_tokens()
     real, calls = engine_module.decode_steps, {"n": 0}
 
     def decode_steps(params, pool, *args, **kwargs):  # the second decode call fails, pool lost
@@ -160,25 +156,28 @@ def test_pallas_kernels_serve_the_quantized_pool():
     params = init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
     prompts = [[5, 17, 33, 2, 41, 8, 9], [11] * 6]
 
-    def serve(model, batch):
-        engine = Engine(model, max_batch=batch, num_pages=8, page_size=4, max_seq_len=16,
-                        max_tokens_per_step=16, verbose=False)
+    def serve(engine, batch):
         ids = [engine.submit(p, max_new_tokens=4, ignore_eos=True, logprobs=True)
                for p in prompts[:batch]]
         return engine.run(ids)
 
+    def engine(model):  # the Pallas backend keeps one pool buffer per layer
+        return Engine(model, max_batch=2, num_pages=8, page_size=4, max_seq_len=16,
+                      max_tokens_per_step=16, verbose=False)
+
     # float32, int8 cache: the ragged (mixed steps) and split-K paged (decode) kernels give
     # the reference backend's tokens, the log-probabilities to float32 rounding.
-    ref, pallas = (serve(jaxinfer.Model(cfg, params, None, jnp.float32, backend=b,
-                                        kv_cache_dtype="int8"), 2)
+    ref, pallas = (serve(engine(jaxinfer.Model(cfg, params, None, jnp.float32, backend=b,
+                                               kv_cache_dtype="int8")), 2)
                    for b in ("reference", "pallas"))
     for a, b in zip(ref, pallas, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
     # Deterministic mode with an fp8 cache: bf16 results bit-identical alone and batched.
-    det = jaxinfer.Model(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), None,
-                         jnp.bfloat16, deterministic=True, kv_cache_dtype="fp8")
+    det = engine(jaxinfer.Model(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params),
+                                None, jnp.bfloat16, deterministic=True, kv_cache_dtype="fp8"))
     alone, together = serve(det, 1)[0], serve(det, 2)[0]
+    assert isinstance(det.pool.k, tuple) and det.pool.k[0].values.dtype == jnp.float8_e4m3fn
     assert alone.token_ids == together.token_ids
     assert np.array_equal(np.asarray(alone.logprobs, np.float32),
                           np.asarray(together.logprobs, np.float32))
