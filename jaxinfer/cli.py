@@ -40,6 +40,13 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``: how the engine's page pool stores K/V (``load_model``)."""
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="int8 or fp8: store K/V quantized, about twice the tokens in the "
+                        "same memory (default: the model's dtype)")
+
+
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
     """``--tp``/``--dp``: split the model over devices (see ``sharding.make_mesh``)."""
     parser.add_argument("--tp", type=int, default=1,
@@ -66,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_kv_cache_arg(g)
     add_mesh_args(g)
     add_sampling_args(g)
     ch = sub.add_parser("chat", help="interactive multi-turn chat, replies streamed",
@@ -76,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="system message opening the conversation")
     ch.add_argument("--dtype", default="bfloat16")
     ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_kv_cache_arg(ch)
     add_mesh_args(ch)
     add_sampling_args(ch)
     from jaxinfer.perf_cli import add_parsers
@@ -97,7 +106,7 @@ def _generate(args: argparse.Namespace) -> None:
     options = sampling_kwargs(args)
     SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args))
+                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
     for piece in stream(model, args.prompt, chat=args.chat, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -181,7 +190,7 @@ def _chat(args: argparse.Namespace) -> None:
     SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
     print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args))
+                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
     if model.tokenizer is None or not model.tokenizer.chat_template:
         from jaxinfer.errors import InputError
 

@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
 from jaxinfer.model import pool_is_stacked
-from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
+from jaxinfer.paged_cache import BlockManager, PagePool, check_kv_cache_dtype, pages_for_budget
 from jaxinfer.requests import (
     Completion,
     Model,
@@ -96,12 +96,15 @@ VERIFY_MAX_ROWS = 64
 beyond it the engine decodes without speculation."""
 
 
-def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
+def step_workspace_bytes(config: Any, slots: int, max_tokens: int,
+                         kv_cache_dtype: str | None = None) -> int:
     """Device bytes the steps need besides weights and pool: kept free when sizing the pool.
 
     Activations of the largest mixed step (float32 upper bound on its widest tensors), the
     sampling rows ``[slots, vocab]`` (logits, log-softmax, penalised and filtered copies),
-    one scoring chunk of logits, and 1 GiB for XLA/cuBLAS workspaces and autotuning.
+    one scoring chunk of logits, and 1 GiB for XLA/cuBLAS workspaces and autotuning. A
+    quantized ``kv_cache_dtype`` adds the float32 copies of the step's K and V that are
+    quantized before the write (the kernels dequantize in registers: no pool-sized buffer).
     """
     c = config
     width = 3 * c.hidden_size + 2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) \
@@ -109,7 +112,8 @@ def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
     activations = 2 * max_tokens * width * 4
     sampling = 4 * slots * c.vocab_size * 4
     scoring = 2 * min(512, max_tokens) * c.vocab_size * 4
-    return activations + sampling + scoring + 2**30
+    kv_quant = 0 if kv_cache_dtype is None else 2 * max_tokens * c.num_kv_heads * c.head_dim * 4
+    return activations + sampling + scoring + kv_quant + 2**30
 
 
 @dataclasses.dataclass
@@ -280,7 +284,8 @@ class Engine(StepLoop):
       max_batch: sequences running at once (slots). Default ``model.max_batch`` if set, else
         256 on an accelerator (32 on CPU), capped at one slot per 256 pool tokens (H100, 1B
         shapes: 512 slots ran slower than 256, bench/NOTES.md).
-      kv_cache_bytes: device bytes for the page pool (per device on a mesh).
+      kv_cache_bytes: device bytes for the page pool (per device on a mesh); a model with
+        an int8/fp8 ``kv_cache_dtype`` fits about twice the pages in them.
         ``num_pages`` sets the pool size directly instead.
       page_size: tokens per page (a power of two for the Pallas kernel).
       max_tokens_per_step: token budget of a mixed step (decode tokens + prefill chunks), the
@@ -332,6 +337,7 @@ class Engine(StepLoop):
         # A copy sharing params and tokenizer: the model may keep this engine (engine_for)
         # without a reference cycle, so dropping the model frees the pool at once.
         self.model = dataclasses.replace(model)
+        check_kv_cache_dtype(model.kv_cache_dtype, cfg.head_dim)
         accelerator = jax.default_backend() != "cpu"
         if page_size < 1 or page_size & (page_size - 1):
             raise InputError(f"page_size={page_size} must be a power of two")
@@ -362,10 +368,12 @@ class Engine(StepLoop):
         if num_pages is None:
             if kv_cache_bytes is None and not (device.memory_stats() or {}):
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
-            reserve = step_workspace_bytes(cfg, slots or default_slots, budget)
+            reserve = step_workspace_bytes(cfg, slots or default_slots, budget,
+                                           model.kv_cache_dtype)
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
                                          memory_fraction, model_shards=model_size,
-                                         reserve_bytes=reserve, device=device)
+                                         reserve_bytes=reserve, device=device,
+                                         kv_cache_dtype=model.kv_cache_dtype)
         elif num_pages < 1:
             raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
@@ -404,11 +412,14 @@ class Engine(StepLoop):
         self._new_device_state()
         self._inflight: tuple[str, list[_Seq]] = ("", [])  # the step last launched, its requests
         if verbose:
-            mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
+            mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
+                                                       model.kv_cache_dtype) / 2**20
                    / model_size)  # per device
+            stored = f", {model.kv_cache_dtype}" if model.kv_cache_dtype else ""
             print(f"jaxinfer engine: KV pool of {num_pages} pages x {page_size} tokens = "
-                  f"{capacity} tokens ({mib:.1f} MiB{' per device' if model_size > 1 else ''})"
-                  f", {slots} slots, {budget} tokens per step", file=sys.stderr, flush=True)
+                  f"{capacity} tokens ({mib:.1f} MiB{' per device' if model_size > 1 else ''}"
+                  f"{stored}), {slots} slots, {budget} tokens per step", file=sys.stderr,
+                  flush=True)
 
         self._next_id = 0
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -790,7 +801,7 @@ class Engine(StepLoop):
         sharding = (self._placement if self.mesh is None
                     else engine_pool_sharding(self.mesh, cfg, stacked))
         self.pool = PagePool.create(cfg, num_pages, self.page_size, dtype, sharding=sharding,
-                                    stacked=stacked)
+                                    stacked=stacked, kv_cache_dtype=self.model.kv_cache_dtype)
         self._seen = self._put(np.zeros((self.max_batch, cfg.vocab_size), bool))
 
     def _out_of_memory(self, e: Exception) -> list[Event]:
@@ -851,7 +862,8 @@ class Engine(StepLoop):
         """What identifies a compiled step program in this process."""
         return (*program, self.model.config, self.backend, str(self.model.dtype),
                 self.blocks.num_pages, self.max_batch, self.pages_per_seq, self.decode_steps,
-                self.pool.stacked, self.model.layout, self.model.deterministic)
+                self.pool.stacked, self.model.layout, self.model.deterministic,
+                self.model.kv_cache_dtype)
 
     def _announce(self, program: tuple[Any, ...], what: str) -> None:
         """Count a step program; say on stderr, once per process and shape, that XLA is

@@ -47,6 +47,8 @@ class Model:
     mesh: Any = None
     # Batch-invariant kernels: a request's tokens do not depend on the batch (load_model).
     deterministic: bool = False
+    # K/V page pool storage: None (the model's dtype), "int8" or "fp8" (load_model).
+    kv_cache_dtype: str | None = None
     # The jaxinfer.Engine serving this model's requests, made on first use (engine_for).
     engine: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
