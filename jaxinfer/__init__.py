@@ -35,12 +35,13 @@ _EXPORTS = {
     "Model": "jaxinfer.requests",
     "ScoreResult": "jaxinfer.requests",
     "SamplingParams": "jaxinfer.sampling",
+    "Speculative": "jaxinfer.speculative",
 }
 
 __all__ = [
     "DEFAULT_MODEL", "CheckpointError", "Completion", "ConfigError", "DataParallelEngine",
     "Engine", "InputError", "JaxinferError", "LlamaConfig", "Model", "RequestError",
-    "SamplingParams", "ScoreResult", "compute_logits",
+    "SamplingParams", "ScoreResult", "Speculative", "compute_logits",
     "convert", "generate", "load_model", "score", "score_rolling", "stream", "stream_tokens",
 ]
 
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from jaxinfer.replicas import DataParallelEngine
     from jaxinfer.requests import Completion, Model, ScoreResult
     from jaxinfer.sampling import SamplingParams
+    from jaxinfer.speculative import Speculative
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ import jax
 
 import pallas_kernels
 from jaxinfer.errors import InputError
+from jaxinfer.paged_cache import QuantizedPages
 from pallas_kernels import SUPPORTED_HEAD_DIMS
 
 Backend = Literal["reference", "pallas", "auto"]
@@ -60,8 +61,8 @@ def check_deterministic(backend: str, tensor_parallel: bool = False) -> str:
 
 def attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
     lengths: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
@@ -76,7 +77,9 @@ def attention(
       q: ``[T, H, D]`` packed query tokens of many sequences (prefill chunks and decode
         tokens); sequence s owns rows ``[cu_q_lens[s], cu_q_lens[s + 1])``.
       k_pages, v_pages: one layer's page pool ``[KVH, num_pages, page_size, D]``;
-        ``H % KVH == 0``.
+        ``H % KVH == 0``. ``QuantizedPages`` (an int8 / fp8 pool): every backend
+        dequantizes as it reads (the kernels inside their dot products, the reference the
+        gathered pages only).
       lengths: ``[S]`` int32 keys per sequence including its new tokens.
       block_tables: ``[S, pages_per_seq]`` int32 physical page of each logical page.
       cu_q_lens: ``[S + 1]`` int32 cumulative query counts.
@@ -93,23 +96,30 @@ def attention(
     Returns:
       ``[T, H, D]`` like ``q``.
     """
+    scales = {}
+    if isinstance(k_pages, QuantizedPages):
+        scales = {"k_scales": k_pages.scales, "v_scales": v_pages.scales}
+        k_pages, v_pages = k_pages.values, v_pages.values
     if deterministic:
         if backend != "pallas":
             raise ValueError("deterministic attention needs the pallas backend")
         # max_q_len only caps the query block here; 16 keeps the kernel's default block.
         return pallas_kernels.ragged_attention(q, k_pages, v_pages, block_tables, lengths,
                                                cu_q_lens, max_q_len=max(max_q_len or 1, 16),
-                                               interpret=jax.default_backend() != "gpu")
+                                               interpret=jax.default_backend() != "gpu",
+                                               **scales)
     if backend == "pallas" and max_q_len == 1 and q.shape[0] == block_tables.shape[0]:
         # Decode-only step, row s = sequence s: the split-K paged kernel (Flash-Decoding)
         # keeps the GPU busy with few sequences, where the ragged kernel has one program per
         # (sequence, kv head). Inactive rows (length 0) give zeros.
         return pallas_kernels.paged_attention(q, k_pages, v_pages, block_tables, lengths,
-                                              interpret=jax.default_backend() != "gpu")
+                                              interpret=jax.default_backend() != "gpu",
+                                              **scales)
     if backend == "pallas":
         return pallas_kernels.ragged_attention(q, k_pages, v_pages, block_tables, lengths,
                                                cu_q_lens, max_q_len=max_q_len,
-                                               interpret=jax.default_backend() != "gpu")
+                                               interpret=jax.default_backend() != "gpu",
+                                               **scales)
     # Any head_dim here (the kernels' restriction does not apply to the reference).
     return pallas_kernels.ragged_attention_reference(q, k_pages, v_pages, block_tables,
-                                                     lengths, cu_q_lens)
+                                                     lengths, cu_q_lens, **scales)

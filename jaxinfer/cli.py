@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.speculative import METHODS, Speculative
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--speculative", choices=METHODS, default=None,
+                        help="speculative decoding: ngram = prompt lookup (same output)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="tokens proposed per verification (with --speculative)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -29,7 +34,17 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty, "seed": args.seed,
         "stop": tuple(args.stop),
+        "speculative": (Speculative(method=args.speculative,
+                                    num_tokens=args.num_speculative_tokens)
+                        if args.speculative else None),
     }
+
+
+def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``: how the engine's page pool stores K/V (``load_model``)."""
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="int8 or fp8: store K/V quantized, about twice the tokens in the "
+                        "same memory (default: the model's dtype)")
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_kv_cache_arg(g)
     add_mesh_args(g)
     add_sampling_args(g)
     ch = sub.add_parser("chat", help="interactive multi-turn chat, replies streamed",
@@ -68,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="system message opening the conversation")
     ch.add_argument("--dtype", default="bfloat16")
     ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_kv_cache_arg(ch)
     add_mesh_args(ch)
     add_sampling_args(ch)
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
@@ -107,7 +124,7 @@ def _generate(args: argparse.Namespace) -> None:
     options = sampling_kwargs(args)
     SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args))
+                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
     for piece in stream(model, args.prompt, chat=args.chat, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -191,7 +208,7 @@ def _chat(args: argparse.Namespace) -> None:
     SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
     print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args))
+                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
     if model.tokenizer is None or not model.tokenizer.chat_template:
         from jaxinfer.errors import InputError
 

@@ -14,6 +14,12 @@ the one place stop rules live):
    in about ``decode_call_seconds`` of device time, at most ``decode_steps``)
    in one device loop. Pages for those tokens are reserved first; stop tokens, token limits
    and the reserved pages are checked on the device, so the host syncs once per call.
+3. **Verify step** instead of a decode call when running requests ask for speculative
+   decoding (``SamplingParams.speculative``) and it pays: each proposes up to ``k`` tokens
+   (``speculative.propose_ngram``), one forward pass checks them all, and each row emits the
+   accepted proposals plus one sampled token, exactly what plain decoding would emit. The
+   engine measures both step kinds per row bucket and verifies only while that is faster
+   (``Speculative.adaptive``).
 
 When the pool cannot hold the planned tokens, the youngest running sequence is preempted:
 its pages are released (full ones stay in the prefix cache) and it is requeued to be
@@ -44,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
 from jaxinfer.model import pool_is_stacked
-from jaxinfer.paged_cache import BlockManager, PagePool, pages_for_budget
+from jaxinfer.paged_cache import BlockManager, PagePool, check_kv_cache_dtype, pages_for_budget
 from jaxinfer.requests import (
     Completion,
     Model,
@@ -67,8 +73,10 @@ from jaxinfer.runner import (
     mixed_step,
     row_buckets,
     token_buckets,
+    verify_step,
 )
 from jaxinfer.sampling import SamplingArrays, SamplingParams, prng_key_data
+from jaxinfer.speculative import Speculative, propose_ngram
 from sharding.mesh import mesh_sizes, spans_processes
 from sharding.placement import on_mesh, to_host
 from sharding.rules import engine_pool_sharding
@@ -83,13 +91,20 @@ SCHEDULES = ("fcfs", "longest_first")
 CPU_KV_CACHE_BYTES = 128 * 2**20
 """KV pool budget on a device that reports no free memory (CPU): 128 MiB."""
 
+VERIFY_MAX_ROWS = 64
+"""Largest row bucket a verify step runs (it samples ``rows x (k + 1)`` vocabulary rows);
+beyond it the engine decodes without speculation."""
 
-def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
+
+def step_workspace_bytes(config: Any, slots: int, max_tokens: int,
+                         kv_cache_dtype: str | None = None) -> int:
     """Device bytes the steps need besides weights and pool: kept free when sizing the pool.
 
     Activations of the largest mixed step (float32 upper bound on its widest tensors), the
     sampling rows ``[slots, vocab]`` (logits, log-softmax, penalised and filtered copies),
-    one scoring chunk of logits, and 1 GiB for XLA/cuBLAS workspaces and autotuning.
+    one scoring chunk of logits, and 1 GiB for XLA/cuBLAS workspaces and autotuning. A
+    quantized ``kv_cache_dtype`` adds the float32 copies of the step's K and V that are
+    quantized before the write (the kernels dequantize in registers: no pool-sized buffer).
     """
     c = config
     width = 3 * c.hidden_size + 2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) \
@@ -97,7 +112,8 @@ def step_workspace_bytes(config: Any, slots: int, max_tokens: int) -> int:
     activations = 2 * max_tokens * width * 4
     sampling = 4 * slots * c.vocab_size * 4
     scoring = 2 * min(512, max_tokens) * c.vocab_size * 4
-    return activations + sampling + scoring + 2**30
+    kv_quant = 0 if kv_cache_dtype is None else 2 * max_tokens * c.num_kv_heads * c.head_dim * 4
+    return activations + sampling + scoring + kv_quant + 2**30
 
 
 @dataclasses.dataclass
@@ -138,6 +154,21 @@ class EngineStats:
     cached_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int
     num_programs: int  # distinct step shapes run (each compiled once per process)
+    verify_steps: int = 0  # speculative verify steps among the steps
+    verified_rows: int = 0  # sequences advanced by them (one per row and step)
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (0 without speculation)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gains per verify step: accepted proposals + the sampled one."""
+        return ((self.accepted_tokens + self.verified_rows) / self.verified_rows
+                if self.verified_rows else 0.0)
 
 
 @dataclasses.dataclass
@@ -188,6 +219,7 @@ class _Call:
     plan: list[tuple[_Seq, int]] | None = None  # mixed step: tokens per sequence
     score: bool = False  # mixed step: with target log-probabilities
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
+    proposals: list[tuple[_Seq, list[int]]] | None = None  # verify step: rows, proposals
     compiled: bool = False  # XLA compiled the program for this call (its time is not a step's)
 
 
@@ -252,7 +284,8 @@ class Engine(StepLoop):
       max_batch: sequences running at once (slots). Default ``model.max_batch`` if set, else
         256 on an accelerator (32 on CPU), capped at one slot per 256 pool tokens (H100, 1B
         shapes: 512 slots ran slower than 256, bench/NOTES.md).
-      kv_cache_bytes: device bytes for the page pool (per device on a mesh).
+      kv_cache_bytes: device bytes for the page pool (per device on a mesh); a model with
+        an int8/fp8 ``kv_cache_dtype`` fits about twice the pages in them.
         ``num_pages`` sets the pool size directly instead.
       page_size: tokens per page (a power of two for the Pallas kernel).
       max_tokens_per_step: token budget of a mixed step (decode tokens + prefill chunks), the
@@ -304,6 +337,7 @@ class Engine(StepLoop):
         # A copy sharing params and tokenizer: the model may keep this engine (engine_for)
         # without a reference cycle, so dropping the model frees the pool at once.
         self.model = dataclasses.replace(model)
+        check_kv_cache_dtype(model.kv_cache_dtype, cfg.head_dim)
         accelerator = jax.default_backend() != "cpu"
         if page_size < 1 or page_size & (page_size - 1):
             raise InputError(f"page_size={page_size} must be a power of two")
@@ -334,10 +368,12 @@ class Engine(StepLoop):
         if num_pages is None:
             if kv_cache_bytes is None and not (device.memory_stats() or {}):
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
-            reserve = step_workspace_bytes(cfg, slots or default_slots, budget)
+            reserve = step_workspace_bytes(cfg, slots or default_slots, budget,
+                                           model.kv_cache_dtype)
             num_pages = pages_for_budget(cfg, page_size, model.dtype, kv_cache_bytes,
                                          memory_fraction, model_shards=model_size,
-                                         reserve_bytes=reserve, device=device)
+                                         reserve_bytes=reserve, device=device,
+                                         kv_cache_dtype=model.kv_cache_dtype)
         elif num_pages < 1:
             raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
@@ -359,6 +395,8 @@ class Engine(StepLoop):
         self.schedule = schedule
         self._unordered = False  # requests arrived since the waiting queue was last ordered
         self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
+        self._verify_s: dict[int, float] = {}  # row bucket -> measured s per verify step
+        self._acceptance = 0.5  # running mean of accepted / proposed tokens (verify steps)
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
                                cfg.max_position_embeddings, capacity)
         self.pages_per_seq = math.ceil(self.max_seq_len / page_size)
@@ -374,11 +412,14 @@ class Engine(StepLoop):
         self._new_device_state()
         self._inflight: tuple[str, list[_Seq]] = ("", [])  # the step last launched, its requests
         if verbose:
-            mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype) / 2**20
+            mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
+                                                       model.kv_cache_dtype) / 2**20
                    / model_size)  # per device
+            stored = f", {model.kv_cache_dtype}" if model.kv_cache_dtype else ""
             print(f"jaxinfer engine: KV pool of {num_pages} pages x {page_size} tokens = "
-                  f"{capacity} tokens ({mib:.1f} MiB{' per device' if model_size > 1 else ''})"
-                  f", {slots} slots, {budget} tokens per step", file=sys.stderr, flush=True)
+                  f"{capacity} tokens ({mib:.1f} MiB{' per device' if model_size > 1 else ''}"
+                  f"{stored}), {slots} slots, {budget} tokens per step", file=sys.stderr,
+                  flush=True)
 
         self._next_id = 0
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -408,6 +449,8 @@ class Engine(StepLoop):
         self._peak_used = 0
         self._lookup_tokens = self._hit_tokens = 0
         self._preemptions = 0
+        self._verify_steps = self._verified_rows = 0
+        self._draft_tokens = self._accepted_tokens = 0
         self._programs: set[tuple[Any, ...]] = set()
         self._quiet_compiles = False
 
@@ -451,8 +494,10 @@ class Engine(StepLoop):
         t0 = time.perf_counter()
         self._order_waiting()
         try:
-            call = (self._launch_mixed() if self._prompt_work_pending()
-                    else self._launch_decode(max_decode_steps))
+            if self._prompt_work_pending():
+                call = self._launch_mixed()
+            else:
+                call = self._launch_decode_step(max_decode_steps)
             events = [] if call is None else self._collect(call)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -563,18 +608,21 @@ class Engine(StepLoop):
             tokens_held=sum(s.num_computed for s in self._running),
             prefix_cache_hit_rate=self._hit_tokens / max(1, self._lookup_tokens),
             cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
-            num_programs=len(self._programs))
+            num_programs=len(self._programs), verify_steps=self._verify_steps,
+            verified_rows=self._verified_rows, draft_tokens=self._draft_tokens,
+            accepted_tokens=self._accepted_tokens)
 
-    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
-               ) -> float:
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
+               speculative: Speculative | None = None) -> float:
         """Compile (or load from JAX's compilation cache) every step shape now; return the
         seconds it took.
 
         ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
-        sample with a temperature above 0. Runs them on all-padding inputs, which write no
-        page and sample for no slot, so the engine's state is unchanged. Benchmarks and
-        ``batch_eval`` call this before timing.
+        sample with a temperature above 0; ``speculative``: the verify step of each row
+        bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens``. Runs them on all-padding
+        inputs, which write no page and sample for no slot, so the engine's state is
+        unchanged. Benchmarks and ``batch_eval`` call this before timing.
         """
         if self.has_unfinished():
             raise InputError("warmup() runs on an idle engine; call it before submitting")
@@ -582,7 +630,9 @@ class Engine(StepLoop):
         samplers = (False, True) if sampled else (False,)
         mixed = [(sc, st) for sc in (False,) * generate + (True,) * score for st in samplers]
         decode = samplers if generate else ()
-        n = len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
+        verify = [b for b in self.row_buckets if b <= VERIFY_MAX_ROWS] if speculative else []
+        n = (len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
+             + len(verify) * len(samplers))
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
@@ -592,6 +642,9 @@ class Engine(StepLoop):
         for b in self.row_buckets:
             for st in decode:
                 to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
+        for b in verify:
+            for st in samplers:
+                to_host(self._dispatch_verify([], b, speculative.num_tokens, st))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -748,7 +801,7 @@ class Engine(StepLoop):
         sharding = (self._placement if self.mesh is None
                     else engine_pool_sharding(self.mesh, cfg, stacked))
         self.pool = PagePool.create(cfg, num_pages, self.page_size, dtype, sharding=sharding,
-                                    stacked=stacked)
+                                    stacked=stacked, kv_cache_dtype=self.model.kv_cache_dtype)
         self._seen = self._put(np.zeros((self.max_batch, cfg.vocab_size), bool))
 
     def _out_of_memory(self, e: Exception) -> list[Event]:
@@ -809,7 +862,8 @@ class Engine(StepLoop):
         """What identifies a compiled step program in this process."""
         return (*program, self.model.config, self.backend, str(self.model.dtype),
                 self.blocks.num_pages, self.max_batch, self.pages_per_seq, self.decode_steps,
-                self.pool.stacked, self.model.layout, self.model.deterministic)
+                self.pool.stacked, self.model.layout, self.model.deterministic,
+                self.model.kv_cache_dtype)
 
     def _announce(self, program: tuple[Any, ...], what: str) -> None:
         """Count a step program; say on stderr, once per process and shape, that XLA is
@@ -945,7 +999,11 @@ class Engine(StepLoop):
         return out, seconds
 
     def _collect(self, call: _Call) -> list[Event]:
-        return self._collect_mixed(call) if call.plan is not None else self._collect_decode(call)
+        if call.plan is not None:
+            return self._collect_mixed(call)
+        if call.proposals is not None:
+            return self._collect_verify(call)
+        return self._collect_decode(call)
 
     def _collect_mixed(self, call: _Call) -> list[Event]:
         out, _ = self._results_of(call)
@@ -1105,4 +1163,163 @@ class Engine(StepLoop):
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
         self._computed += computed
         self._padded += call.padded
+        return events
+
+    # ------------------------------------------------------------------ verify steps
+    def _propose(self) -> list[tuple[_Seq, list[int]]]:
+        """Proposals of every running sequence (empty for those without speculation, or
+        with no room for another token beyond the one verification always yields)."""
+        out = []
+        for s in self._running:
+            spec = s.req.sampling.speculative
+            room = min(s.req.sampling.max_new_tokens - len(s.progress.tokens),
+                       self.max_seq_len - len(s.tokens)) - 1
+            if spec is None or room < 1:
+                out.append((s, []))
+                continue
+            out.append((s, propose_ngram(s.tokens, min(spec.num_tokens, room), spec.ngram_max,
+                                         spec.ngram_min)))
+        return out
+
+    def _verify_pays(self, b: int, proposed: list[int]) -> bool:
+        """Whether a verify step with ``proposed`` tokens per row is expected to yield more
+        tokens per second than a decode call over the same ``b`` rows (measured per row
+        bucket; each kind is tried once, the verify step first)."""
+        if not all(s.req.sampling.speculative.adaptive
+                   for s in self._running if s.req.sampling.speculative):
+            return True
+        if b not in self._verify_s or b not in self._iteration_s:
+            return b not in self._verify_s
+        gain = sum(1 + self._acceptance * n for n in proposed)
+        return gain / self._verify_s[b] > len(proposed) / self._iteration_s[b]
+
+    def _launch_decode_step(self, max_steps: int | None) -> _Call | None:
+        """The step after a mixed one: a verify step when running sequences speculate, their
+        row bucket is small enough, the pages fit and it is expected to be faster; a decode
+        call otherwise, a short one while speculation pays but nothing can be proposed yet
+        (new tokens may start to repeat earlier ones)."""
+        specs = [s.req.sampling.speculative for s in self._running
+                 if s.req.sampling.speculative]
+        if not specs:
+            return self._launch_decode(max_steps)
+        b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
+        if b > VERIFY_MAX_ROWS:
+            return self._launch_decode(max_steps)
+        proposals = self._propose()
+        if not any(p for _, p in proposals):
+            if not self._verify_pays(b, [sp.num_tokens for sp in specs]):
+                return self._launch_decode(max_steps)
+            short = max(sp.num_tokens for sp in specs) + 1
+            return self._launch_decode(short if max_steps is None else min(max_steps, short))
+        if not self._verify_pays(b, [len(p) for _, p in proposals]):
+            return self._launch_decode(max_steps)
+        bm = self.blocks
+        ends = [s.num_computed + 1 + len(p) for s, p in proposals]
+        width = max(s.req.sampling.speculative.num_tokens for s, p in proposals if p)
+        if (sum(e - s.num_computed for (s, _), e in zip(proposals, ends, strict=True))
+                > self._verify_tokens(b, width)):
+            return self._launch_decode(max_steps)  # more tokens than the step's budget
+        if sum(bm.pages_needed(s.rid, s.num_computed, e)
+               for (s, _), e in zip(proposals, ends, strict=True)) > bm.num_free:
+            return self._launch_decode(max_steps)  # its planning preempts as needed
+        for (s, _), e in zip(proposals, ends, strict=True):
+            self._reserve(s, e)
+        stochastic = any(s.req.sampling.temperature > 0 for s, _ in proposals)
+        compiled = self._program_key(self._verify_program(b, width, stochastic)) not in _ANNOUNCED
+        self._inflight = (f"verify step of {b} rows x {width + 1} tokens",
+                          [s for s, _ in proposals])
+        launched = time.perf_counter()
+        out = self._dispatch_verify(proposals, b, width, stochastic)
+        return _Call(out=out, launched=launched, padded=self._verify_tokens(b, width),
+                     proposals=proposals, compiled=compiled)
+
+    def _verify_tokens(self, b: int, width: int) -> int:
+        """Packed tokens of a verify step over ``b`` rows proposing up to ``width``: room for
+        every row's full proposal, so one program serves each row bucket."""
+        return bucket(min(b * (width + 1), self.max_tokens), self.token_buckets)
+
+    def _verify_program(self, b: int, width: int, stochastic: bool) -> tuple[Any, ...]:
+        return ("verify", b, width, stochastic)
+
+    def _dispatch_verify(self, proposals: list[tuple[_Seq, list[int]]], b: int, width: int,
+                         stochastic: bool) -> dict[str, jax.Array]:
+        """Launch one verify step program (asynchronously); the pool and ``seen`` advance."""
+        t = self._verify_tokens(b, width)
+        self._announce(self._verify_program(b, width, stochastic),
+                       f"verify step for {b} rows x {width + 1} tokens"
+                       + (", sampled" if stochastic else ""))
+        inp, drafts, counts = self._verify_inputs(proposals, b, t, width)
+        with on_mesh(self.mesh):
+            self.pool, self._seen, out = verify_step(
+                self.model.params, self.pool, self._seen, self._put(inp), *self._put(
+                    (drafts, counts)), config=self.model.config, backend=self.backend,
+                dtype=self.model.dtype, max_q_len=t, stochastic=stochastic,
+                deterministic=self.model.deterministic)
+        return out
+
+    def _verify_inputs(self, proposals: list[tuple[_Seq, list[int]]], b: int, t: int,
+                       width: int) -> tuple[MixedInputs, np.ndarray, np.ndarray]:
+        """Packed inputs of a verify step over slots ``[0, b)``: each row's last token, then
+        its proposals; and the proposals ``[b, width]`` and their counts ``[b]``."""
+        ps, n_pages = self.page_size, self.blocks.num_pages
+        drafts = np.zeros((b, width), np.int32)
+        counts = np.zeros(b, np.int32)
+        q_lens = np.zeros(b, np.int32)
+        kv_lens = np.zeros(b, np.int32)
+        gen = np.zeros(b, np.int32)
+        samples = np.zeros(b, bool)
+        for s, p in proposals:
+            drafts[s.slot, : len(p)] = p
+            counts[s.slot] = len(p)
+            q_lens[s.slot] = 1 + len(p)
+            kv_lens[s.slot] = s.num_computed + 1 + len(p)
+            gen[s.slot] = len(s.progress.tokens)
+            samples[s.slot] = True
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        write_pages = np.full(t, n_pages, np.int32)
+        write_offsets = np.zeros(t, np.int32)
+        for s, p in proposals:
+            o, n = cu[s.slot], 1 + len(p)
+            pos = np.arange(s.num_computed, s.num_computed + n, dtype=np.int32)
+            tokens[o: o + n] = [s.tokens[-1], *p]
+            positions[o: o + n] = pos
+            write_pages[o: o + n] = self._tables[s.slot, pos // ps]
+            write_offsets[o: o + n] = pos % ps
+        inp = MixedInputs(
+            tokens=tokens, positions=positions, write_pages=write_pages,
+            write_offsets=write_offsets, targets=np.full(t, -1, np.int32),
+            block_tables=self._tables[:b], kv_lens=kv_lens, cu_q_lens=cu,
+            last_index=np.zeros(b, np.int32), gen_index=gen, samples=samples,
+            sampling=self._sampling(b))
+        return inp, drafts, counts
+
+    def _collect_verify(self, call: _Call) -> list[Event]:
+        out, seconds = self._results_of(call)
+        b = out["tokens"].shape[0]
+        if not call.compiled:
+            self._verify_s[b] = 0.5 * (self._verify_s.get(b, seconds) + seconds)
+        now = time.perf_counter()
+        self._verify_steps += 1
+        self._padded += call.padded
+        proposed = accepted = 0
+        events: list[Event] = []
+        for s, p in call.proposals:
+            a = int(out["accepted"][s.slot])
+            proposed, accepted = proposed + len(p), accepted + a
+            s.progress.draft_tokens += len(p)
+            s.progress.accepted_tokens += a
+            start = s.num_computed
+            s.num_computed += 1 + a
+            self._computed += 1 + len(p)
+            events.append(self._emit(s, out["tokens"][s.slot, : a + 1].tolist(),
+                                     out["logprobs"][s.slot, : a + 1].tolist(), now))
+            if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
+                self.blocks.commit(s.rid, s.tokens, s.num_computed)
+        self._verified_rows += len(call.proposals)
+        self._draft_tokens += proposed
+        self._accepted_tokens += accepted
+        if proposed:
+            self._acceptance = 0.5 * (self._acceptance + accepted / proposed)
         return events

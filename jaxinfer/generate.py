@@ -243,16 +243,18 @@ def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "page_size",
-                                            "deterministic"))
+                                            "deterministic", "kv_cache_dtype"))
 def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
                      config: LlamaConfig, backend: str, dtype: Any, page_size: int,
-                     deterministic: bool) -> jax.Array:
+                     deterministic: bool, kv_cache_dtype: str | None) -> jax.Array:
     """Float32 logits ``[T, V]`` of one sequence ``tokens [T]`` (``length`` real tokens),
-    through the engine's forward pass over a private pool of ``T / page_size`` pages."""
+    through the engine's forward pass over a private pool of ``T / page_size`` pages (stored
+    as the model's engine stores K/V: ``kv_cache_dtype``)."""
     t = tokens.shape[0]
     pages = t // page_size
     pool = PagePool.create(config, pages, page_size, dtype,
-                           stacked=pool_is_stacked(params, backend))
+                           stacked=pool_is_stacked(params, backend),
+                           kv_cache_dtype=kv_cache_dtype)
     pos = jnp.arange(t, dtype=jnp.int32)
     h, _, _ = forward_ragged(params, config, tokens, pos, pool.k, pool.v,
                              jnp.where(pos < length, pos // page_size, pages), pos % page_size,
@@ -263,7 +265,8 @@ def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
 
 
 def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
-    """Float32 logits ``[len(token_ids), vocab]`` of one sequence (the engine's forward pass)."""
+    """Float32 logits ``[len(token_ids), vocab]`` of one sequence (the engine's forward pass,
+    K/V stored as ``model.kv_cache_dtype`` says)."""
     if isinstance(token_ids, str):
         raise InputError("compute_logits takes token ids; encode text with model.tokenizer")
     ids = encode(model, token_ids)
@@ -279,5 +282,6 @@ def compute_logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
             tokens, np.int32(len(ids)))), config=cfg,
             backend=resolve_backend(model.backend, cfg.head_dim, model.deterministic),
             dtype=model.dtype,
-            page_size=_LOGITS_BUCKET, deterministic=model.deterministic)
+            page_size=_LOGITS_BUCKET, deterministic=model.deterministic,
+            kv_cache_dtype=model.kv_cache_dtype)
     return to_host(logits)[: len(ids)].astype(np.float32)

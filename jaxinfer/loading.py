@@ -15,6 +15,7 @@ from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
+from jaxinfer.paged_cache import check_kv_cache_dtype
 from jaxinfer.quantize import check_method, quantize_params
 from jaxinfer.requests import Model
 
@@ -91,6 +92,7 @@ def load_model(
     layout: str = "auto",
     deterministic: bool = False,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Model:
     """Load a model for ``generate``.
 
@@ -135,8 +137,15 @@ def load_model(
         and 64 input rows (``jaxinfer.quantize``), made on the device after loading;
         embeddings, norms and a tied output head stay in ``dtype``. ``Model.param_bytes``
         reports the result. Not with a tensor-parallel mesh or ``deterministic`` yet.
+      kv_cache_dtype: how the engine's page pool stores K/V: None (default) in ``dtype``;
+        ``"int8"`` (symmetric, amax / 127) or ``"fp8"`` (float8 e4m3, amax / 448), each with
+        one bfloat16 scale per token and K/V head (``pallas_kernels.kv_quant``). K/V are
+        quantized when written and dequantized by the attention kernels (or the reference
+        backend) when read, so the pool holds about twice the tokens for the same memory.
+        Works with every layout, mesh, backend and ``deterministic``.
     """
     jdtype = _parse_dtype(dtype)
+    check_kv_cache_dtype(kv_cache_dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
@@ -156,6 +165,7 @@ def load_model(
         shardings = lambda cfg: stored_shardings(cfg, mesh)
     config, params, tokenizer = _load_raw(name_or_path, shardings)
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
+    check_kv_cache_dtype(kv_cache_dtype, config.head_dim)
     if split:
         config, params = shard_params(config, params, mesh, jdtype)
         params = apply_layout(params, layout, mesh=mesh, donate=True)  # ours: just placed
@@ -179,7 +189,7 @@ def load_model(
         params = quantize_params(params, quantize, donate=mesh is None)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
-                 deterministic=deterministic)
+                 deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
 
 
 def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None

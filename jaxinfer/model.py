@@ -32,6 +32,7 @@ import numpy as np
 
 import pallas_kernels
 from jaxinfer.config import LlamaConfig
+from jaxinfer.paged_cache import QuantizedPages
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
 from jaxinfer.quantize import QuantizedWeight
 from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
@@ -358,16 +359,22 @@ def layer_params(layers: Params | list[Params], i: int) -> Params:
     return {name: jax.tree.map(lambda a: a[i], w) for name, w in layers.items()}
 
 
-def _write_kv(pages: jax.Array, layer: int | jax.Array | None, new: jax.Array,
-              write_pages: jax.Array, write_offsets: jax.Array) -> jax.Array:
+def _write_kv(pages: jax.Array | QuantizedPages, layer: int | jax.Array | None, new: jax.Array,
+              write_pages: jax.Array, write_offsets: jax.Array) -> jax.Array | QuantizedPages:
     """Scatter ``new [T, KVH, D]`` into one layer's pages, in place.
 
     ``pages`` is that layer's ``[KVH, P, page_size, D]`` buffer (``layer`` None) or the
     stacked ``[L, KVH, P, page_size, D]`` pool with ``layer`` its index. Padding tokens name
-    page ``P`` and are dropped.
+    page ``P`` and are dropped. ``QuantizedPages``: ``new`` is quantized per token and head
+    (``pallas_kernels.quantize_kv``), values and scales scattered to the same slots.
     """
+    if isinstance(pages, QuantizedPages):
+        values, scales = pallas_kernels.quantize_kv(new, pages.values.dtype)  # [T,KVH,D], [T,KVH]
+        return QuantizedPages(
+            values=_write_kv(pages.values, layer, values, write_pages, write_offsets),
+            scales=_write_kv(pages.scales, layer, scales, write_pages, write_offsets))
     new = new.astype(pages.dtype)
-    if layer is None:  # index (:, page[T], offset[T]) keeps heads first: updates [KVH, T, D]
+    if layer is None:  # index (:, page[T], offset[T]) keeps heads first: updates [KVH, T(, D)]
         return pages.at[:, write_pages, write_offsets].set(new.swapaxes(0, 1), mode="drop")
     # (layer, :, page[T], offset[T]): the scalar splits the advanced indices, so T comes first.
     return pages.at[layer, :, write_pages, write_offsets].set(new, mode="drop")
@@ -378,8 +385,8 @@ def decoder_layer(
     config: LlamaConfig,
     h: jax.Array,
     positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
     layer: int | jax.Array | None,
     batch: dict[str, Any],
     *,
@@ -402,6 +409,10 @@ def decoder_layer(
     q, k, v = _qkv(x, lp, c, deterministic)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
+    if isinstance(k_pages, QuantizedPages) and pallas_kernels.rotates_keys(k_pages.values.dtype):
+        # int8 keys are stored Hadamard-rotated, queries rotated alike: q . k is unchanged and
+        # the keys' outlier channels no longer set every channel's step (kv_quant).
+        q, k = pallas_kernels.hadamard_rotate(q), pallas_kernels.hadamard_rotate(k)
     # Scatter first, then attend: a chunk's queries see its own keys through the pages.
     k_pages = _write_kv(k_pages, layer, k[0], batch["write_pages"], batch["write_offsets"])
     v_pages = _write_kv(v_pages, layer, v[0], batch["write_pages"], batch["write_offsets"])
@@ -422,8 +433,8 @@ def forward_ragged(
     config: LlamaConfig,
     tokens: jax.Array,
     positions: jax.Array,
-    k_pages: jax.Array | Sequence[jax.Array],
-    v_pages: jax.Array | Sequence[jax.Array],
+    k_pages: jax.Array | QuantizedPages | Sequence[jax.Array | QuantizedPages],
+    v_pages: jax.Array | QuantizedPages | Sequence[jax.Array | QuantizedPages],
     write_pages: jax.Array,
     write_offsets: jax.Array,
     block_tables: jax.Array,
@@ -446,7 +457,9 @@ def forward_ragged(
 
     Args:
       tokens, positions: ``[T]`` int32, each token's id and absolute position in its sequence.
-      k_pages, v_pages: the pool (see above).
+      k_pages, v_pages: the pool (see above); a quantized pool (``kv_cache_dtype``) has
+        ``QuantizedPages`` for arrays: K/V are quantized as they are written and dequantized
+        by the attention as it reads them.
       write_pages, write_offsets: ``[T]`` int32, where each token's K/V go; padding tokens
         use page ``num_pages`` (out of range, so the write is dropped).
       block_tables: ``[S, pages_per_seq]`` int32; kv_lens ``[S]`` keys per sequence

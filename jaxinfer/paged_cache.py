@@ -2,7 +2,12 @@
 
 The pool holds K and V for every layer (one buffer per layer, or stacked over layers, as
 the weights are); per layer that is the ``[kv_heads, num_pages, page_size, head_dim]`` layout
-the paged/ragged kernels in ``pallas_kernels`` read. A sequence
+the paged/ragged kernels in ``pallas_kernels`` read. With ``kv_cache_dtype`` ``"int8"`` or
+``"fp8"`` each buffer is a ``QuantizedPages``: one-byte values in that layout plus bfloat16
+scales ``[kv_heads, num_pages, page_size]`` per token and head (``pallas_kernels.kv_quant``),
+so the same bytes hold about twice the tokens. Values and scales share the page index, so
+everything that moves pages (block tables, prefix sharing, preemption, a new pool after an
+out-of-memory error) moves both. A sequence
 owns a *block table*: the list of physical pages holding its logical pages 0, 1, 2, ... so a
 sequence only ever holds
 ``ceil(length / page_size)`` pages instead of a ``max_len`` reservation.
@@ -35,6 +40,46 @@ from flax import struct
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import InputError
+from pallas_kernels import KV_CACHE_DTYPES, SCALE_DTYPE, rotates_keys
+
+KV_CACHE_CHOICES = tuple(KV_CACHE_DTYPES)
+"""Values ``load_model(kv_cache_dtype=...)`` accepts besides None (the model's dtype)."""
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str | None, head_dim: int | None = None) -> None:
+    """``InputError`` unless ``kv_cache_dtype`` is None or one of ``KV_CACHE_CHOICES`` (and,
+    given the model's ``head_dim``, one its heads can be stored in)."""
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use "
+                         f"{' or '.join(repr(c) for c in KV_CACHE_CHOICES)}, or None for the "
+                         "model's dtype")
+    if (kv_cache_dtype is not None and head_dim is not None and head_dim & (head_dim - 1)
+            and rotates_keys(KV_CACHE_DTYPES[kv_cache_dtype])):
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} stores keys Hadamard-rotated, "
+                         f"which needs a power-of-two head_dim, not {head_dim}; use 'fp8'")
+
+
+@struct.dataclass
+class QuantizedPages:
+    """One quantized pool buffer (K or V; ``pallas_kernels.kv_quant``): ``values [...,
+    KVH, num_pages, page_size, D]`` int8 or float8_e4m3fn and ``scales [..., KVH, num_pages,
+    page_size]`` bfloat16, ``...`` being the layer axis of a stacked pool.
+
+    Indexing (``pages[layer]``) indexes both, so a layer of a stacked pool is sliced like an
+    array; ``shape`` is the values' shape.
+    """
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the values (the scales drop the last axis)."""
+        return self.values.shape
+
+    def __getitem__(self, index: int | jax.Array) -> QuantizedPages:
+        """Values and scales indexed alike (a layer of a stacked pool)."""
+        return QuantizedPages(values=self.values[index], scales=self.scales[index])
 
 
 @struct.dataclass
@@ -46,10 +91,12 @@ class PagePool:
       place (slicing layer i out of a stacked pool for a custom call copies it);
     * stacked: ``k``, ``v`` are ``[L, KVH, num_pages, page_size, D]``, for the layer scan
       over stacked weights (compile time flat in depth).
+
+    A quantized pool (``kv_cache_dtype``) holds ``QuantizedPages`` where these hold arrays.
     """
 
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
+    k: jax.Array | QuantizedPages | tuple[jax.Array | QuantizedPages, ...]
+    v: jax.Array | QuantizedPages | tuple[jax.Array | QuantizedPages, ...]
 
     @property
     def stacked(self) -> bool:
@@ -69,25 +116,41 @@ class PagePool:
     @classmethod
     def create(cls, config: LlamaConfig, num_pages: int, page_size: int,
                dtype: jnp.dtype = jnp.bfloat16, sharding: jax.sharding.Sharding | None = None,
-               stacked: bool = True) -> PagePool:
+               stacked: bool = True, kv_cache_dtype: str | None = None) -> PagePool:
         """Allocate a zeroed pool, directly in shards when ``sharding`` is given (a mesh).
 
-        ``sharding`` is that of one buffer (``sharding.rules.engine_pool_sharding``).
+        ``sharding`` is that of one buffer (``sharding.rules.engine_pool_sharding``; its spec
+        splits the K/V head axis only, so it fits the scales too). ``kv_cache_dtype``
+        (``"int8"``/``"fp8"``) makes ``QuantizedPages`` buffers; None stores ``dtype``.
         """
+        check_kv_cache_dtype(kv_cache_dtype, config.head_dim)
         shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         n = config.num_layers
         if stacked:
             shape = (n, *shape)
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+        def zeros() -> jax.Array | QuantizedPages:
+            if kv_cache_dtype is None:
+                return jnp.zeros(shape, dtype)
+            return QuantizedPages(values=jnp.zeros(shape, KV_CACHE_DTYPES[kv_cache_dtype]),
+                                  scales=jnp.zeros(shape[:-1], SCALE_DTYPE))
+
+        make = jax.jit(zeros, out_shardings=sharding)
         if stacked:
             return cls(k=make(), v=make())
         return cls(k=tuple(make() for _ in range(n)), v=tuple(make() for _ in range(n)))
 
     @staticmethod
-    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: jnp.dtype = jnp.bfloat16) -> int:
-        """Device bytes one page takes across all layers, K and V."""
-        per = config.num_layers * config.num_kv_heads * page_size * config.head_dim
-        return 2 * per * jnp.dtype(dtype).itemsize
+    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: jnp.dtype = jnp.bfloat16,
+                       kv_cache_dtype: str | None = None) -> int:
+        """Device bytes one page takes across all layers, K and V (values and, for a
+        quantized ``kv_cache_dtype``, their scales)."""
+        per = config.num_layers * config.num_kv_heads * page_size
+        if kv_cache_dtype is None:
+            return 2 * per * config.head_dim * jnp.dtype(dtype).itemsize
+        check_kv_cache_dtype(kv_cache_dtype)
+        value = KV_CACHE_DTYPES[kv_cache_dtype].itemsize
+        return 2 * per * (config.head_dim * value + SCALE_DTYPE.itemsize)
 
 
 def pages_for_budget(
@@ -99,9 +162,14 @@ def pages_for_budget(
     model_shards: int = 1,
     reserve_bytes: int = 0,
     device: jax.Device | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> int:
     """How many pages fit ``kv_cache_bytes``, or ``memory_fraction`` of the free device memory
     left after ``reserve_bytes`` (the steps' activations and workspace).
+
+    Pages are counted in ``dtype``, or in a quantized ``kv_cache_dtype`` (one-byte values
+    plus their scales: ``PagePool.bytes_per_page``), so a quantized pool holds about twice
+    the pages for the same bytes.
 
     With ``model_shards`` > 1 (a mesh's model size) each device holds that fraction of every
     page's K/V heads, and ``kv_cache_bytes`` is per device. ``device``: the device whose free
@@ -110,7 +178,7 @@ def pages_for_budget(
     Raises ``InputError`` when no budget is given and the device reports no memory statistics
     (CPU), or when the budget holds less than one page.
     """
-    per_page = PagePool.bytes_per_page(config, page_size, dtype) // model_shards
+    per_page = PagePool.bytes_per_page(config, page_size, dtype, kv_cache_dtype) // model_shards
     if kv_cache_bytes is None:
         stats = (device or jax.local_devices()[0]).memory_stats() or {}
         if "bytes_limit" not in stats:

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxinfer.engine import Engine, EngineStats, Event, RequestMetrics, StepLoop
 from jaxinfer.errors import InputError
 from jaxinfer.requests import Completion, Model, Request, ScoreResult
+from jaxinfer.speculative import Speculative
 from sharding.mesh import DATA, MODEL, mesh_sizes, spans_processes
 
 
@@ -195,16 +196,18 @@ class DataParallelEngine(StepLoop):
             i, _ = self._where.pop(request_id)
             del self._ids[i][local]
 
-    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
-               ) -> float:
-        """Compile or load every replica's step programs; return the seconds it took.
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
+               speculative: Speculative | None = None) -> float:
+        """Compile or load every replica's step programs (``Engine.warmup``); return the
+        seconds it took.
 
         Replicas warm up in parallel threads: each replica's programs are compiled for its
         own devices, and XLA compiles without holding the interpreter lock.
         """
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda e: e.warmup(generate, score, sampled), self.replicas))
+            list(pool.map(lambda e: e.warmup(generate, score, sampled, speculative),
+                          self.replicas))
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:

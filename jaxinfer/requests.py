@@ -47,6 +47,8 @@ class Model:
     mesh: Any = None
     # Batch-invariant kernels: a request's tokens do not depend on the batch (load_model).
     deterministic: bool = False
+    # K/V page pool storage: None (the model's dtype), "int8" or "fp8" (load_model).
+    kv_cache_dtype: str | None = None
     # The jaxinfer.Engine serving this model's requests, made on first use (engine_for).
     engine: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -69,6 +71,8 @@ class Completion:
     string's tail); ``logprobs`` (when asked for) align with them. Times are in seconds from
     the request's submission. ``finish_reason`` ``"error"``: the request failed while it ran
     (``error`` says why); the tokens are those it had before the failure.
+    ``draft_tokens`` counts the tokens proposed for it by speculative decoding and
+    ``accepted_tokens`` those that verification accepted.
     """
 
     text: str
@@ -79,6 +83,8 @@ class Completion:
     time_per_output_token: float
     logprobs: list[float] | None = None
     error: str | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -341,6 +347,8 @@ class Progress:
     error: str | None = None  # why the request failed (reason "error")
     t_first: float = 0.0
     t_last: float = 0.0
+    draft_tokens: int = 0  # tokens proposed for verification (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted
 
 
 def add_tokens(model: Model, r: Request, p: Progress, tokens: Sequence[int],
@@ -401,6 +409,8 @@ def completion(model: Model, r: Request, p: Progress) -> Completion:
         time_per_output_token=(p.t_last - p.t_first) / (n - 1) if n > 1 else 0.0,
         logprobs=list(p.logprobs) if r.sampling.logprobs else None,
         error=p.error,
+        draft_tokens=p.draft_tokens,
+        accepted_tokens=p.accepted_tokens,
     )
 
 

@@ -1,6 +1,6 @@
 """The engine's device side: jitted steps over the page pool, in a few fixed shapes.
 
-Two step functions, both pure (params, pool, ``seen``, plain inputs) -> new state:
+Three step functions, all pure (params, pool, ``seen``, plain inputs) -> new state:
 
 * ``mixed_step``: one forward pass over a packed mix of prefill chunks and decode tokens
   (``model.forward_ragged``), then one sampled token per slot that finished its input.
@@ -10,6 +10,9 @@ Two step functions, both pure (params, pool, ``seen``, plain inputs) -> new stat
   its last token, writes its K/V into pages the host reserved ahead, samples the next token
   and stops on the device at a stop token, its token limit or the end of its reserved pages.
   The host syncs once per call, not once per token.
+* ``verify_step``: speculative decoding: each row feeds its last token and up to ``K``
+  proposed tokens in one forward pass, samples all ``K + 1`` positions as plain decoding
+  would, and accepts the proposals that equal those samples (``jaxinfer.speculative``).
 
 XLA:GPU evaluates a data-dependent ``while_loop`` condition or ``cond`` predicate on the host:
 it copies the predicate back and waits for the stream. So the steps avoid them where they can:
@@ -283,3 +286,72 @@ def decode_steps(
                                                             carry)
     seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
     return PagePool(k=k, v=v), seen, out_t, out_lp
+
+
+def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax.Array
+                     ) -> jax.Array:
+    """Proposals accepted per row: the length of the longest prefix of ``proposals [R, K]``
+    (the first ``num_proposed [R]`` of each row) equal to ``samples [R, K + 1]``."""
+    k = proposals.shape[1]
+    match = (samples[:, :k] == proposals) & (jnp.arange(k)[None, :] < num_proposed[:, None])
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len",
+                                            "stochastic", "deterministic"),
+                   donate_argnums=(1, 2))
+def verify_step(
+    params: Params,
+    pool: PagePool,
+    seen: jax.Array,
+    inp: MixedInputs,
+    proposals: jax.Array,
+    num_proposed: jax.Array,
+    *,
+    config: LlamaConfig,
+    backend: Backend,
+    dtype: Any,
+    max_q_len: int,
+    stochastic: bool,
+    deterministic: bool = False,
+) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
+    """Verify proposed tokens: one forward pass, then every position sampled.
+
+    Rows are slots ``[0, B)``; row ``r`` packs its last token and its ``num_proposed [B]``
+    proposals (``proposals [B, K]``) at ``inp.cu_q_lens[r]`` (``inp.samples [B]`` marks the
+    rows that verify). Position ``j`` of a row is sampled with the row's token index
+    ``gen_index + j`` and, for the repetition penalty, with the proposals before it counted
+    as seen: what plain decoding samples there if those proposals are accepted. Returns
+    ``(pool, seen, out)`` with ``out["tokens"], out["logprobs"]`` ``[B, K + 1]`` and
+    ``out["accepted"] [B]``: the row emits ``tokens[:accepted + 1]``. K/V of rejected
+    proposals stay in the pool past the row's length, where later tokens overwrite them.
+    """
+    b, k = proposals.shape
+    h, pool_k, pool_v = forward_ragged(
+        params, config, inp.tokens, inp.positions, pool.k, pool.v, inp.write_pages,
+        inp.write_offsets, inp.block_tables, inp.kv_lens, inp.cu_q_lens, max_q_len=max_q_len,
+        backend=backend, dtype=dtype, deterministic=deterministic)
+    pool_k, pool_v = _constrain_pool(pool_k, pool_v)
+    width = jnp.arange(k + 1)
+    packed = jnp.minimum(inp.cu_q_lens[:-1, None] + width, inp.tokens.shape[0] - 1)
+    logits = lm_head(params, h[packed.reshape(-1)], deterministic)  # [B * (K + 1), V]
+    per_row = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), inp.sampling)
+    # Row r, position j sees the proposals before j: scatter them into a copy of its seen row
+    # (pairs past the position, or past the row's proposals, go to the dropped column V).
+    vocab = seen.shape[1]
+    earlier = (width[:, None] > jnp.arange(k)[None, :])[None] & (
+        jnp.arange(k)[None, None, :] < num_proposed[:, None, None])  # [B, K + 1, K]
+    cols = jnp.where(earlier, proposals[:, None, :], vocab)
+    seen_rows = jnp.repeat(seen[:b], k + 1, axis=0).reshape(b, k + 1, vocab)
+    seen_rows = seen_rows.at[jnp.arange(b)[:, None, None], width[None, :, None], cols].set(
+        True, mode="drop").reshape(b * (k + 1), vocab)
+    gen = (inp.gen_index[:, None] + width).reshape(-1)
+    tokens, logprobs = sample(logits, per_row, seen_rows, gen, stochastic, deterministic)
+    tokens, logprobs = tokens.reshape(b, k + 1), logprobs.reshape(b, k + 1)
+    accepted = jnp.where(inp.samples, accepted_lengths(tokens, proposals, num_proposed), 0)
+    emitted = (width[None, :] <= accepted[:, None]) & inp.samples[:, None]  # [B, K + 1]
+    seen_b = seen[:b].at[jnp.arange(b)[:, None], jnp.where(emitted, tokens, vocab)].set(
+        True, mode="drop")
+    seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
+    out = {"tokens": tokens, "logprobs": logprobs, "accepted": accepted}
+    return PagePool(k=pool_k, v=pool_v), seen, out

@@ -20,6 +20,7 @@ from flax import struct
 
 import pallas_kernels
 from jaxinfer.errors import InputError
+from jaxinfer.speculative import Speculative
 
 _INT32 = 2**31  # top_k and token ids live in int32 device arrays
 
@@ -42,7 +43,9 @@ class SamplingParams:
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable those
     filters; ``repetition_penalty`` 1 disables it; ``seed`` None draws a fresh random seed.
     ``ignore_eos`` keeps generating past the model's end-of-sequence tokens (benchmarks,
-    fixed-length outputs); ``stop_token_ids`` still apply.
+    fixed-length outputs); ``stop_token_ids`` still apply. ``speculative`` (a
+    ``jaxinfer.Speculative``) verifies proposed tokens in one forward pass; the output is the
+    same with or without it.
     """
 
     max_new_tokens: int = 64
@@ -56,6 +59,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         # One string (or one id) is one stop string (or id), never its characters.
@@ -95,6 +99,8 @@ class SamplingParams:
              f"logprobs={self.logprobs!r} must be True or False"),
             (isinstance(self.ignore_eos, bool | np.bool_),
              f"ignore_eos={self.ignore_eos!r} must be True or False"),
+            (self.speculative is None or isinstance(self.speculative, Speculative),
+             f"speculative={self.speculative!r} must be a jaxinfer.Speculative or None"),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,5 +1,6 @@
-"""Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic)
-and the batch-invariant matmul of deterministic mode (GPU Triton)."""
+"""Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic),
+the batch-invariant matmul of deterministic mode (GPU Triton), and the int8 / fp8 K/V page
+format the paged and ragged kernels read (``kv_quant``)."""
 
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS
 from pallas_kernels.decode_attention import (
@@ -9,6 +10,14 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.kv_quant import (
+    KV_CACHE_DTYPES,
+    SCALE_DTYPE,
+    dequantize_kv,
+    hadamard_rotate,
+    quantize_kv,
+    rotates_keys,
+)
 from pallas_kernels.matmul import (
     GEMV_ROWS,
     int8_matmul,
@@ -23,13 +32,17 @@ from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_r
 
 __all__ = [
     "GEMV_ROWS",
+    "KV_CACHE_DTYPES",
+    "SCALE_DTYPE",
     "SUPPORTED_HEAD_DIMS",
     "decode_attention",
     "decode_attention_layer",
     "decode_attention_layer_reference",
     "decode_attention_reference",
+    "dequantize_kv",
     "flash_attention",
     "flash_attention_reference",
+    "hadamard_rotate",
     "int8_matmul",
     "int8_matmul_reference",
     "matmul",
@@ -38,6 +51,8 @@ __all__ = [
     "row_sum_reference",
     "paged_attention",
     "paged_attention_reference",
+    "quantize_kv",
     "ragged_attention",
     "ragged_attention_reference",
+    "rotates_keys",
 ]

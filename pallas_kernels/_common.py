@@ -12,6 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_quant import is_quantized_kv_dtype
+
 LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -55,6 +57,30 @@ def check_page_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> Non
         q.shape[2] == k_pages.shape[3],
         f"head_dim mismatch: q {q.shape[2]} vs pages {k_pages.shape[3]}",
     )
+
+
+def check_kv_scales(k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
+                    v_scales: jax.Array | None) -> bool:
+    """One-line errors for the scales of a quantized page pool (``kv_quant``); returns
+    whether the pool is quantized.
+
+    Quantized pages (int8 / float8_e4m3fn values) need both scale pools, shaped like the
+    pages without head_dim (``[kv_heads, num_pages, page_size]``); float pages take none.
+    """
+    quantized = is_quantized_kv_dtype(k_pages.dtype)
+    check(k_pages.dtype == v_pages.dtype,
+          f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must share a dtype")
+    if not quantized:
+        check(k_scales is None and v_scales is None,
+              f"k_scales/v_scales go with int8 or float8_e4m3fn pages, not {k_pages.dtype}")
+        return False
+    check(k_scales is not None and v_scales is not None,
+          f"{k_pages.dtype} pages need k_scales and v_scales [kv_heads, num_pages, page_size]")
+    for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
+        check(sc.shape == k_pages.shape[:-1],
+              f"{name} must have shape {k_pages.shape[:-1]} (the pages without head_dim), "
+              f"got {sc.shape}")
+    return True
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -104,7 +130,7 @@ def tpu_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
 
 def online_softmax_step(
     acc: jax.Array, m: jax.Array, l_sum: jax.Array, s: jax.Array, v: jax.Array, *,
-    masked: bool = True,
+    masked: bool = True, v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One key block of the online softmax in the log2 domain (all kernels' inner step).
 
@@ -113,6 +139,8 @@ def online_softmax_step(
     shaped [rows] (GPU loop carries) or [rows, 1] (TPU VMEM scratch); `acc` [rows, d] is
     float32. `masked=False` (every key of the block visible to every row) skips the guard
     for rows that have seen only masked keys (exp2(-inf - -inf) would be NaN).
+    `v_scale` [1, keys] float32: per-key scales of quantized `v` values (masked keys' scales
+    zeroed), applied to the softmax weights before `p @ v`, so `v` is never dequantized.
     Returns the new (acc, m, l_sum).
     """
     col = m.ndim == 2  # [rows, 1] state broadcasts as is; [rows] needs a trailing axis
@@ -121,10 +149,43 @@ def online_softmax_step(
     alpha = jnp.exp2(m - m_safe)
     p = jnp.exp2(s - (m_safe if col else m_safe[:, None]))
     l_sum = alpha * l_sum + jnp.sum(p, axis=1, keepdims=col)
+    if v_scale is not None:
+        p = p * v_scale
     acc = acc * (alpha if col else alpha[:, None]) + lax.dot_general(
         p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
     )
     return acc, m_new, l_sum
+
+
+def key_block_step(
+    acc: jax.Array, m: jax.Array, l_sum: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+    *, scale: float, valid: jax.Array, key_start: Any, key_end: Any,
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block of keys of an attention kernel: logits, masks, then `online_softmax_step`.
+
+    `q` [rows, d]; `k`, `v` [keys, d] hold keys `[key_start, key_start + keys)` of a sequence
+    with `key_end` keys; `valid` [rows, keys] says which logits count (the rest become -inf).
+    V rows at or past `key_end` are zeroed (stale rows may hold NaN). Quantized pages
+    (`kv_quant`) pass `k_scale`, `v_scale` [keys]: the values are widened to q's dtype
+    (exact for int8 and e4m3), each key's logits are multiplied by its scale, and each
+    value's softmax weight by its own (past `key_end` zeroed), so no block is dequantized.
+    """
+    quantized = k_scale is not None
+    if quantized:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    s = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    ) * scale
+    if quantized:
+        s = s * k_scale.astype(jnp.float32)[None, :]
+    s = jnp.where(valid, s, NEG_INF)
+    vpos = key_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+    v = jnp.where(vpos < key_end, v, jnp.zeros_like(v))
+    if quantized:
+        spos = key_start + lax.broadcasted_iota(jnp.int32, (1, v.shape[0]), 1)
+        v_scale = jnp.where(spos < key_end, v_scale.astype(jnp.float32)[None, :], 0.0)
+    return online_softmax_step(acc, m, l_sum, s, v, v_scale=v_scale)
 
 
 def online_softmax_finish(acc: jax.Array, l_sum: jax.Array) -> jax.Array:
@@ -152,7 +213,7 @@ def combine_splits(
 
 def tpu_decode_block(
     q_ref: Any, k_ref: Any, v_ref: Any, o_ref: Any, m_sc: Any, l_sc: Any, acc_sc: Any, *,
-    step: Any, seq_len: Any, block: int, scale: float,
+    step: Any, seq_len: Any, block: int, scale: float, ks_ref: Any = None, vs_ref: Any = None,
 ) -> None:
     """One key block of a TPU decode kernel whose key axis is grid axis 2.
 
@@ -160,7 +221,8 @@ def tpu_decode_block(
     first step resets the online-softmax state, blocks at or past ``seq_len`` skip compute
     (their index maps re-use the previous block, so nothing is fetched), keys past
     ``seq_len`` are masked and their V rows zeroed (stale rows may hold NaN), the last step
-    writes the normalised output.
+    writes the normalised output. ``ks_ref``/``vs_ref``: the block's ``[block]`` scales of
+    quantized K/V (``key_block_step``).
     """
     @pl.when(step == 0)
     def _init():
@@ -172,16 +234,13 @@ def tpu_decode_block(
 
     @pl.when(k_lo < seq_len)
     def _compute():
-        v = v_ref[...]
-        s = lax.dot_general(
-            q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale
-        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(kpos < seq_len, s, NEG_INF)
-        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
-        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
-            acc_sc[...], m_sc[...], l_sc[...], s, v
+        q = q_ref[...]
+        kpos = k_lo + lax.broadcasted_iota(jnp.int32, (q.shape[0], block), 1)
+        acc_sc[...], m_sc[...], l_sc[...] = key_block_step(
+            acc_sc[...], m_sc[...], l_sc[...], q, k_ref[...], v_ref[...], scale=scale,
+            valid=kpos < seq_len, key_start=k_lo, key_end=seq_len,
+            k_scale=None if ks_ref is None else ks_ref[...],
+            v_scale=None if vs_ref is None else vs_ref[...],
         )
 
     @pl.when(step == pl.num_programs(2) - 1)

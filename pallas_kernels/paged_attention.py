@@ -10,6 +10,11 @@ gathers `pages_per_block` pages per step and applies them to the whole q-head gr
 (GQA: each page is read once per kv head). TPU: the block table is scalar-prefetched into
 SMEM and drives the K/V BlockSpec index map, one page per grid step, so the pipeline DMAs
 exactly the pages the sequence owns.
+
+Quantized pages (`kv_quant`: int8 or float8_e4m3fn values, `[kv_heads, num_pages,
+page_size]` scales per token and head) are read with their scales through the same block
+table and dequantized inside the dot products (`_common.key_block_step`), so a decode step
+reads about half the bytes of a bfloat16 pool.
 """
 
 from __future__ import annotations
@@ -32,27 +37,32 @@ from pallas_kernels._common import (
     check_dtype,
     check_gqa,
     check_head_dim,
+    check_kv_scales,
     check_page_pool,
     combine_splits,
     default_scale,
     gpu_params,
+    key_block_step,
     next_pow2,
-    online_softmax_step,
     tpu_decode_block,
     tpu_interpret,
     tpu_params,
 )
 from pallas_kernels.decode_attention import decode_attention_reference
+from pallas_kernels.kv_quant import dequantize_kv
 
 _TARGET_PROGRAMS = 528
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
 
 
-def _validate(q, k_pages, v_pages, block_tables, lengths) -> int:
+def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales) -> bool:
+    """Argument checks; returns whether the pages are quantized (``kv_quant``)."""
     check(q.ndim == 3, f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
     check_page_pool(q, k_pages, v_pages)
-    check(q.dtype == k_pages.dtype == v_pages.dtype, "q, k_pages and v_pages must share a dtype")
+    quantized = check_kv_scales(k_pages, v_pages, k_scales, v_scales)
+    check(quantized or q.dtype == k_pages.dtype,
+          "q, k_pages and v_pages must share a dtype")
     check_dtype("q", q)
     check_head_dim(q.shape[2])
     check(
@@ -63,14 +73,26 @@ def _validate(q, k_pages, v_pages, block_tables, lengths) -> int:
         lengths.shape == (q.shape[0],),
         f"lengths must have shape ({q.shape[0]},), got {lengths.shape}",
     )
-    return check_gqa(q.shape[1], k_pages.shape[0])
+    check_gqa(q.shape[1], k_pages.shape[0])
+    return quantized
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Pages [kv_heads, num_pages, page_size, d] -> dense [batch, kv_heads, p * page_size, d]."""
-    g = pages[:, block_tables]  # [kv_heads, batch, p, page_size, d]
-    h, b, p, ps, d = g.shape
-    return jnp.transpose(g, (1, 0, 2, 3, 4)).reshape(b, h, p * ps, d)
+    """Pages [kv_heads, num_pages, page_size, *rest] -> dense [batch, kv_heads, p * page_size,
+    *rest] (rest: head_dim for values, nothing for scales)."""
+    g = pages[:, block_tables]  # [kv_heads, batch, p, page_size, *rest]
+    h, b, p, ps, *rest = g.shape
+    return jnp.swapaxes(g, 0, 1).reshape(b, h, p * ps, *rest)
+
+
+def gather_dequantized(pages: jax.Array, scales: jax.Array | None, block_tables: jax.Array
+                       ) -> jax.Array:
+    """``gather_pages`` in float32: of a float pool, or of a quantized one (``scales`` given,
+    ``kv_quant``) dequantized after the gather, so only the sequences' pages are widened."""
+    dense = gather_pages(pages, block_tables)
+    if scales is None:
+        return dense.astype(jnp.float32)
+    return dequantize_kv(dense, gather_pages(scales, block_tables))
 
 
 def paged_attention_reference(
@@ -80,6 +102,8 @@ def paged_attention_reference(
     block_tables: jax.Array,
     lengths: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
     """Plain-jnp paged decode attention: gather the pages, then dense masked attention.
@@ -89,26 +113,35 @@ def paged_attention_reference(
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim].
       block_tables: int [batch, pages_per_seq], physical page of each logical page.
       lengths: int [batch], valid keys per sequence.
+      k_scales, v_scales: [kv_heads, num_pages, page_size] scales of quantized pages
+        (``kv_quant``); the gathered pages are dequantized in float32.
       sm_scale: logit scale, default 1/sqrt(head_dim).
 
     Returns:
       [batch, q_heads, head_dim] in q's dtype.
     """
-    _validate(q, k_pages, v_pages, block_tables, lengths)
+    _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
     # Entries past a sequence's pages may be anything: clamp so the gather stays in range.
     bt = jnp.clip(block_tables, 0, k_pages.shape[1] - 1)
-    return decode_attention_reference(
-        q, gather_pages(k_pages, bt), gather_pages(v_pages, bt), lengths, sm_scale=sm_scale
-    )
+    if k_scales is None:
+        return decode_attention_reference(q, gather_pages(k_pages, bt), gather_pages(v_pages, bt),
+                                          lengths, sm_scale=sm_scale)
+    out = decode_attention_reference(
+        q.astype(jnp.float32), gather_dequantized(k_pages, k_scales, bt),
+        gather_dequantized(v_pages, v_scales, bt), lengths, sm_scale=sm_scale)
+    return out.astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- GPU (Triton)
 
 
 def _paged_gpu_kernel(
-    len_ref, bt_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
-    pages_per_block: int, page_size: int, num_pages: int, num_splits: int,
+    len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, pages_per_block: int,
+    page_size: int, num_pages: int, num_splits: int, quantized: bool,
 ) -> None:
+    # Quantized pages bring their scale pools: refs = (ks_ref, vs_ref, acc_ref, m_ref, l_ref).
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    acc_ref, m_ref, l_ref = refs[-3:]
     split = pl.program_id(2)
     q = q_ref[...]
     rows, d = q.shape
@@ -128,13 +161,12 @@ def _paged_gpu_kernel(
         v = v_ref[pages].reshape(block_k, d)
         start = j * block_k
         kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale
-        s = jnp.where(kpos < seq_len, s, NEG_INF)
-        vpos = start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < seq_len, v, jnp.zeros_like(v))
-        return online_softmax_step(acc, m, l_sum, s, v)
+        return key_block_step(
+            acc, m, l_sum, q, k, v, scale=scale, valid=kpos < seq_len, key_start=start,
+            key_end=seq_len,
+            k_scale=ks_ref[pages].reshape(block_k) if quantized else None,
+            v_scale=vs_ref[pages].reshape(block_k) if quantized else None,
+        )
 
     acc, m, l_sum = lax.fori_loop(
         lo, hi, body,
@@ -149,7 +181,7 @@ def _paged_gpu_kernel(
     l_ref[...] = l_sum
 
 
-def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_block,
+def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, pages_per_block,
                num_splits, num_warps, num_stages, interpret):
     b, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
@@ -175,7 +207,10 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_b
     kernel = functools.partial(
         _paged_gpu_kernel, scale=scale * LOG2E, pages_per_block=pages_per_block,
         page_size=page_size, num_pages=num_pages, num_splits=num_splits,
+        quantized=bool(scales),
     )
+    pool = pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
+    scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda bi, h, s: (h, 0, 0))
     acc, m, l_sum = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
@@ -183,8 +218,7 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_b
             pl.BlockSpec((1,), lambda bi, h, s: (bi,)),
             pl.BlockSpec((None, bt.shape[1]), lambda bi, h, s: (bi, 0)),
             pl.BlockSpec((None, None, gp, d), lambda bi, h, s: (bi, h, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0)),
+            pool, pool, *[scale_pool] * len(scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
@@ -199,7 +233,7 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_b
         compiler_params=gpu_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_paged_decode",
-    )(lengths, bt, qg, k_pages, v_pages)
+    )(lengths, bt, qg, k_pages, v_pages, *scales)
     out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group], axis=2)
     return out.reshape(b, hq, d).astype(q.dtype)
 
@@ -208,14 +242,17 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, *, scale, pages_per_b
 
 
 def _paged_tpu_kernel(
-    len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float,
-    page_size: int,
+    len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, page_size: int, quantized: bool,
 ) -> None:
+    # Quantized pages bring their scales: refs = (ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc).
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    o_ref, m_sc, l_sc, acc_sc = refs[-4:]
     tpu_decode_block(q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, step=pl.program_id(2),
-                     seq_len=len_ref[pl.program_id(0)], block=page_size, scale=scale)
+                     seq_len=len_ref[pl.program_id(0)], block=page_size, scale=scale,
+                     ks_ref=ks_ref, vs_ref=vs_ref)
 
 
-def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):
+def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, interpret):
     b, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
@@ -229,6 +266,9 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):
         last = jnp.maximum(cdiv(len_ref[bi], page_size) - 1, 0)
         return (h, bt_ref[bi * pps + jnp.minimum(j, last)], 0, 0)
 
+    def scale_map(*args):  # the same page's [page_size] scales
+        return kv_map(*args)[:3]
+
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(b, hkv, pps),
@@ -236,6 +276,7 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):
             pl.BlockSpec((None, None, group, d), lambda bi, h, j, L, T: (bi, h, 0, 0)),
             pl.BlockSpec((None, None, page_size, d), kv_map),
             pl.BlockSpec((None, None, page_size, d), kv_map),
+            *[pl.BlockSpec((None, None, page_size), scale_map)] * len(scales),
         ],
         out_specs=pl.BlockSpec((None, None, group, d), lambda bi, h, j, L, T: (bi, h, 0, 0)),
         scratch_shapes=[
@@ -245,13 +286,14 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):
         ],
     )
     out = pl.pallas_call(
-        functools.partial(_paged_tpu_kernel, scale=scale * LOG2E, page_size=page_size),
+        functools.partial(_paged_tpu_kernel, scale=scale * LOG2E, page_size=page_size,
+                          quantized=bool(scales)),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
         interpret=tpu_interpret(interpret),
         name="jaxinfer_paged_decode_tpu",
-    )(lengths, bt_flat, qg, k_pages, v_pages)
+    )(lengths, bt_flat, qg, k_pages, v_pages, *scales)
     return out.reshape(b, hq, d)
 
 
@@ -265,7 +307,7 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, *, scale, interpret):
         "backend",
     ),
 )
-def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale,
+def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, scales, *, sm_scale,
                          pages_per_block, num_splits, num_warps, num_stages, interpret,
                          backend):
     lengths = jnp.minimum(
@@ -274,10 +316,10 @@ def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
     scale = default_scale(sm_scale, q.shape[-1])
     if backend == "tpu":
         return _paged_tpu(
-            q, k_pages, v_pages, block_tables, lengths, scale=scale, interpret=interpret
+            q, k_pages, v_pages, block_tables, lengths, scales, scale=scale, interpret=interpret
         )
     return _paged_gpu(
-        q, k_pages, v_pages, block_tables, lengths, scale=scale,
+        q, k_pages, v_pages, block_tables, lengths, scales, scale=scale,
         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
     )
@@ -290,6 +332,8 @@ def paged_attention(
     block_tables: jax.Array,
     lengths: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
@@ -302,12 +346,15 @@ def paged_attention(
 
     Args:
       q: [batch, q_heads, head_dim], bfloat16/float16/float32, one token per sequence.
-      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], q's dtype; page_size a
-        power of two on GPU; q_heads % kv_heads == 0.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim], q's dtype, or int8 /
+        float8_e4m3fn values with `k_scales`/`v_scales` (`kv_quant`); page_size a power of
+        two on GPU; q_heads % kv_heads == 0.
       block_tables: int [batch, pages_per_seq]; entry i is the physical page holding keys
         [i*page_size, (i+1)*page_size) of the sequence. Entries past the length are never
         used for values (they are clamped into range before any gather).
       lengths: int [batch], valid keys per sequence (<= pages_per_seq * page_size).
+      k_scales, v_scales: [kv_heads, num_pages, page_size] per-token scales of quantized
+        pages (bfloat16 or float32), read through the same block table.
       sm_scale: logit scale, default 1/sqrt(head_dim).
       pages_per_block: pages gathered per inner step on GPU; default gives 128 keys per
         step (rounded so a step has at least 16 keys; larger steps overflow shared memory).
@@ -320,7 +367,7 @@ def paged_attention(
       [batch, q_heads, head_dim] in q's dtype; a sequence of length 0 gives zeros.
     """
     check_backend(backend)
-    _validate(q, k_pages, v_pages, block_tables, lengths)
+    quantized = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
     check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
     page_size = k_pages.shape[2]
     check(
@@ -328,7 +375,8 @@ def paged_attention(
         f"page_size must be a power of two on GPU, got {page_size}",
     )
     return _paged_attention_jit(
-        q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
+        q, k_pages, v_pages, block_tables, lengths, (k_scales, v_scales) if quantized else (),
+        sm_scale=sm_scale,
         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, backend=backend,
     )

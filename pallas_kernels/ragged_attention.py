@@ -30,6 +30,11 @@ the index maps: one page per grid step through the table; steps past the causal 
 the query block (and query blocks past the sequence's query count) re-use the previous
 block index, so no DMA is issued, and their compute is skipped with `pl.when`. Online
 softmax state lives in VMEM scratch. Tested only under the TPU interpreter.
+
+Quantized pages (`kv_quant`) come with `[kv_heads, num_pages, page_size]` scale pools read
+through the same block table (GPU: gathered beside the values; TPU: one more BlockSpec with
+the values' index map) and are dequantized inside the dot products
+(`_common.key_block_step`).
 """
 
 from __future__ import annotations
@@ -53,28 +58,32 @@ from pallas_kernels._common import (
     check_dtype,
     check_gqa,
     check_head_dim,
+    check_kv_scales,
     check_page_pool,
     default_scale,
     gpu_params,
+    key_block_step,
     next_pow2,
     online_softmax_finish,
-    online_softmax_step,
     tpu_interpret,
     tpu_params,
 )
-from pallas_kernels.paged_attention import gather_pages
+from pallas_kernels.paged_attention import gather_dequantized
 
 
-def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, kernel: bool) -> int:
+def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales, *,
+              kernel: bool) -> bool:
     """Shape checks for both paths; dtype and head_dim limits only for the kernel (`kernel`).
+    Returns whether the pages are quantized (`kv_quant`).
 
     The reference computes in float32 whatever its inputs, so it takes any head_dim and
     q/pages of different dtypes (the jaxinfer reference backend relies on both).
     """
     check(q.ndim == 3, f"q must be [tokens, q_heads, head_dim], got shape {q.shape}")
     check_page_pool(q, k_pages, v_pages)
+    quantized = check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     if kernel:
-        check(q.dtype == k_pages.dtype == v_pages.dtype,
+        check(quantized or q.dtype == k_pages.dtype,
               "q, k_pages and v_pages must share a dtype")
         check_dtype("q", q)
         check_head_dim(q.shape[2])
@@ -85,7 +94,8 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, kernel: 
         cu_q_lens.shape == (n + 1,),
         f"cu_q_lens must have shape ({n + 1},), got {cu_q_lens.shape}",
     )
-    return check_gqa(q.shape[1], k_pages.shape[0])
+    check_gqa(q.shape[1], k_pages.shape[0])
+    return quantized
 
 
 def _token_to_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -105,6 +115,8 @@ def ragged_attention_reference(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
     """Plain-jnp ragged paged attention (float32 math), same contract as `ragged_attention`.
@@ -115,6 +127,8 @@ def ragged_attention_reference(
       block_tables: int [num_seqs, pages_per_seq].
       kv_lens: int [num_seqs], keys per sequence including its new tokens.
       cu_q_lens: int [num_seqs + 1], cumulative query counts (cu_q_lens[0] == 0).
+      k_scales, v_scales: [kv_heads, num_pages, page_size] scales of quantized pages
+        (`kv_quant`); the sequences' gathered pages are dequantized in float32.
       sm_scale: logit scale, default 1/sqrt(head_dim).
 
     Unlike the kernel, any head_dim and mixed input dtypes are accepted.
@@ -122,13 +136,15 @@ def ragged_attention_reference(
     Returns:
       [tokens, q_heads, head_dim] in q's dtype; tokens past cu_q_lens[-1] give 0.
     """
-    group = _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, kernel=False)
+    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales, v_scales,
+              kernel=False)
     t, hq, d = q.shape
     hkv = k_pages.shape[0]
+    group = hq // hkv
     scale = default_scale(sm_scale, d)
     bt = jnp.clip(block_tables, 0, k_pages.shape[1] - 1)
-    kd = gather_pages(k_pages, bt).astype(jnp.float32)  # [n, hkv, L, d]
-    vd = gather_pages(v_pages, bt).astype(jnp.float32)
+    kd = gather_dequantized(k_pages, k_scales, bt)  # [n, hkv, L, d] float32
+    vd = gather_dequantized(v_pages, v_scales, bt)
     seq, local, real = _token_to_seq(cu_q_lens, t)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     qpos = kv_lens[seq] - q_lens[seq] + local  # [t]
@@ -180,11 +196,14 @@ def _gpu_blocks(
 
 
 def _ragged_gpu_kernel(
-    start_ref, tok0_ref, ql_ref, kl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref, o_init_ref,
-    o_ref, *, scale: float, block_q: int, group_pad: int, pages_per_block: int,
-    page_size: int, num_pages: int, bt_cols: int,
+    start_ref, tok0_ref, ql_ref, kl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
+    scale: float, block_q: int, group_pad: int, pages_per_block: int, page_size: int,
+    num_pages: int, bt_cols: int, quantized: bool,
 ) -> None:
-    del o_init_ref  # the zero-filled buffer aliased to o_ref: rows no block writes stay 0
+    # refs = ([ks_ref, vs_ref,] o_init_ref, o_ref); o_init_ref is the zero-filled buffer
+    # aliased to o_ref (rows no block writes stay 0).
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    o_ref = refs[-1]
     start, tok0, q_len, kv_len = start_ref[0], tok0_ref[0], ql_ref[0], kl_ref[0]
     bt_row = seq_ref[0] * bt_cols
     rows = block_q * group_pad
@@ -212,13 +231,12 @@ def _ragged_gpu_kernel(
         start_k = j * block_k
         kpos = start_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         valid = (kpos < kv_len) & (kpos <= row_pos) & row_ok
-        s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale
-        s = jnp.where(valid, s, NEG_INF)
-        vpos = start_k + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < kv_len, v, jnp.zeros_like(v))
-        return online_softmax_step(acc, m, l_sum, s, v)
+        return key_block_step(
+            acc, m, l_sum, q, k, v, scale=scale, valid=valid, key_start=start_k,
+            key_end=kv_len,
+            k_scale=ks_ref[pages].reshape(block_k) if quantized else None,
+            v_scale=vs_ref[pages].reshape(block_k) if quantized else None,
+        )
 
     acc, _, l_sum = lax.fori_loop(
         0, n_ksteps, body,
@@ -232,8 +250,8 @@ def _ragged_gpu_kernel(
     plgpu.store(o_ref.at[pl.ds(start, block_q)], out, mask=mine)
 
 
-def _ragged_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_len, scale,
-                block_q, pages_per_block, num_warps, num_stages, interpret):
+def _ragged_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scales, *, max_q_len,
+                scale, block_q, pages_per_block, num_warps, num_stages, interpret):
     t, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
     n, pps = block_tables.shape
@@ -263,30 +281,31 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_
     kernel = functools.partial(
         _ragged_gpu_kernel, scale=scale * LOG2E, block_q=block_q, group_pad=gp,
         pages_per_block=pages_per_block, page_size=page_size, num_pages=num_pages,
-        bt_cols=bt_cols,
+        bt_cols=bt_cols, quantized=bool(scales),
     )
     one = pl.BlockSpec((1,), lambda b, h: (b,))
     # Every program of kv head h sees the whole packed token axis of q and of the output
     # and picks its rows with a masked dynamic slice.
     tokens = pl.BlockSpec((t, None, gp, d), lambda b, h: (0, h, 0, 0))
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda b, h: (h, 0, 0, 0))
+    scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda b, h: (h, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, hkv),
         in_specs=[
             one, one, one, one, one,
             pl.BlockSpec((bt.shape[0],), lambda b, h: (0,)),
-            tokens, pool, pool, tokens,
+            tokens, pool, pool, *[scale_pool] * len(scales), tokens,
         ],
         out_specs=tokens,
         out_shape=jax.ShapeDtypeStruct((t, hkv, gp, d), q.dtype),
         # Output starts as zeros: padding tokens past cu_q_lens[-1] (and rows of a
         # sequence past max_q_len) belong to no block and must read 0.
-        input_output_aliases={9: 0},
+        input_output_aliases={9 + len(scales): 0},
         compiler_params=gpu_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_ragged_paged",
-    )(*blocks, bt, qg, k_pages, v_pages, jnp.zeros((t, hkv, gp, d), q.dtype))
+    )(*blocks, bt, qg, k_pages, v_pages, *scales, jnp.zeros((t, hkv, gp, d), q.dtype))
     return out[:, :, :group].reshape(t, hq, d)
 
 
@@ -304,9 +323,12 @@ def _tpu_key_end(i, q_len, kv_len, block_q: int):
 
 
 def _ragged_tpu_kernel(
-    kl_ref, ql_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *,
-    scale: float, block_q: int, group: int, page_size: int,
+    kl_ref, ql_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_q: int,
+    group: int, page_size: int, quantized: bool,
 ) -> None:
+    # Quantized pages bring their scales: refs = (ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc).
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    o_ref, m_sc, l_sc, acc_sc = refs[-4:]
     si, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -323,19 +345,15 @@ def _ragged_tpu_kernel(
     @pl.when(jnp.logical_and(tok0 < q_len, k_lo < key_end))
     def _compute():
         q = q_ref[...]
-        k = k_ref[...]
-        v = v_ref[...]
-        s = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale
-        row_tok = tok0 + lax.broadcasted_iota(jnp.int32, s.shape, 0) // group
-        kpos = k_lo + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        shape = (q.shape[0], page_size)  # [rows, keys]
+        row_tok = tok0 + lax.broadcasted_iota(jnp.int32, shape, 0) // group
+        kpos = k_lo + lax.broadcasted_iota(jnp.int32, shape, 1)
         valid = (kpos < kv_len) & (kpos <= kv_len - q_len + row_tok) & (row_tok < q_len)
-        s = jnp.where(valid, s, NEG_INF)
-        vpos = k_lo + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < kv_len, v, jnp.zeros_like(v))
-        acc_sc[...], m_sc[...], l_sc[...] = online_softmax_step(
-            acc_sc[...], m_sc[...], l_sc[...], s, v
+        acc_sc[...], m_sc[...], l_sc[...] = key_block_step(
+            acc_sc[...], m_sc[...], l_sc[...], q, k_ref[...], v_ref[...], scale=scale,
+            valid=valid, key_start=k_lo, key_end=kv_len,
+            k_scale=ks_ref[...] if quantized else None,
+            v_scale=vs_ref[...] if quantized else None,
         )
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -343,7 +361,7 @@ def _ragged_tpu_kernel(
         o_ref[...] = online_softmax_finish(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
 
 
-def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_len,
+def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scales, *, max_q_len,
                 scale, block_q, interpret):
     t, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
@@ -380,6 +398,9 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_
         last = jnp.maximum(cdiv(key_end, page_size) - 1, 0)
         return (h, bt_ref[s * pps + jnp.minimum(j, last)], 0, 0)
 
+    def scale_map(*args):  # the same page's [page_size] scales
+        return kv_map(*args)[:3]
+
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(n, hkv, nqb, pps),
@@ -387,6 +408,7 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_
             pl.BlockSpec((None, None, rows, d), q_map),
             pl.BlockSpec((None, None, page_size, d), kv_map),
             pl.BlockSpec((None, None, page_size, d), kv_map),
+            *[pl.BlockSpec((None, None, page_size), scale_map)] * len(scales),
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda s, h, i, j, *_: (s, h, i, 0)),
         scratch_shapes=[
@@ -398,14 +420,14 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_
     out = pl.pallas_call(
         functools.partial(
             _ragged_tpu_kernel, scale=scale * LOG2E, block_q=block_q, group=group,
-            page_size=page_size,
+            page_size=page_size, quantized=bool(scales),
         ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=tpu_params(("parallel", "parallel", "parallel", "arbitrary")),
         interpret=tpu_interpret(interpret),
         name="jaxinfer_ragged_paged_tpu",
-    )(kv_lens, q_lens, bt_flat, qg, k_pages, v_pages)
+    )(kv_lens, q_lens, bt_flat, qg, k_pages, v_pages, *scales)
     out = jnp.transpose(out.reshape(n, hkv, padded, group, d), (0, 2, 1, 3, 4))
     seq, tok, real = _token_to_seq(cu, t)
     o = out[seq, jnp.clip(tok, 0, padded - 1)]  # [t, hkv, group, d]
@@ -423,17 +445,17 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_
         "interpret", "backend",
     ),
 )
-def _ragged_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, max_q_len,
+def _ragged_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scales, *, max_q_len,
                 sm_scale, block_q, pages_per_block, num_warps, num_stages, interpret,
                 backend):
     if backend == "tpu":
         return _ragged_tpu(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, max_q_len=max_q_len,
+            q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scales, max_q_len=max_q_len,
             scale=default_scale(sm_scale, q.shape[-1]), block_q=block_q,
             interpret=interpret,
         )
     return _ragged_gpu(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, max_q_len=max_q_len,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, scales, max_q_len=max_q_len,
         scale=default_scale(sm_scale, q.shape[-1]), block_q=block_q,
         pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
@@ -448,6 +470,8 @@ def ragged_attention(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     max_q_len: int | None = None,
     sm_scale: float | None = None,
     block_q: int = 16,
@@ -463,10 +487,13 @@ def ragged_attention(
       q: [tokens, q_heads, head_dim], bfloat16/float16/float32; sequence s owns tokens
         [cu_q_lens[s], cu_q_lens[s+1]).
       k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] (page_size a power of
-        two on GPU), holding every sequence's keys including its new tokens.
+        two on GPU), holding every sequence's keys including its new tokens: q's dtype, or
+        int8 / float8_e4m3fn values with `k_scales`/`v_scales` (`kv_quant`).
       block_tables: int [num_seqs, pages_per_seq].
       kv_lens: int [num_seqs], keys per sequence (>= its query count).
       cu_q_lens: int [num_seqs + 1], cumulative query counts, cu_q_lens[0] == 0.
+      k_scales, v_scales: [kv_heads, num_pages, page_size] per-token scales of quantized
+        pages, read through the same block table.
       max_q_len: static upper bound on any sequence's query count (default: tokens).
         It sizes the query block (a decode-only step, 1, gets the smallest) and caps the
         number of blocks; a sequence's queries past it are not computed (GPU: they read
@@ -489,7 +516,8 @@ def ragged_attention(
       [tokens, q_heads, head_dim] in q's dtype; tokens past cu_q_lens[-1] give zeros.
     """
     check_backend(backend)
-    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, kernel=True)
+    quantized = _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, k_scales,
+                          v_scales, kernel=True)
     page_size = k_pages.shape[2]
     check(
         backend == "tpu" or page_size == next_pow2(page_size),
@@ -499,7 +527,8 @@ def ragged_attention(
     check(max_q_len >= 1, "max_q_len must be >= 1")
     check(block_q >= 1, "block_q must be >= 1")
     return _ragged_jit(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, max_q_len=max_q_len,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+        (k_scales, v_scales) if quantized else (), max_q_len=max_q_len,
         sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, backend=backend,
     )

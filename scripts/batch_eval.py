@@ -2,7 +2,8 @@
 """Generate (or score) a JSONL file of prompts across a device mesh, resumably.
 
     python scripts/batch_eval.py --model M --input prompts.jsonl --output results.jsonl \
-        [--tp N] [--dp N] [--max-new-tokens N] [--temperature T] [sampling flags as the CLI]
+        [--tp N] [--dp N] [--kv-cache-dtype int8|fp8] [--max-new-tokens N] \
+        [--temperature T] [sampling flags as the CLI]
 
 Input records: ``{"id": ..., "prompt": "..."}`` (``--chat`` wraps it as a user turn), or
 ``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}``; with ``--score`` also a
@@ -44,7 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from jaxinfer.cli import add_mesh_args, add_sampling_args, mesh_from_args, sampling_kwargs  # noqa: E402,E501
+from jaxinfer.cli import (  # noqa: E402
+    add_kv_cache_arg,
+    add_mesh_args,
+    add_sampling_args,
+    mesh_from_args,
+    sampling_kwargs,
+)
 from jaxinfer.errors import InputError, JaxinferError  # noqa: E402
 
 
@@ -162,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     add_mesh_args(p)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_kv_cache_arg(p)
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template")
     p.add_argument("--batch-size", type=int, default=None,
                    help="most sequences running at once (default: sized from the KV pool)")
@@ -234,9 +242,11 @@ def run(args: argparse.Namespace) -> int:
     """
     options = sampling_kwargs(args)
     base_seed = options.pop("seed")
+    from jaxinfer.paged_cache import check_kv_cache_dtype
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**options)  # reject bad flags before loading anything
+    check_kv_cache_dtype(args.kv_cache_dtype)
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size={args.batch_size} must be >= 1")
     records = parse_records(args.input, args.score)
@@ -272,7 +282,8 @@ def run(args: argparse.Namespace) -> int:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
 
     model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
-                                max_batch=args.batch_size, mesh=mesh_from_args(args))
+                                max_batch=args.batch_size, mesh=mesh_from_args(args),
+                                kv_cache_dtype=args.kv_cache_dtype)
     todo = records[done:]
     reqs = _requests(model, [r for r in todo if not r.error], args, options, base_seed)
     for r in todo:

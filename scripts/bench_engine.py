@@ -12,12 +12,15 @@ Before running it prints the workload's device floor (prefill FLOPs at the matmu
 decode bytes at the read bandwidth, ``workload_floor``), then per rate: output tokens/s and
 its fraction of the floor, requests/s, TTFT/TPOT percentiles and the engine's counters.
 ``--batch1-tokens N`` adds one request decoding N tokens alone (the single-stream rate
-against its roofline).
+against its roofline). ``--kv-cache-dtype int8|fp8`` stores the engine's K/V quantized
+(``load_model(kv_cache_dtype=...)``); every run records the pool's capacity in tokens and the
+tokens the same bytes would hold in bfloat16, and the floor counts the quantized K/V bytes.
 
 Usage:
     python scripts/bench_engine.py --preset 8b
     python scripts/bench_engine.py --preset 1b
     python scripts/bench_engine.py --preset 8b --rate 0,20 --batch1-tokens 512 --json auto
+    python scripts/bench_engine.py --preset 8b --max-batch 64 --kv-cache-dtype fp8 --json auto
     JAX_PLATFORMS=cpu python scripts/bench_engine.py --preset tiny --requests 32 --rate 0,50 \
         --batch1-tokens 16 --json /tmp/x.json                           # CPU smoke run
 
@@ -48,7 +51,9 @@ from jaxinfer import roofline
 from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
+from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
 from jaxinfer.quantize import QUANTIZATIONS, is_quantized, quantize_params
+from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,9 +138,18 @@ def ceilings(device_kind: str, matmul_tflops: float | None, read_tbps: float | N
             bandwidth if read_tbps is None else read_tbps * 1e12, note)
 
 
+def kv_bytes_per_position(cfg: jaxinfer.LlamaConfig, dtype_bytes: int,
+                          kv_cache_dtype: str | None = None) -> int:
+    """K/V bytes of one position over all layers: ``dtype_bytes`` per element, or a
+    quantized pool's one-byte values plus scales (``PagePool.bytes_per_page``)."""
+    if kv_cache_dtype is None:
+        return roofline.kv_bytes_per_seq(cfg, 1, dtype_bytes)
+    return PagePool.bytes_per_page(cfg, 1, kv_cache_dtype=kv_cache_dtype)
+
+
 def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
                    matmul_flops_per_s: float, read_bytes_per_s: float,
-                   dtype_bytes: int) -> dict[str, Any]:
+                   dtype_bytes: int, kv_cache_dtype: str | None = None) -> dict[str, Any]:
     """The device time no engine can beat on this workload, and the output tok/s it allows.
 
     * Prefill: every prompt's ``roofline.prefill_flops`` (layer matmuls, causal attention,
@@ -146,7 +160,9 @@ def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
       with ``batch_eff = min(slots, requests)`` (every slot always busy: an offline-best
       assumption, optimistic for Poisson arrivals and for the tail of a run) at
       ``roofline.weight_bytes_per_step`` each, plus every decode token's K/V read: its
-      context (prompt + tokens before it) x K/V bytes per position. All at the read bandwidth.
+      context (prompt + tokens before it) x K/V bytes per position
+      (``kv_bytes_per_position``: quantized with ``kv_cache_dtype``). All at the read
+      bandwidth.
 
     The two times add up (the engine interleaves the phases but never overlaps their
     floors on one device).
@@ -159,7 +175,7 @@ def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
     # Decode token i (1..o-1) of a prompt of p tokens attends to p + i positions.
     kv_positions = sum((o - 1) * len(p) + o * (o - 1) // 2
                        for p, o in zip(w.prompts, w.output_lens, strict=True))
-    kv_bytes = roofline.kv_bytes_per_seq(cfg, kv_positions, dtype_bytes)
+    kv_bytes = kv_positions * kv_bytes_per_position(cfg, dtype_bytes, kv_cache_dtype)
     prefill_s = prefill_flops / matmul_flops_per_s
     decode_s = (weight_bytes + kv_bytes) / read_bytes_per_s
     floor_s = prefill_s + decode_s
@@ -175,8 +191,8 @@ def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
 
 
 def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: str,
-                seed: int, deterministic: bool = False, quantize: str | None = None
-                ) -> jaxinfer.Model:
+                seed: int, deterministic: bool = False, quantize: str | None = None,
+                kv_cache_dtype: str | None = None) -> jaxinfer.Model:
     """Random bf16 weights of ``cfg``'s shapes, made on the default device, in ``layout``.
 
     ``init_params`` draws each weight on the device; ``apply_layout(donate=True)`` frees each
@@ -188,7 +204,8 @@ def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: st
     if quantize is not None:
         params = quantize_params(params, quantize, donate=True)
     return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.bfloat16,
-                          name=preset, backend=backend, deterministic=deterministic)
+                          name=preset, backend=backend, deterministic=deterministic,
+                          kv_cache_dtype=kv_cache_dtype)
 
 
 def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Engine:
@@ -201,10 +218,32 @@ def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Eng
     return jaxinfer.Engine(model, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def warmup(engine: jaxinfer.Engine) -> float:
+def pool_capacity(engine: jaxinfer.Engine) -> dict[str, Any]:
+    """The engine's pool: tokens, bytes (per device), and the tokens the same bytes would hold
+    in bfloat16 (``tokens_vs_bf16`` = the ratio; 1 for a bfloat16 pool)."""
+    cfg, kv = engine.model.config, engine.model.kv_cache_dtype
+    page_bytes = PagePool.bytes_per_page(cfg, engine.page_size, engine.model.dtype, kv)
+    bf16_page_bytes = PagePool.bytes_per_page(cfg, engine.page_size, jnp.bfloat16)
+    tokens = engine.num_pages * engine.page_size
+    nbytes = engine.num_pages * page_bytes
+    bf16_tokens = nbytes // bf16_page_bytes * engine.page_size
+    return dict(kv_cache_dtype=kv or str(jnp.dtype(engine.model.dtype)), pool_tokens=tokens,
+                pool_bytes=nbytes, pool_tokens_if_bf16=bf16_tokens,
+                tokens_vs_bf16=tokens / bf16_tokens)
+
+
+def speculative(args: argparse.Namespace) -> jaxinfer.Speculative | None:
+    """The ``--speculative`` settings every request gets (None: plain decoding)."""
+    if args.speculative is None:
+        return None
+    return jaxinfer.Speculative(method=args.speculative, num_tokens=args.num_speculative_tokens,
+                                adaptive=not args.always_speculate)
+
+
+def warmup(engine: jaxinfer.Engine, spec: jaxinfer.Speculative | None = None) -> float:
     """Compile every step shape (``engine.warmup``); return the seconds it took."""
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(speculative=spec)
     return time.perf_counter() - t0
 
 
@@ -214,7 +253,8 @@ def percentiles_ms(xs_s: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": float(np.percentile(a_ms, q)) if a_ms.size else None for q in (50, 90, 99)}
 
 
-def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
+def run_workload(engine: jaxinfer.Engine, w: Workload,
+                 spec: jaxinfer.Speculative | None = None) -> dict[str, Any]:
     """Submit each request at its arrival time and step until all finish; the run's figures.
 
     TTFT counts from the scheduled arrival (a request that arrives during a step is submitted
@@ -228,7 +268,8 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
     while nxt < len(w.prompts) or engine.has_unfinished():
         now = time.perf_counter() - t0
         while nxt < len(w.prompts) and w.arrivals_s[nxt] <= now:
-            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt]))
+            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt],
+                                     speculative=spec))
             late_s.append(time.perf_counter() - t0 - w.arrivals_s[nxt])
             nxt += 1
         if engine.has_unfinished():
@@ -260,7 +301,10 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
         peak_pages_used=s.peak_pages_used, pages_total=s.pages_total,
         cached_tokens=s.cached_tokens - before.cached_tokens,
         prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens)
+        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens,
+        verify_steps=s.verify_steps - before.verify_steps,
+        draft_tokens=s.draft_tokens - before.draft_tokens,
+        accepted_tokens=s.accepted_tokens - before.accepted_tokens)
 
 
 def _completed(engine: jaxinfer.Engine, rid: int) -> jaxinfer.Completion:
@@ -273,21 +317,24 @@ def _completed(engine: jaxinfer.Engine, rid: int) -> jaxinfer.Completion:
 
 
 def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: int,
-               new_tokens: int, read_bytes_per_s: float, dtype_bytes: int) -> dict[str, Any]:
+               new_tokens: int, read_bytes_per_s: float, dtype_bytes: int,
+               spec: jaxinfer.Speculative | None = None) -> dict[str, Any]:
     """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
 
     The roofline reads the weights (``roofline.weight_bytes_per_step``, or the model's own
     bytes less its embedding table when the weights are quantized) and the K/V of the mean
-    context once per token, at the read bandwidth.
+    context once per token (``kv_bytes_per_position``), at the read bandwidth.
     """
     vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
     prompt = np.random.default_rng(1).choice(vocab, size=prompt_len).tolist()
-    rid = engine.submit(prompt, max_new_tokens=new_tokens)
+    rid = engine.submit(prompt, max_new_tokens=new_tokens, speculative=spec)
     engine.run_until_done()
     m = engine.request_metrics(rid)
     tokens = len(_completed(engine, rid).token_ids)
     decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
-    step_bytes = roofline.decode_step_bytes(cfg, 1, prompt_len + tokens // 2, dtype_bytes)
+    context = prompt_len + tokens // 2
+    step_bytes = (roofline.weight_bytes_per_step(cfg, dtype_bytes) + context
+                  * kv_bytes_per_position(cfg, dtype_bytes, engine.model.kv_cache_dtype))
     if is_quantized(engine.model.params):
         embed = 0 if cfg.tie_word_embeddings else engine.model.params["embed"].nbytes
         step_bytes += (engine.model.param_bytes - embed
@@ -319,6 +366,9 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
     print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
           f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in decode calls, the rest "
           "in mixed steps); the rest is host planning and output handling")
+    if run["verify_steps"]:
+        print(f"  speculative: {run['verify_steps']} verify steps, {run['accepted_tokens']} of "
+              f"{run['draft_tokens']} proposed tokens accepted")
     print(f"  steps {run['steps']} (decode calls {run['decode_calls']}), tokens computed "
           f"{run['computed_tokens']} of {run['padded_tokens']} padded "
           f"({run['padding_fraction']:.1%} padding), preemptions {run['preemptions']}, "
@@ -357,10 +407,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
                     help="weight-only quantization (load_model(quantize=...))")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES, default=None,
+                    help="store K/V quantized in the page pool (load_model(kv_cache_dtype=...))")
     ap.add_argument("--deterministic", action="store_true",
                     help="batch-invariant kernels (load_model(deterministic=True))")
     ap.add_argument("--schedule", choices=SCHEDULES, default=None,
                     help="admission order (Engine(schedule=...)); default fcfs")
+    ap.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                    help="speculative decoding for every request (jaxinfer.Speculative)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--always-speculate", action="store_true",
+                    help="verify whenever there is a proposal (Speculative(adaptive=False))")
     ap.add_argument("--matmul-tflops", type=float, default=None,
                     help="bf16 matmul rate for the floor (default: measured H100 634, H200 790)")
     ap.add_argument("--read-tbps", type=float, default=None,
@@ -398,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     command = " ".join(["python", *(sys.argv if argv is None else ["scripts/bench_engine.py",
                                                                   *argv])])
     model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
-                        args.deterministic, args.quantize)
+                        args.deterministic, args.quantize, args.kv_cache_dtype)
     record: dict[str, Any] = dict(
         date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
         command=command, preset=args.preset, layout=model.layout, dtype="bfloat16",
@@ -421,17 +478,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         engine = make_engine(model, args)
         if record["floor"] is None:  # the same prompts and lengths, slots and rates every run
             record["floor"] = workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
-                                             dtype_bytes)
+                                             dtype_bytes, args.kv_cache_dtype)
             f = record["floor"]
             print(f"floor {f['floor_s']:.4g} s -> {f['floor_output_tok_per_s']:.4g} output tok/s"
                   f" (prefill {f['prefill_flops'] / 1e12:.4g} TFLOP = {f['prefill_s']:.4g} s; "
                   f"decode {f['decode_tokens']} tokens in ~{f['decode_steps']:.0f} steps of "
                   f"{f['batch_eff']}: {(f['decode_weight_bytes'] + f['decode_kv_bytes']) / 1e9:.1f}"
                   f" GB = {f['decode_s']:.4g} s)", flush=True)
-        warmup_s = warmup(engine)
+        warmup_s = warmup(engine, speculative(args))
+        pool = pool_capacity(engine)
         print(f"\n-- rate {rate or 'offline'}: {engine.max_batch} slots, {engine.max_tokens} "
-              f"tokens per step", flush=True)
-        run = dict(rate=rate, warmup_s=warmup_s, **run_workload(engine, w))
+              f"tokens per step; pool {pool['pool_tokens']} tokens in "
+              f"{pool['pool_bytes'] / 2**30:.2f} GiB {pool['kv_cache_dtype']} = "
+              f"{pool['tokens_vs_bf16']:.3f}x the {pool['pool_tokens_if_bf16']} tokens of "
+              "bfloat16", flush=True)
+        run = dict(rate=rate, warmup_s=warmup_s, **pool,
+                   **run_workload(engine, w, speculative(args)))
         run["fraction_of_floor"] = (run["output_tok_per_s"]
                                     / record["floor"]["floor_output_tok_per_s"])
         report(run, record["floor"])
@@ -440,9 +502,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del engine
     if args.batch1_tokens > 0:
         engine = make_engine(model, args)
-        warmup_s = warmup(engine)
+        warmup_s = warmup(engine, speculative(args))
         b1 = dict(warmup_s=warmup_s, **run_batch1(engine, cfg, args.batch1_prompt,
-                                                 args.batch1_tokens, bandwidth, dtype_bytes))
+                                                 args.batch1_tokens, bandwidth, dtype_bytes,
+                                                 speculative(args)))
         b1_tok_per_s = b1["decode_tok_per_s"]
         print(f"\n-- batch 1: {b1['tokens']} tokens after a {b1['prompt_len']}-token prompt: "
               + (f"decode {b1_tok_per_s:.1f} tok/s, roofline {b1['floor_tok_per_s']:.4g} tok/s "

@@ -62,7 +62,7 @@ def mesh_ragged_attention(
       q: ``[T, H, D]`` packed tokens, H split on model.
       k_pages, v_pages: one layer's pool ``[KVH, num_pages, page_size, D]``, KVH split on
         model, pages whole (the engine's pool is not split on data, see
-        ``sharding.rules.engine_pool_spec``).
+        ``sharding.rules.engine_pool_spec``); or ``QuantizedPages``, split alike.
       kv_lens, block_tables, cu_q_lens: replicated scheduler inputs.
       mesh: defaults to the context mesh; without one this is plain ``attention``.
       max_q_len: static bound on any sequence's query count, for the Pallas kernel's
@@ -78,7 +78,8 @@ def mesh_ragged_attention(
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
-    q_spec, kv_spec = P(None, MODEL, None), P(MODEL, None, None, None)
+    # P(MODEL) splits the head axis of every leaf: pages, and a quantized pool's scales.
+    q_spec, kv_spec = P(None, MODEL, None), P(MODEL)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()),
                            out_specs=q_spec, check_vma=False)
     return mapped(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)

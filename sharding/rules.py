@@ -192,8 +192,10 @@ def engine_pool_spec(stacked: bool) -> P:
     Heads on model, replicated over data: on one host a data>1 mesh is served by one engine
     (and pool) per replica (``jaxinfer.DataParallelEngine``), each on a ``(1, model)`` mesh;
     across hosts every process runs one engine in step, its replicas repeating the work.
+    Trailing axes are left implicit (whole), so the spec also fits a quantized pool's
+    scales (``jaxinfer.paged_cache.QuantizedPages``: the same axes without head_dim).
     """
-    return P(None, MODEL, None, None, None) if stacked else P(MODEL, None, None, None)
+    return P(None, MODEL) if stacked else P(MODEL)
 
 
 def engine_pool_sharding(mesh: Mesh, config: LlamaConfig, stacked: bool) -> NamedSharding:

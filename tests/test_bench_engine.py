@@ -38,6 +38,10 @@ def test_workload_floor_by_hand(bench):
     assert f["floor_output_tok_per_s"] == pytest.approx(6 / f["floor_s"])
     # More slots than requests: both decode together.
     assert bench.workload_floor(cfg, w, 8, 1e12, 1e9, 2)["decode_steps"] == 2
+    # An fp8 cache: one byte per element plus a 2-byte scale per token and K/V head.
+    fp8 = bench.workload_floor(cfg, w, 1, 1e12, 1e9, 2, kv_cache_dtype="fp8")
+    per_position = 2 * cfg.num_kv_heads * cfg.num_layers * (cfg.head_dim + 2)
+    assert fp8["decode_kv_bytes"] == 25 * per_position
 
 
 def test_ceilings(bench):
@@ -75,6 +79,8 @@ def test_tiny_end_to_end(bench, tmp_path):
         assert run["computed_tokens"] <= run["padded_tokens"]
         assert run["programs_compiled_in_run"] == 0  # warmup() compiled every step shape
         assert run["slots"] == 4 and run["max_tokens_per_step"] == 16
+        assert run["kv_cache_dtype"] == "bfloat16" and run["tokens_vs_bf16"] == 1.0
+        assert run["pool_tokens"] == run["pool_tokens_if_bf16"] > 0
 
     b1 = record["batch1"]
     assert b1["tokens"] == 6 and b1["decode_tok_per_s"] > 0
@@ -91,6 +97,17 @@ def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch)
     engine = engine_module.Engine(model, num_pages=16, page_size=4, verbose=False)
     with pytest.raises(RuntimeError, match="benchmark request failed: .*ZeroDivisionError"):
         bench.run_batch1(engine, model.config, 4, 3, 3e12, 4)
+
+
+def test_speculative_run_counts_its_proposals_and_compiles_nothing_in_the_run(bench):
+    argv = ["--preset", "tiny", "--requests", "6", "--max-batch", "4", "--token-budget", "16",
+            "--speculative", "ngram", "--num-speculative-tokens", "3", "--always-speculate"]
+    plain = bench.main(argv[:8])["runs"][0]
+    run = bench.main(argv)["runs"][0]
+    assert run["output_tokens"] == plain["output_tokens"]  # greedy: the same outputs
+    assert run["verify_steps"] > 0 and 0 <= run["accepted_tokens"] <= run["draft_tokens"]
+    assert run["draft_tokens"] > 0 and plain["draft_tokens"] == 0
+    assert run["programs_compiled_in_run"] == 0  # warmup(speculative=...) compiled the verify
 
 
 def test_bench_server_tiny_served_and_offline(tmp_path):

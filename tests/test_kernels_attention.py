@@ -18,10 +18,12 @@ from pallas_kernels import (
     decode_attention_layer,
     decode_attention_layer_reference,
     decode_attention_reference,
+    dequantize_kv,
     flash_attention,
     flash_attention_reference,
     paged_attention,
     paged_attention_reference,
+    quantize_kv,
     ragged_attention,
     ragged_attention_reference,
 )
@@ -313,6 +315,105 @@ def test_ragged_reference_any_head_dim_matches_numpy():
     _assert_close(out, want, jnp.bfloat16)
 
 
+# --------------------------------------------------------------------------- quantized pages
+
+
+def _quantize_pool(k, v, kv_dtype):
+    """``_make_paged``'s pools as quantized values + bfloat16 scales (``quantize_kv``). Rows
+    of unused pages (NaN) get NaN scales, and NaN values where the format has them (fp8),
+    so a kernel that reads them fails the comparison like the float pools' NaN pages."""
+    out = []
+    for x in (k, v):
+        x = np.asarray(x, np.float32)
+        unused = np.isnan(x).all(axis=-1)  # [kv_heads, num_pages, page_size]
+        values, scales = quantize_kv(jnp.asarray(np.nan_to_num(x)), kv_dtype)
+        scales = jnp.where(unused, jnp.nan, scales.astype(jnp.float32)).astype(scales.dtype)
+        if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
+            values = jnp.where(unused[..., None], jnp.nan, values.astype(jnp.float32)
+                               ).astype(values.dtype)
+        out.append((values, scales))
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantize_kv_error_bound(kv_dtype):
+    x = jnp.asarray(_rng(7).standard_normal((3, 5, 64)) * np.array([1e-3, 1, 300])[:, None, None],
+                    jnp.float32).at[1, 2].set(0.0)  # a zero row keeps scale 1, values 0
+    values, scales = quantize_kv(x, kv_dtype)
+    assert values.dtype == kv_dtype and values.shape == x.shape
+    assert scales.dtype == jnp.bfloat16 and scales.shape == x.shape[:-1]
+    back = dequantize_kv(values, scales)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    if kv_dtype == jnp.int8:  # half a step of amax / 127, plus the scale's bf16 rounding
+        bound = amax / 254 * 1.01
+    else:  # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value (or of 2^-6 scale)
+        bound = jnp.abs(x) / 16 + amax / 448 * 2.0**-7 + amax * 2.0**-9
+    assert bool(jnp.all(jnp.abs(back - x) <= bound)), float(jnp.max(jnp.abs(back - x) - bound))
+    assert float(scales[1, 2]) == 1.0 and not np.asarray(back[1, 2]).any()
+
+
+QUANT_PAGED_CASES = [
+    # backend, q dtype, kv dtype, batch, q_heads, kv_heads, head_dim, page_size, pages/seq
+    ("gpu", jnp.float32, jnp.int8, 3, 8, 2, 64, 8, 7),
+    ("tpu", jnp.bfloat16, jnp.float8_e4m3fn, 2, 8, 1, 128, 16, 3),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,kv_dtype,b,hq,hkv,d,page_size,pps", QUANT_PAGED_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{jnp.dtype(c[2]).name}-ps{c[7]}-g{c[4] // c[5]}"
+         for c in QUANT_PAGED_CASES],
+)
+def test_paged_attention_quantized(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps):
+    rng = _rng(8, b, hq, hkv, page_size, pps)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+    k, v, table, lengths = _make_paged(rng, b, hkv, d, page_size, pps, jnp.float32)
+    (kq, ks), (vq, vs) = _quantize_pool(k, v, kv_dtype)
+    out = paged_attention(q, kq, vq, table, lengths, k_scales=ks, v_scales=vs,
+                          pages_per_block=2, num_splits=2, interpret=True, backend=backend)
+    ref = paged_attention_reference(q.astype(jnp.float32), kq, vq, table, lengths,
+                                    k_scales=ks, v_scales=vs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+
+
+QUANT_RAGGED_CASES = [
+    # backend, q dtype, kv dtype, q_heads, kv_heads, head_dim, page_size, pages/seq, query
+    # counts, padding tokens (as RAGGED_CASES: empty sequences in the middle and at the end,
+    # decode tokens, chunks that cross blocks and pages; a page size that is not a power of
+    # two on TPU)
+    ("gpu", jnp.float32, jnp.float8_e4m3fn, 8, 2, 64, 8, 6, (1, 0, 7, 1, 20, 0, 1, 0), 2),
+    ("tpu", jnp.float32, jnp.int8, 4, 1, 64, 12, 3, (1, 9), 2),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,kv_dtype,hq,hkv,d,page_size,pps,q_lens,pad", QUANT_RAGGED_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{jnp.dtype(c[2]).name}-ps{c[6]}-g{c[3] // c[4]}"
+         f"-n{len(c[8])}" for c in QUANT_RAGGED_CASES],
+)
+def test_ragged_attention_quantized(backend, dtype, kv_dtype, hq, hkv, d, page_size, pps,
+                                    q_lens, pad):
+    rng = _rng(9, hq, hkv, page_size, pps, len(q_lens))
+    k, v, table, kv_lens = _make_paged(rng, len(q_lens), hkv, d, page_size, pps, jnp.float32,
+                                       min_lens=q_lens)
+    (kq, ks), (vq, vs) = _quantize_pool(k, v, kv_dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    real = int(cu[-1])
+    q = jnp.asarray(rng.standard_normal((real + pad, hq, d)), dtype)
+    out = ragged_attention(q, kq, vq, table, kv_lens, cu, k_scales=ks, v_scales=vs,
+                           max_q_len=max(q_lens), block_q=4, interpret=True, backend=backend)
+    ref = jax.jit(ragged_attention_reference)(q.astype(jnp.float32), kq, vq, table, kv_lens,
+                                              cu, k_scales=ks, v_scales=vs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+    assert not np.asarray(out[real:], np.float32).any(), "padding tokens must give exactly 0"
+    # The reference dequantizes: equal to the float reference on the dequantized pools.
+    deq = [jnp.nan_to_num(dequantize_kv(x, sc)) for x, sc in ((kq, ks), (vq, vs))]
+    plain = jax.jit(ragged_attention_reference)(q.astype(jnp.float32), *deq, table, kv_lens, cu)
+    np.testing.assert_allclose(np.asarray(ref[:real]), np.asarray(plain[:real]), atol=1e-5)
+
+
 # --------------------------------------------------------------------------- bad arguments
 
 
@@ -352,3 +453,12 @@ def test_bad_arguments_raise_one_line_value_error():
     odd = jnp.zeros((2, 10, 12, 64), jnp.float32)
     _raises(lambda: paged_attention(qd, odd, odd, table, jnp.ones((2,), jnp.int32)),
             "power of two")
+    q8 = pages.astype(jnp.int8)
+    scales = jnp.ones(pages.shape[:-1], jnp.bfloat16)
+    _raises(lambda: paged_attention(qd, q8, q8, table, jnp.ones((2,), jnp.int32)),
+            "need k_scales and v_scales")
+    _raises(lambda: paged_attention(qd, pages, pages, table, jnp.ones((2,), jnp.int32),
+                                    k_scales=scales, v_scales=scales), "go with int8")
+    _raises(lambda: ragged_attention(qd, q8, q8, table, jnp.ones((2,), jnp.int32),
+                                     jnp.asarray([0, 1, 2], jnp.int32), k_scales=scales,
+                                     v_scales=scales[:, :3]), "v_scales must have shape")
