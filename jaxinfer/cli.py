@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="the model id clients pass (default: --model)")
     sv.add_argument("--dtype", default="bfloat16")
     sv.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_kv_cache_arg(sv)
     add_mesh_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
@@ -237,7 +238,7 @@ def _serve(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         raise InputError(f"--port={args.port} must be in [1, 65535]")
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args))
+                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
     engine = engine_for(model)
     if not args.no_warmup and jax.default_backend() != "cpu":
         engine.warmup(sampled=True)  # seconds per program there; minutes in all on a CPU
