@@ -150,18 +150,19 @@ def test_openai_client_completions_and_chat(model, client):
 
 
 def test_n_seed_and_stop(model, client):
-    kwargs = dict(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=1.0,
-                  seed=7, n=2, extra_body={"ignore_eos": True})
+    # One sampled token per choice (the sampled mixed step alone: one program to compile),
+    # 3 prompts x n=2: six draws whose seeds must be seed + choice index.
+    prompts = PROMPTS[:3]
+    kwargs = dict(model="tiny", prompt=prompts, max_tokens=1, temperature=1.0, seed=7, n=2)
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
-    assert [c.index for c in a.choices] == [0, 1]
-    # Choice i samples with seed + i, as generate does with that seed.
-    want = jaxinfer.generate(model, ["Once upon a time"] * 2, sampling=[
-        jaxinfer.SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True)
-        for s in (7, 8)])
+    assert [c.index for c in a.choices] == list(range(6))  # prompt-major, then choice
+    want = jaxinfer.generate(model, [p for p in prompts for _ in (7, 8)], sampling=[
+        jaxinfer.SamplingParams(max_new_tokens=1, temperature=1.0, seed=s)
+        for _ in prompts for s in (7, 8)])
     assert [c.text for c in a.choices] == [w.text for w in want]
-    assert want[0].text != want[1].text
+    assert len({w.token_ids[0] for w in want}) > 2  # the seeds draw different tokens
 
     # A stop string cuts the text before it, streamed or not.
     full = client.completions.create(model="tiny", prompt="abc", max_tokens=16, temperature=0)
