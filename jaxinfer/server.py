@@ -378,6 +378,10 @@ class EngineWorker:
     def submit(self, ticket: Ticket) -> None:
         """Queue a ticket's requests; the worker answers ``("accepted", None, None)`` or
         ``("rejected", None, message)`` (None: shutting down) before any tokens."""
+        if len(ticket.jobs) > self.capacity:
+            raise InputError(f"the request needs {len(ticket.jobs)} engine requests (prompts x "
+                             f"n, and prompt scoring for echo) but this server holds at most "
+                             f"{self.capacity} at once; split it")
         with self._lock:
             if self._closing:
                 raise ShuttingDown
@@ -552,6 +556,8 @@ class Submission:
         """Submit; return once the engine took the requests (raise ``APIError`` otherwise)."""
         try:
             self.server.worker.submit(self.ticket)
+        except InputError as e:
+            raise APIError(400, str(e), param="n") from None
         except QueueFull:
             self.server.metrics.rejected.labels("429").inc()
             raise APIError(429, "the server's queue is full; retry later",

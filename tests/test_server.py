@@ -237,6 +237,7 @@ def test_bad_requests_get_400(served):
         ("/v1/completions", {**ok, "top_p": 2.0}, "top_p"),
         ("/v1/completions", {**ok, "stop": [""]}, "stop"),
         ("/v1/completions", {**ok, "n": 0}, "n"),
+        ("/v1/completions", {**ok, "n": 129}, "n"),
         ("/v1/completions", {**ok, "model": "gpt-4"}, "model"),
         ("/v1/completions", {**ok, "frobnicate": 1}, "frobnicate"),
         ("/v1/completions", {**ok, "presence_penalty": 0.5}, "presence_penalty"),
@@ -337,6 +338,9 @@ def test_full_queue_429_and_disconnects_free_pages(slow):
             assert r.status_code == 200
             lines.append(r.iter_lines())
             next(lines[-1])  # the request runs
+        too_many = http.post(url + "/v1/completions", json={**LONG, "n": 9})
+        assert too_many.status_code == 400  # more than the server ever holds: not a 429
+        assert too_many.json()["error"]["param"] == "n"
         full = http.post(url + "/v1/completions", json=LONG)
         assert full.status_code == 429 and full.headers["Retry-After"] == "1"
         assert full.json()["error"]["code"] == "queue_full"
