@@ -15,7 +15,7 @@ from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
-from jaxinfer.quantize import check_method, quantize_params
+from jaxinfer.quantize import QuantizedWeight, check_method, quantize_params
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -220,7 +220,10 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
     return config, params, tokenizer
 
 
-def _place(a: Any, dtype: Any) -> jax.Array:
+def _place(a: Any, dtype: Any) -> Any:
+    """A weight on the default device in ``dtype``; a quantized one keeps its dtypes."""
+    if isinstance(a, QuantizedWeight):
+        return a.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x)))
     if isinstance(a, jax.Array):
         return a.astype(dtype)
     return jnp.asarray(np.asarray(a), dtype=dtype)

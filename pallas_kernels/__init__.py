@@ -1,5 +1,6 @@
-"""Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic)
-and the batch-invariant matmul of deterministic mode (GPU Triton)."""
+"""Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic),
+the batch-invariant matmul of deterministic mode and the int8 / int4 weight matmuls (GPU
+Triton)."""
 
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS
 from pallas_kernels.decode_attention import (
@@ -9,6 +10,7 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.int4_matmul import INT4_GEMV_ROWS, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import (
     GEMV_ROWS,
     int8_matmul,
@@ -23,6 +25,7 @@ from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_r
 
 __all__ = [
     "GEMV_ROWS",
+    "INT4_GEMV_ROWS",
     "SUPPORTED_HEAD_DIMS",
     "decode_attention",
     "decode_attention_layer",
@@ -30,6 +33,8 @@ __all__ = [
     "decode_attention_reference",
     "flash_attention",
     "flash_attention_reference",
+    "int4_matmul",
+    "int4_matmul_reference",
     "int8_matmul",
     "int8_matmul_reference",
     "matmul",
