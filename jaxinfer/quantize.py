@@ -225,60 +225,45 @@ def random_quantized_params(config: LlamaConfig, method: str, key: jax.Array,
     ``method``, made one layer of one weight at a time (benchmarks of models whose
     full-precision weights do not fit on the device: 70B bf16 is 141 GB).
 
-    Each layer's weight is drawn like ``params.init_params`` (normal / sqrt(fan_in)),
-    quantized, and written into its stacked quantized arrays in place, so the device holds
-    the quantized model plus one layer's float32 draw. Norms and embeddings are drawn in
-    ``dtype``. The values differ from ``init_params``'s; they are for speed measurements.
+    Each layer's weight is drawn like ``params.init_params`` (normal / sqrt(fan_in)) and
+    quantized inside a loop that writes it into the stacked quantized arrays, so the device
+    holds the quantized model plus one layer's float32 draw. Norms and embeddings are drawn
+    in ``dtype``. The values differ from ``init_params``'s; they are for speed measurements.
     """
     check_method(method)
+    kind, group = _METHODS[method]
     shapes = param_shapes(config)
-    keys = iter(jax.random.split(key, 64))
+    keys = iter(jax.random.split(key, len(shapes["layers"]) + 4))
 
-    def dense(shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        return _draw(shape, k, dtype=jnp.dtype(dtype).name)
+    def norm(shape: tuple[int, ...]) -> jax.Array:
+        return (1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    def stacked(name: str, shape: tuple[int, ...], k: jax.Array) -> QuantizedWeight:
-        n = shape[0]
-        first = _draw_quantized(shape[1:], jax.random.fold_in(k, 0), name=name, method=method)
-        out = first.map(lambda a: jnp.zeros((n, *a.shape), a.dtype))
-        out = _set_layer(out, first, 0)
-        for i in range(1, n):
-            layer = _draw_quantized(shape[1:], jax.random.fold_in(k, i), name=name,
-                                    method=method)
-            out = _set_layer(out, layer, i)
-        return out
-
-    def norm(shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        return (1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-
-    params: dict[str, Any] = {"embed": dense(shapes["embed"], next(keys)),
-                              "final_norm": norm(shapes["final_norm"], next(keys)),
-                              "layers": {}}
-    for name, shape in shapes["layers"].items():
-        params["layers"][name] = (norm(shape, next(keys)) if "norm" in name
-                                  else stacked(name, shape, next(keys)))
+    params: dict[str, Any] = {
+        "embed": (jax.random.normal(next(keys), shapes["embed"], jnp.float32)
+                  / math.sqrt(shapes["embed"][0])).astype(dtype),
+        "final_norm": norm(shapes["final_norm"]),
+        "layers": {name: norm(shape) if "norm" in name
+                   else _draw_stacked(shape, next(keys), kind=kind, group=group)
+                   for name, shape in shapes["layers"].items()}}
     if "lm_head" in shapes:
-        params["lm_head"] = _draw_quantized(shapes["lm_head"], next(keys), name="lm_head",
-                                            method=method)
+        params["lm_head"] = jax.tree.map(
+            lambda a: a[0], _draw_stacked((1, *shapes["lm_head"]), next(keys), kind=kind,
+                                          group=group))
     return params
 
 
-def _draw(shape: tuple[int, ...], key: jax.Array, dtype: str) -> jax.Array:
-    """Normal noise / sqrt(fan_in) ``shape`` (at least 2-D) in ``dtype``."""
-    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-2])).astype(dtype)
+@jax.jit(static_argnames=("shape", "kind", "group"))
+def _draw_stacked(shape: tuple[int, ...], key: jax.Array, kind: str, group: int
+                  ) -> QuantizedWeight:
+    """A random ``[L, in, out]`` weight quantized layer by layer (one layer's draw live)."""
+    def layer(i: jax.Array) -> QuantizedWeight:
+        w = jax.random.normal(jax.random.fold_in(key, i), shape[1:], jnp.float32)
+        return _quantize_one(w / math.sqrt(shape[-2]), 1, kind, group)
 
-
-@jax.jit(static_argnames=("shape", "name", "method"))
-def _draw_quantized(shape: tuple[int, ...], key: jax.Array, name: str, method: str
-                    ) -> QuantizedWeight:
-    kind, group = _METHODS[method]
-    return _quantize_one(_draw(shape, key, "float32"), _OUT_AXES[name], kind, group)
-
-
-@jax.jit(donate_argnums=0)
-def _set_layer(stacked: QuantizedWeight, layer: QuantizedWeight, i: int) -> QuantizedWeight:
-    # Donated: XLA writes the layer into the stacked buffers in place.
-    return jax.tree.map(lambda s, x: s.at[i].set(x), stacked, layer)
+    out = jax.tree.map(lambda a: jnp.zeros((shape[0], *a.shape), a.dtype),
+                       jax.eval_shape(layer, jnp.int32(0)))
+    return jax.lax.fori_loop(0, shape[0], lambda i, acc: jax.tree.map(
+        lambda s, x: s.at[i].set(x), acc, layer(i)), out)
 
 
 def param_bytes(params: Any) -> int:

@@ -82,6 +82,21 @@ def test_tiny_end_to_end(bench, tmp_path):
                                                     / b1["floor_tok_per_s"])
 
 
+def test_int4_batch1_counts_the_packed_bytes(bench):
+    from jaxinfer import roofline
+
+    cfg = bench.PRESETS["tiny"]
+    model = bench.build_model(cfg, "tiny", "auto", "auto", 0, quantize="int4")
+    assert model.params["layers"]["wq"].kind == "int4"
+    args = bench.parse_args(["--preset", "tiny", "--max-batch", "1", "--token-budget", "16"])
+    b1 = bench.run_batch1(bench.make_engine(model, args), cfg, 8, 4, 1e12, 2)
+    # The roofline reads the int4 weights (packed values, scales, zeros), not bf16 ones.
+    bf16 = roofline.decode_step_bytes(cfg, 1, 8 + b1["tokens"] // 2, 2)
+    assert b1["step_bytes"] == (bf16 + model.param_bytes - model.params["embed"].nbytes
+                                - roofline.weight_bytes_per_step(cfg, 2))
+    assert b1["step_bytes"] < bf16 and b1["tokens"] == 4
+
+
 def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch):
     from jaxinfer import engine as engine_module
     from tests.conftest import tiny_engine_model
