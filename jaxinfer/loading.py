@@ -15,7 +15,7 @@ from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
-from jaxinfer.quantize import QuantizedWeight, check_method, quantize_params
+from jaxinfer.quantize import QUANTIZATIONS, QuantizedWeight, quantize_params
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -40,7 +40,9 @@ def _parse_dtype(dtype: Any) -> Any:
 
 def _check_shapes(config: LlamaConfig, params: dict[str, Any]) -> None:
     expected = param_shapes(config)
-    got = jax.tree.map(lambda a: tuple(a.shape), params)
+    # A quantized weight counts as the weight it stands for (QuantizedWeight.shape).
+    got = jax.tree.map(lambda a: tuple(a.shape), params,
+                       is_leaf=lambda a: isinstance(a, QuantizedWeight))
     flat_e = dict(jax.tree_util.tree_flatten_with_path(
         expected, is_leaf=lambda x: isinstance(x, tuple))[0])
     flat_g = dict(jax.tree_util.tree_flatten_with_path(
@@ -131,10 +133,16 @@ def load_model(
         attention through the ragged Pallas kernel with one query block size. Slower
         (bench/NOTES.md measures it); one device per replica (no tensor parallelism), GPU
         (or CPU, in the Pallas interpreter: for tests), not TPU.
-      quantize: ``"int8"``: weight-only int8 matmul weights, one scale per output column
-        and 64 input rows (``jaxinfer.quantize``), made on the device after loading;
-        embeddings, norms and a tied output head stay in ``dtype``. ``Model.param_bytes``
-        reports the result. Not with a tensor-parallel mesh or ``deterministic`` yet.
+      quantize: weight-only quantization of the matmul weights (``jaxinfer.quantize``),
+        made on the device after loading; embeddings, norms and a tied output head stay in
+        ``dtype``. ``"int8"``: one scale per output column and 64 input rows; ``"int4"``:
+        two values per byte, a float16 scale and zero (minimum) per column and 32 input rows
+        (``"int4-g64"``, ``"int4-g128"``: 64 / 128 rows, fewer scale bytes, less accurate);
+        ``"fp8"``: float8_e4m3fn with a scale per output column. ``"native"`` (a ``.gguf``
+        file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
+        as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
+        tensors are dequantized. ``Model.param_bytes`` reports the result. Not with a
+        tensor-parallel mesh or ``deterministic`` yet.
     """
     jdtype = _parse_dtype(dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
@@ -142,7 +150,7 @@ def load_model(
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
     if quantize is not None:
-        check_method(quantize)
+        _check_quantize(quantize, name_or_path)
         if split or deterministic:
             raise InputError(f"quantize={quantize!r} does not run with "
                              f"{'a tensor-parallel mesh' if split else 'deterministic=True'}"
@@ -154,7 +162,8 @@ def load_model(
 
         # Shardings depend on the config, which only the checkpoint knows: pass a callable.
         shardings = lambda cfg: stored_shardings(cfg, mesh)
-    config, params, tokenizer = _load_raw(name_or_path, shardings)
+    native = quantize == "native"
+    config, params, tokenizer = _load_raw(name_or_path, shardings, native=native)
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
     if split:
         config, params = shard_params(config, params, mesh, jdtype)
@@ -175,23 +184,41 @@ def load_model(
             layout = "stacked"
         # The loaded arrays are ours alone, so the layout may consume them (donate=True).
         params = apply_layout(params, layout, place=lambda a: _place(a, jdtype), donate=True)
-    if quantize is not None:  # the layout's arrays are ours: each is freed once quantized
+    if quantize is not None and not native:  # the layout's arrays are ours: freed as we go
         params = quantize_params(params, quantize, donate=mesh is None)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic)
 
 
-def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
-              ) -> tuple[LlamaConfig, dict[str, Any], Any]:
-    """(config, params as stored, tokenizer or None), shape-checked against the config."""
+def _check_quantize(quantize: str, name_or_path: str | os.PathLike[str]) -> None:
+    """``InputError`` for an unknown method, or ``"native"`` for a model that is not a GGUF."""
+    if quantize != "native":
+        if quantize not in QUANTIZATIONS:
+            raise InputError(f"quantize={quantize!r} must be one of "
+                             f"{', '.join(QUANTIZATIONS)}, native or None")
+        return
+    name = str(name_or_path)
+    if name.lower() != DEFAULT_MODEL and Path(name).expanduser().suffix != ".gguf":
+        raise InputError(f"quantize='native' keeps a GGUF file's quantized blocks, but {name} "
+                         "is not a .gguf file; pass one, or quantize with int8 / int4 / fp8")
+
+
+def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None,
+              native: bool = False) -> tuple[LlamaConfig, dict[str, Any], Any]:
+    """(config, params as stored, tokenizer or None), shape-checked against the config;
+    ``native``: a GGUF's quantized blocks kept (``load_gguf(native=True)``)."""
     from checkpoints.gguf import load_gguf
     from checkpoints.hf import load_hf_checkpoint
     from checkpoints.orbax_io import is_converted_dir, load_converted
 
     name = str(name_or_path)
     path = Path(name).expanduser()
-    if name.lower() == DEFAULT_MODEL:
+    if name.lower() == DEFAULT_MODEL and native:
+        from checkpoints.default_model import fetch_default_gguf
+
+        path = fetch_default_gguf(cache_dir() / "downloads")
+    elif name.lower() == DEFAULT_MODEL:
         path = cache_dir() / DEFAULT_MODEL
         if not is_converted_dir(path):
             _convert_default(path)
@@ -204,7 +231,7 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
                              "checkpoint folder or a converted folder")
         from jaxinfer.tokenizer import Tokenizer
 
-        config, params, metadata = load_gguf(path)
+        config, params, metadata = load_gguf(path, native=native)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
     elif is_converted_dir(path):
         if callable(shardings):  # load_model(mesh=...): shardings computed from the config

@@ -1,0 +1,74 @@
+"""Native GGUF weights (``load_gguf(native=True)``, ``load_model(quantize="native")``): the
+blocks read as they are agree with the ``gguf`` package's dequantization, every layout holds
+them, and the default model (Q4_1) gives the logits of its dequantized float32 load."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+import jaxinfer
+from checkpoints.gguf import _unpermute, load_gguf, native_weight
+from jaxinfer.errors import InputError
+from jaxinfer.model import apply_layout
+from jaxinfer.quantize import QuantizedWeight
+
+
+@pytest.mark.parametrize("qtype, kind", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
+def test_native_blocks_agree_with_gguf_dequantize(qtype, kind):
+    t = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(0).normal(size=(8, 96)).astype(np.float32)  # [out, in]
+    raw = quantize(w, t)  # [out, bytes]
+    want = dequantize(raw, t)
+    qw = native_weight(raw.reshape(-1), qtype, (8, 96))
+    assert (qw.kind, qw.group, qw.shape) == (kind, 32, (96, 8))
+    np.testing.assert_array_equal(np.asarray(qw.dequantize()), want.T)
+    # Q/K rows are un-permuted block row by block row, like the dequantized rows.
+    permuted = native_weight(raw.reshape(-1), qtype, (8, 96), n_head=2)
+    np.testing.assert_array_equal(np.asarray(permuted.dequantize()), _unpermute(want, 2).T)
+
+
+@pytest.fixture(scope="module")
+def default_pair(default_gguf):
+    """(native params, dequantized params) of the default model, host arrays."""
+    return load_gguf(default_gguf, native=True)[1], load_gguf(default_gguf)[1]
+
+
+@pytest.mark.slow
+def test_native_params_are_the_dequantized_ones_in_every_layout(default_pair):
+    native, plain = default_pair
+    assert all(isinstance(native["layers"][k], QuantizedWeight)
+               for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    assert not isinstance(native["embed"], QuantizedWeight)  # Q8_0, but looked up, not multiplied
+    fast = apply_layout(native, "fast")
+    want = apply_layout(plain, "fast")
+    for i in (0, 29):
+        for k in ("wqkv", "w_gate_up", "w_down"):
+            np.testing.assert_array_equal(np.asarray(fast["layers"][i][k].dequantize()),
+                                          want["layers"][i][k])
+
+
+@pytest.mark.slow
+def test_default_model_native_logits_equal_the_dequantized_model(default_gguf):
+    from tests.test_quantize import TEXT
+
+    native = jaxinfer.load_model(str(default_gguf), dtype="float32", quantize="native")
+    plain = jaxinfer.load_model(str(default_gguf), dtype="float32")
+    ids = native.tokenizer.encode(TEXT)
+    got = np.asarray(jaxinfer.compute_logits(native, ids))
+    np.testing.assert_allclose(got, np.asarray(jaxinfer.compute_logits(plain, ids)), atol=1e-3)
+    # Q4_1: 5 bits a weight (4 + a float16 scale and zero per 32) against float32's 32.
+    layer_bytes = jaxinfer.quantize.param_bytes(native.params["layers"])
+    assert layer_bytes < 0.17 * jaxinfer.quantize.param_bytes(plain.params["layers"])
+    logp = jax.nn.log_softmax(got, axis=-1)[np.arange(len(ids) - 1), ids[1:]]
+    assert 15 < float(np.exp(-np.mean(logp))) < 30  # 20.9 with the dequantized weights
+
+
+def test_native_needs_a_gguf(tmp_path):
+    with pytest.raises(InputError, match="not a .gguf file"):
+        jaxinfer.load_model(str(tmp_path), quantize="native")
+    with pytest.raises(InputError, match="native or None"):
+        jaxinfer.load_model(str(tmp_path), quantize="q4")
