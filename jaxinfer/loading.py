@@ -15,7 +15,7 @@ from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
-from jaxinfer.quantize import QUANTIZATIONS, QuantizedWeight, quantize_params
+from jaxinfer.quantize import QUANTIZATIONS, QuantizedWeight, is_quantized, quantize_params
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -164,6 +164,10 @@ def load_model(
         shardings = lambda cfg: stored_shardings(cfg, mesh)
     native = quantize == "native"
     config, params, tokenizer = _load_raw(name_or_path, shardings, native=native)
+    if is_quantized(params) and (split or deterministic or quantize not in (None, "native")):
+        raise InputError(f"{name_or_path} holds quantized weights (jaxinfer convert --quantize)"
+                         f"; load it without quantize=, "
+                         "a tensor-parallel mesh or deterministic=True")
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
     if split:
         config, params = shard_params(config, params, mesh, jdtype)
@@ -264,9 +268,13 @@ def _tokenizer_if_any(path: Path) -> Any:
     return None
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool = False
-            ) -> Path:
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool = False,
+            quantize: str | None = None) -> Path:
     """Convert any format ``load_model`` reads into a converted folder (orbax params).
+
+    ``quantize`` (as in ``load_model``: ``"int8"``, ``"int4"``, ..., or ``"native"`` for a
+    GGUF) saves the matmul weights quantized, so ``load_model(dst)`` runs them as they are,
+    without quantizing again (other weights are saved as the source stores them).
 
     ``dst`` must be new, empty, or (with ``overwrite=True``) a previous conversion: any other
     folder is refused untouched. The model is written into a temporary sibling folder that
@@ -278,6 +286,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite:
 
     from checkpoints.orbax_io import MARKER, save_converted
 
+    if quantize is not None:
+        _check_quantize(quantize, src)
     dst = Path(dst).expanduser().resolve()
     if dst.exists() and not dst.is_dir():
         raise InputError(f"convert destination {dst} is a file; choose a new folder")
@@ -295,9 +305,14 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite:
         raise InputError(f"cannot write next to convert destination {dst}: {e.strerror}; "
                          "choose a writable folder") from None
     try:
-        config, params, tokenizer = _load_raw(src)
+        config, params, tokenizer = _load_raw(src, native=quantize == "native")
         if tokenizer is None:
             raise CheckpointError(f"{src} has no tokenizer files; a converted folder needs one")
+        if quantize is not None and quantize != "native":
+            if is_quantized(params):
+                raise InputError(f"{src} holds quantized weights already; convert it without "
+                                 "--quantize")
+            params = quantize_params(params, quantize)
         save_converted(tmp, config, params, tokenizer, overwrite=True)
         old = None
         if dst.exists():

@@ -52,7 +52,8 @@ def test_native_params_are_the_dequantized_ones_in_every_layout(default_pair):
 
 
 @pytest.mark.slow
-def test_default_model_native_logits_equal_the_dequantized_model(default_gguf):
+def test_default_model_native_logits_equal_the_dequantized_model(default_gguf, tmp_path):
+    from jaxinfer.loading import convert
     from tests.test_quantize import TEXT
 
     native = jaxinfer.load_model(str(default_gguf), dtype="float32", quantize="native")
@@ -65,6 +66,11 @@ def test_default_model_native_logits_equal_the_dequantized_model(default_gguf):
     assert layer_bytes < 0.17 * jaxinfer.quantize.param_bytes(plain.params["layers"])
     logp = jax.nn.log_softmax(got, axis=-1)[np.arange(len(ids) - 1), ids[1:]]
     assert 15 < float(np.exp(-np.mean(logp))) < 30  # 20.9 with the dequantized weights
+    # convert --quantize native saves the blocks; the folder loads them as they are.
+    saved = jaxinfer.load_model(convert(default_gguf, tmp_path / "q4", quantize="native"),
+                                dtype="float32")
+    assert saved.param_bytes == native.param_bytes
+    np.testing.assert_array_equal(jaxinfer.compute_logits(saved, ids), got)
 
 
 def test_native_needs_a_gguf(tmp_path):

@@ -127,6 +127,29 @@ def test_bad_quantize_options_are_one_line_errors():
         jaxinfer.load_model("unused", quantize="int8", deterministic=True)
 
 
+def test_convert_saves_quantized_weights_that_load_as_they_are(tmp_path):
+    from checkpoints.orbax_io import restore_params
+    from jaxinfer.cli import main
+    from jaxinfer.loading import convert
+    from sharding.testing import write_tiny_model
+
+    src = write_tiny_model(tmp_path / "src")
+    dst = convert(src, tmp_path / "int4", quantize="int4")
+    model = jaxinfer.load_model(dst, dtype="float32", backend="reference", layout="stacked")
+    wq = model.params["layers"]["wq"]
+    assert (wq.kind, wq.group, wq.q.dtype) == ("int4", 32, jnp.uint8)
+    plain = jaxinfer.load_model(src, dtype="float32", backend="reference", layout="stacked")
+    want = dataclasses.replace(plain, params=quantize_params(plain.params, "int4"))
+    prompt = [5, 9, 2, 77, 31, 8]
+    np.testing.assert_array_equal(jaxinfer.compute_logits(model, prompt),
+                                  jaxinfer.compute_logits(want, prompt))
+    with pytest.raises(InputError, match="holds quantized weights"):
+        jaxinfer.load_model(dst, quantize="int8")
+    assert main(["convert", str(src), str(tmp_path / "int8"), "--quantize", "int8"]) == 0
+    assert restore_params(tmp_path / "int8" / "params")["lm_head"].kind == "int8"
+    assert main(["convert", str(src), str(tmp_path / "x"), "--quantize", "int2"]) == 2
+
+
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
         "those used to make wine. Books became cheaper, literacy spread across Europe, and "
