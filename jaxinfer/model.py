@@ -101,12 +101,15 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
     x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = None
     if jax.default_backend() == "gpu" and w.q.ndim == 2:
-        # Decode rows: the kernels read the packed bytes only (XLA's GEMM would read a bf16
-        # copy it writes first).
+        # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
+        # read a bf16 copy it writes first). fp8: an fp8 GEMM at every size where the GPU has
+        # one (no dequantized copy at all).
         if w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
             out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
         elif w.kind == "int4" and w.group >= 32 and rows <= pallas_kernels.INT4_GEMV_ROWS:
             out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
+        elif w.kind == "fp8" and _has_fp8_matmul():
+            return _dense_fp8(x, w, out_dtype)
     if out is not None:
         return out.reshape(*x.shape[:-1], out.shape[-1])
     # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
@@ -115,6 +118,26 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
     x, q = jax.lax.optimization_barrier((x, w.q))
     return jnp.einsum("...d,df->...f", x, dataclasses.replace(w, q=q).dequantize(x.dtype),
                       preferred_element_type=out_dtype)
+
+
+def _has_fp8_matmul() -> bool:
+    """Whether this process's GPU multiplies float8 operands natively (compute capability
+    8.9+: Ada, Hopper and later)."""
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    return cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) >= (8, 9)
+
+
+def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
+    """``x [..., in]`` times an fp8 ``w [in, out]`` as an fp8 GEMM: each row of ``x`` is
+    scaled into float8_e4m3fn by its own absolute maximum, the product accumulates in
+    float32 and is scaled back by the row's and the column's scales, in ``out_dtype``."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # [..., 1]
+    x_scale = jnp.where(amax > 0, amax / 448.0, 1.0)  # 448: the largest finite e4m3
+    xq = (x32 / x_scale).astype(jnp.float8_e4m3fn)
+    out = jax.lax.dot_general(xq, w.q, (((x.ndim - 1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)  # [..., out]
+    return (out * x_scale * w.scale[0]).astype(out_dtype)
 
 
 def _dense_fused(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:

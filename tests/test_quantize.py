@@ -108,6 +108,20 @@ def test_int4_and_fp8_models_equal_their_dequantized_weights(layout, method):
                                jaxinfer.compute_logits(plain, prompt), atol=2e-4, rtol=1e-4)
 
 
+def test_fp8_gemm_path_is_close_to_the_dequantized_matmul():
+    from jaxinfer.model import _dense_fp8
+
+    kx, kw = jax.random.split(jax.random.PRNGKey(4))
+    x = jax.random.normal(kx, (2, 5, 128), jnp.float32)
+    w = quantize_params({"wo": jax.random.normal(kw, (128, 48), jnp.float32)}, "fp8")["wo"]
+    assert w.scale.shape == (1, 48) and w.q.dtype == jnp.float8_e4m3fn
+    got = _dense_fp8(x.astype(jnp.bfloat16), w, jnp.float32)  # what a Hopper GPU runs
+    want = x @ w.dequantize()
+    # The rows are rounded to e4m3 too (3 mantissa bits): a few percent of the output's size.
+    assert got.shape == want.shape and float(jnp.linalg.norm(got - want)
+                                             / jnp.linalg.norm(want)) < 0.05
+
+
 def test_random_quantized_params_match_the_stored_layout():
     params = random_quantized_params(CFG, "int4", jax.random.PRNGKey(0))
     shapes = jaxinfer.model.param_shapes(CFG)
