@@ -59,3 +59,19 @@ def test_bad_operands_are_one_line_errors():
         int4_matmul(x[:, :48], q, scale, zero, interpret=True)
     with pytest.raises(ValueError, match="must both be"):
         int4_matmul(x, q, scale, zero[:1], interpret=True)
+
+
+def test_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
+    """Lowering for a GPU (on this CPU machine, through jax.export) runs every Pallas Triton
+    lowering rule the kernel needs: uint8 masks and shifts, int-to-float casts, dots."""
+    import jax
+    from jax import export
+
+    f = jax.jit(lambda x, q, s, z: int4_matmul(x, q, s, z))
+    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for m, k, n, group in ((1, 4096, 6144, 32), (48, 14336, 4096, 128)):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
+        s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
+        exported = export.export(f, platforms=["cuda"], disabled_checks=no_check)(x, q, s, s)
+        assert "jaxinfer_int4_matmul" in exported.mlir_module()
