@@ -141,8 +141,10 @@ def load_model(
         ``"fp8"``: float8_e4m3fn with a scale per output column. ``"native"`` (a ``.gguf``
         file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
         as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
-        tensors are dequantized. ``Model.param_bytes`` reports the result. Not with a
-        tensor-parallel mesh or ``deterministic`` yet.
+        tensors are dequantized. ``Model.param_bytes`` reports the result. On a
+        tensor-parallel mesh each device quantizes its own shard (scales split alongside; the
+        int8 / int4 kernels are not used there yet, each step dequantizes); ``"native"`` and
+        ``deterministic`` do not run with quantization yet.
     """
     jdtype = _parse_dtype(dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
@@ -151,7 +153,7 @@ def load_model(
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
     if quantize is not None:
         _check_quantize(quantize, name_or_path)
-        if split or deterministic:
+        if deterministic or (split and quantize == "native"):
             raise InputError(f"quantize={quantize!r} does not run with "
                              f"{'a tensor-parallel mesh' if split else 'deterministic=True'}"
                              " yet; load without one of them")
@@ -165,6 +167,7 @@ def load_model(
     native = quantize == "native"
     config, params, tokenizer = _load_raw(name_or_path, shardings, native=native)
     if is_quantized(params) and (split or deterministic or quantize not in (None, "native")):
+        # Saved quantized (convert --quantize): restored as they are, on one device.
         raise InputError(f"{name_or_path} holds quantized weights (jaxinfer convert --quantize)"
                          f"; load it without quantize=, "
                          "a tensor-parallel mesh or deterministic=True")
@@ -189,7 +192,8 @@ def load_model(
         # The loaded arrays are ours alone, so the layout may consume them (donate=True).
         params = apply_layout(params, layout, place=lambda a: _place(a, jdtype), donate=True)
     if quantize is not None and not native:  # the layout's arrays are ours: freed as we go
-        params = quantize_params(params, quantize, donate=mesh is None)
+        # (not on a data-only mesh, where a replica may share the loaded array's buffer)
+        params = quantize_params(params, quantize, donate=mesh is None or split)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic)

@@ -35,7 +35,7 @@ import pallas_kernels
 from jaxinfer.config import LlamaConfig
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
 from jaxinfer.quantize import QuantizedWeight, fuse_quantized
-from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
+from sharding.attention import gather_vocab, mesh_ragged_attention, model_split
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, deterministic: bool = False
@@ -102,11 +102,14 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
     out = None
     if jax.default_backend() == "gpu" and w.q.ndim == 2:
         # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
-        # read a bf16 copy it writes first). fp8: an fp8 GEMM at every size where the GPU has
-        # one (no dequantized copy at all).
-        if w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
+        # read a bf16 copy it writes first); not on a tensor-parallel mesh, where the kernel
+        # would get whole weights. fp8: an fp8 GEMM at every size where the GPU has one (no
+        # dequantized copy at all; GSPMD splits it like any matmul).
+        kernel = not model_split()
+        if kernel and w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
             out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
-        elif w.kind == "int4" and w.group >= 32 and rows <= pallas_kernels.INT4_GEMV_ROWS:
+        elif (kernel and w.kind == "int4" and w.group >= 32
+              and rows <= pallas_kernels.INT4_GEMV_ROWS):
             out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
         elif w.kind == "fp8" and _has_fp8_matmul():
             return _dense_fp8(x, w, out_dtype)
@@ -140,11 +143,15 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     return (out * x_scale * w.scale[0]).astype(out_dtype)
 
 
-def _dense_fused(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
+def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
+                 ) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, QuantizedWeight) and w.q.shape[-2] == 1:
         return _dense(x, w.first_shard())[..., None, :]
+    if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
+        x, q = jax.lax.optimization_barrier((x, w.q))
+        w = dataclasses.replace(w, q=q).dequantize(x.dtype)
     if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
         return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))

@@ -27,6 +27,7 @@ column: the default model's perplexity rises 3.0% with per-column int8 scales an
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import InputError
@@ -186,9 +188,31 @@ def is_quantized(params: Any) -> bool:
 
 def quantize_weight(w: jax.Array | np.ndarray, name: str, method: str) -> QuantizedWeight:
     """The matmul weight ``name`` (a key of a layout's params: ``"wq"``, ``"wqkv"``, ...)
-    quantized by ``method`` (one of ``QUANTIZATIONS``), on the default device."""
+    quantized by ``method`` (one of ``QUANTIZATIONS``), on the default device, or, for a
+    weight split over a mesh, split the same way (packed values, scales and zeros alike:
+    their axes are the weight's, the input axis counted in bytes or groups).
+
+    Raises ``InputError`` when a split of the input axis does not give each device whole
+    groups.
+    """
     kind, group = _METHODS[method]
-    return _quantize_jit(jnp.asarray(w), out_axes=_OUT_AXES[name], kind=kind, group=group)
+    out_axes = _OUT_AXES[name]
+    w = jnp.asarray(w)
+    sharding = w.sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+        return _quantize_jit(w, out_axes=out_axes, kind=kind, group=group)
+    a = w.ndim - out_axes - 1
+    spec = tuple(sharding.spec) + (None,) * (w.ndim - len(sharding.spec))
+    names = spec[a] if isinstance(spec[a], tuple) else (spec[a],)
+    shards = math.prod(sharding.mesh.shape[n] for n in names if n is not None)
+    g = group if group and w.shape[a] % group == 0 else w.shape[a]
+    if (w.shape[a] // shards) % g:
+        raise InputError(f"quantize={method!r} cannot split {name}: its {w.shape[a]} input rows"
+                         f" over {shards} devices are not whole groups of {g}; use fewer "
+                         "model devices or a smaller group")
+    quantize = functools.partial(_quantize_one, out_axes=out_axes, kind=kind, group=group)
+    out_shardings = jax.tree.map(lambda _: sharding, jax.eval_shape(quantize, w))
+    return jax.jit(quantize, out_shardings=out_shardings)(w)
 
 
 def quantize_params(params: dict[str, Any], method: str, donate: bool = False
