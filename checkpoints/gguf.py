@@ -4,7 +4,8 @@ Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized to float32 w
 package, or, with ``load_gguf(native=True)``, Q8_0 / Q4_0 / Q4_1 matmul weights are kept as
 their blocks in ``jaxinfer.quantize`` formats (``native_weight``): Q8_0 as int8 with a scale
 per 32 input rows, Q4_0 / Q4_1 as int4 with group 32 (their nibble order is ours; Q4_0's
-``d * (q - 8)`` is ``d * q + (-8 d)``). llama.cpp's converter permutes the rows of Q and K
+``d * (q - 8)`` is ``d * q + (-8 d)``); Q4_K is re-quantized to int4 (group 32), other
+quantized types (Q5_*, Q6_K) to int8. llama.cpp's converter permutes the rows of Q and K
 projections so that RoPE can rotate adjacent pairs (interleaved convention); we undo that so
 the weights use HF's rotate_half layout.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.params import param_shapes
-from jaxinfer.quantize import QuantizedWeight
+from jaxinfer.quantize import QuantizedWeight, quantize_weight
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 """GGUF tensor types ``load_gguf(native=True)`` keeps quantized (matmul weights only)."""
@@ -302,10 +303,10 @@ def load_gguf(path: str | Path, native: bool = False
 
     Args:
       path: the ``.gguf`` file.
-      native: keep matmul weights whose every layer is stored in one of ``NATIVE_TYPES``
-        (Q4_0 and Q4_1 count as one: both are int4 with group 32) as ``QuantizedWeight``
-        (``native_weight``) instead of dequantizing them; other weights (the embedding,
-        norms, float or K-quant tensors) are dequantized as without it.
+      native: keep quantized matmul weights quantized (``QuantizedWeight``): Q8_0 / Q4_0 /
+        Q4_1 blocks as they are (``native_weight``), K-quants and other types re-quantized
+        layer by layer (``_native_method`` says how per weight kind); the embedding, norms
+        and weights stored as floats are dequantized as without it.
 
     Returns:
       ``(config, params, metadata)``: params is the jaxinfer params pytree of float32 numpy
@@ -348,8 +349,10 @@ def load_gguf(path: str | Path, native: bool = False
                 raise CheckpointError(f"GGUF file {path.name} is missing tensor {name!r}")
         shape = shapes["layers"][key][1:]
         n_head = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key, 0)
-        if native and _native_kind({tensors[n][0].name for n in names}):
-            per_layer = [_native_checked(f, n, tuple(reversed(shape)), n_head) for n in names]
+        method = _native_method({tensors[n][0].name for n in names}) if native else None
+        if method is not None:
+            per_layer = [_native_checked(f, n, key, tuple(reversed(shape)), n_head, method)
+                         for n in names]
             layers[key] = jax.tree.map(lambda *a: np.stack(a), *per_layer)
             continue
         stacked = np.empty(shapes["layers"][key], dtype=np.float32)
@@ -365,25 +368,55 @@ def load_gguf(path: str | Path, native: bool = False
         name = "output.weight"
         if name not in tensors:
             raise CheckpointError(f"GGUF file {path.name} is missing tensor {name!r}")
-        if native and _native_kind({tensors[name][0].name}):
-            params["lm_head"] = _native_checked(f, name, tuple(reversed(shapes["lm_head"])), 0)
+        method = _native_method({tensors[name][0].name}) if native else None
+        if method is not None:
+            params["lm_head"] = _native_checked(f, name, "lm_head",
+                                                tuple(reversed(shapes["lm_head"])), 0, method)
         else:
             params["lm_head"] = np.ascontiguousarray(get(name, shapes["lm_head"], True))
     return config, params, meta
 
 
-def _native_kind(types: set[str]) -> bool:
-    """Whether tensors of these GGUF types stack into one native quantized weight."""
-    return types <= {"Q8_0"} or types <= {"Q4_0", "Q4_1"}
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
-def _native_checked(f: _GGUFFile, name: str, shape: tuple[int, int], n_head: int
-                    ) -> QuantizedWeight:
+def _native_method(types: set[str]) -> str | None:
+    """How ``load_gguf(native=True)`` keeps a weight kind stored in these GGUF types (one
+    kind stacks all layers, so they must agree): ``"native"`` for Q8_0 or Q4_0/Q4_1 blocks
+    as they are; ``"int4"`` (group 32) when Q4_K joins Q4_0/Q4_1 (its 32-value sub-blocks
+    share one affine 16-level grid, which group-32 min/max quantization finds again);
+    ``"int8"`` for other quantized types (Q5, Q6_K, mixes: 8 bits keep their precision);
+    None (dequantized to float) when a layer is stored as floats."""
+    if types <= {"Q8_0"} or types <= {"Q4_0", "Q4_1"}:
+        return "native"
+    if types <= {"Q4_0", "Q4_1", "Q4_K"}:
+        return "int4"
+    return None if types & _FLOAT_TYPES else "int8"
+
+
+def _native_checked(f: _GGUFFile, name: str, key: str, shape: tuple[int, int], n_head: int,
+                    method: str) -> QuantizedWeight:
+    """Tensor ``name`` as our quantized weight ``key``: its blocks as they are
+    (``native_weight``) when its type allows, else dequantized and re-quantized by
+    ``method`` (``requantized_weight``)."""
     qt, got, offset, nbytes = f.tensors[name]
     if got != shape:
         raise CheckpointError(f"GGUF tensor {name!r} has shape {list(got)} ([out, in]) but "
                               f"the metadata implies {list(shape)}")
-    return native_weight(np.asarray(f.buf[offset:offset + nbytes]), qt.name, shape, n_head)
+    if qt.name in NATIVE_TYPES and method in ("native", "int4"):  # int4: Q4_0 / Q4_1 here
+        return native_weight(np.asarray(f.buf[offset:offset + nbytes]), qt.name, shape, n_head)
+    return requantized_weight(f.tensor(name), key, method, n_head)
+
+
+def requantized_weight(w: np.ndarray, key: str, method: str, n_head: int = 0
+                       ) -> QuantizedWeight:
+    """A dequantized GGUF matmul weight ``w [out, in]`` (float32, torch orientation)
+    quantized by ``method`` into weight ``key`` (``"wq"``, ...), in ``x @ W`` orientation,
+    numpy arrays: one layer at a time on the default device, so a K-quant model is never
+    held in float32 there."""
+    if n_head:
+        w = _unpermute(w, n_head)
+    return jax.device_get(quantize_weight(np.ascontiguousarray(w.T), key, method))
 
 
 def _shape_checked(name: str, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

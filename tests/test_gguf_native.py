@@ -31,6 +31,44 @@ def test_native_blocks_agree_with_gguf_dequantize(qtype, kind):
     np.testing.assert_array_equal(np.asarray(permuted.dequantize()), _unpermute(want, 2).T)
 
 
+def _k_blocks(qtype: str, out: int, n_in: int, seed: int) -> np.ndarray:
+    """Random K-quant blocks ``[out, bytes]`` (any bytes are valid blocks) with small
+    float16 super-block scales, since the ``gguf`` package cannot quantize K-quants."""
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(out, n_in // 256, size), dtype=np.uint8)
+
+    def f16(v: float) -> np.ndarray:
+        return np.frombuffer(np.float16(v).tobytes(), np.uint8)
+
+    if qtype == "Q4_K":  # d, dmin first
+        b[..., 0:2], b[..., 2:4] = f16(0.01), f16(0.005)
+    else:  # Q6_K: d last
+        b[..., -2:] = f16(0.001)
+    return b.reshape(out, -1)
+
+
+@pytest.mark.parametrize("qtype, method", [("Q4_K", "int4"), ("Q6_K", "int8")])
+def test_k_quants_are_requantized_within_half_a_step(qtype, method):
+    from checkpoints.gguf import requantized_weight
+
+    want = dequantize(_k_blocks(qtype, 8, 512, seed=1), gguf.GGMLQuantizationType[qtype])
+    qw = requantized_weight(want, "wq", method)
+    assert qw.kind == method and qw.shape == (512, 8)
+    step = np.repeat(np.asarray(qw.scale, np.float32), qw.group, axis=0)
+    assert np.all(np.abs(np.asarray(qw.dequantize()) - want.T) <= 0.51 * step + 1e-3)
+
+
+def test_native_method_per_weight_kind():
+    from checkpoints.gguf import _native_method
+
+    assert _native_method({"Q4_1"}) == _native_method({"Q4_0", "Q4_1"}) == "native"
+    assert _native_method({"Q8_0"}) == "native"
+    assert _native_method({"Q4_K", "Q4_0"}) == "int4"
+    assert _native_method({"Q4_K", "Q6_K"}) == _native_method({"Q8_0", "Q5_K"}) == "int8"
+    assert _native_method({"Q4_K", "F16"}) is None
+
+
 @pytest.fixture(scope="module")
 def default_pair(default_gguf):
     """(native params, dequantized params) of the default model, host arrays."""
