@@ -258,7 +258,7 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None,
 def _place(a: Any, dtype: Any) -> Any:
     """A weight on the default device in ``dtype``; a quantized one keeps its dtypes."""
     if isinstance(a, QuantizedWeight):
-        return a.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x)))
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), a)
     if isinstance(a, jax.Array):
         return a.astype(dtype)
     return jnp.asarray(np.asarray(a), dtype=dtype)

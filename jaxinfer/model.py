@@ -108,7 +108,7 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
         kernel = not model_split()
         if kernel and w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
             out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
-        elif (kernel and w.kind == "int4" and w.group >= 32
+        elif (kernel and w.kind == "int4" and w.group in (32, 64, 128)
               and rows <= pallas_kernels.INT4_GEMV_ROWS):
             out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
         elif w.kind == "fp8" and _has_fp8_matmul():

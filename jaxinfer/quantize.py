@@ -104,11 +104,6 @@ class QuantizedWeight:
         w = grouped.astype(jnp.float32) * jnp.expand_dims(self.scale, a + 1)
         return w.reshape(shape).astype(dtype)
 
-    def map(self, fn: Any) -> QuantizedWeight:
-        """The same weight with ``fn`` applied to each of its arrays (``q``, ``scale``,
-        ``zero``): slicing a layer out, placing on a device. ``fn`` must keep the axes."""
-        return jax.tree.map(fn, self)
-
     def first_shard(self) -> QuantizedWeight:
         """A fused ``[in, 1, out]`` weight as the plain ``[in, out]`` one (one device)."""
         return QuantizedWeight(q=self.q[:, 0], scale=self.scale[:, 0],
@@ -198,10 +193,13 @@ def quantize_weight(w: jax.Array | np.ndarray, name: str, method: str) -> Quanti
     kind, group = _METHODS[method]
     out_axes = _OUT_AXES[name]
     w = jnp.asarray(w)
+    a = w.ndim - out_axes - 1
+    if kind == "int4" and w.shape[a] % 2:
+        raise InputError(f"quantize={method!r} packs two input rows per byte, but {name} has "
+                         f"{w.shape[a]}; use int8 or fp8")
     sharding = w.sharding
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
         return _quantize_jit(w, out_axes=out_axes, kind=kind, group=group)
-    a = w.ndim - out_axes - 1
     spec = tuple(sharding.spec) + (None,) * (w.ndim - len(sharding.spec))
     names = spec[a] if isinstance(spec[a], tuple) else (spec[a],)
     shards = math.prod(sharding.mesh.shape[n] for n in names if n is not None)

@@ -121,8 +121,9 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret):
 def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
                 out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for a packed int4 weight (module docstring): ``q [K / 2, N]`` uint8,
-    ``scale`` and ``zero [K / G, N]`` float16 or float32, ``G`` (``K / scale.shape[0]``) even
-    and at least 32 (a tensor-core dot needs 16 rows per nibble half).
+    ``scale`` and ``zero [K / G, N]`` float16 or float32, ``G`` (``K / scale.shape[0]``) a
+    power of two of at least 32 (a tensor-core dot needs 16 rows per nibble half; Triton
+    blocks are powers of two).
 
     Meant for decode steps (up to ``INT4_GEMV_ROWS`` rows; it runs any M, tiled by 64 rows).
     Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
@@ -134,10 +135,11 @@ def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *
           f"scale {scale.shape} and zero {zero.shape} must both be [K / G, N] for q {q.shape}")
     k = x.shape[1]
     groups = scale.shape[0]
-    check(k == 2 * q.shape[0] and k % groups == 0 and (k // groups) % 2 == 0
-          and k // groups >= 2 * MIN_DOT,
-          f"int4_matmul needs x [M, K] with K = 2 * q.shape[0] split into groups of at least "
-          f"{2 * MIN_DOT} rows; got x {x.shape}, q {q.shape}, {groups} groups")
+    group = k // groups
+    check(k == 2 * q.shape[0] and k % groups == 0 and group >= 2 * MIN_DOT
+          and group & (group - 1) == 0,
+          f"int4_matmul needs x [M, K] with K = 2 * q.shape[0] split into groups of a power of "
+          f"two, at least {2 * MIN_DOT}, rows; got x {x.shape}, q {q.shape}, {groups} groups")
     check_dtype("x", x)
     return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(out_dtype or x.dtype),
                      interpret=interpret)

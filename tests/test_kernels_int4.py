@@ -53,7 +53,7 @@ def test_bad_operands_are_one_line_errors():
     x, q, scale, zero = _operands(2, 64, 32, 32, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="uint8"):
         int4_matmul(x, q.astype(jnp.int8), scale, zero, interpret=True)
-    with pytest.raises(ValueError, match="groups of at least 32"):
+    with pytest.raises(ValueError, match="power of two, at least 32"):
         int4_matmul(x, q, jnp.zeros((4, 32)), jnp.zeros((4, 32)), interpret=True)
     with pytest.raises(ValueError, match="K = 2"):
         int4_matmul(x[:, :48], q, scale, zero, interpret=True)

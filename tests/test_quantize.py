@@ -139,6 +139,8 @@ def test_bad_quantize_options_are_one_line_errors():
         jaxinfer.load_model("unused", quantize="int3")
     with pytest.raises(InputError, match="deterministic=True"):
         jaxinfer.load_model("unused", quantize="int8", deterministic=True)
+    with pytest.raises(InputError, match="packs two input rows per byte, but wq has 63"):
+        quantize_params({"wq": jnp.zeros((63, 8))}, "int4")
 
 
 def test_convert_saves_quantized_weights_that_load_as_they_are(tmp_path):
