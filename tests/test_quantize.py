@@ -97,10 +97,10 @@ def test_int4_packing_keeps_every_value_in_its_row():
     np.testing.assert_array_equal(qw.dequantize(), v)
 
 
-@pytest.mark.parametrize("layout, method", [("fast", "int4"), ("stacked", "fp8")])
-def test_int4_and_fp8_models_equal_their_dequantized_weights(layout, method):
-    params = apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32), layout)
-    q = quantize_params(params, method)
+def test_int4_model_equals_its_dequantized_weights():
+    # fused QKV / gate|up per layer; fp8 quality: the default model's perplexity below
+    params = apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32), "fast")
+    q = quantize_params(params, "int4")
     quant = jaxinfer.Model(CFG, q, None, jnp.float32, backend="reference")
     plain = jaxinfer.Model(CFG, _dequantized(q), None, jnp.float32, backend="reference")
     prompt = list(range(5, 30))
