@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,10 +85,17 @@ def test_tiny_end_to_end(bench, tmp_path):
 
 def test_int4_batch1_counts_the_packed_bytes(bench):
     from jaxinfer import roofline
+    from jaxinfer.model import param_shapes
+    from jaxinfer.quantize import QuantizedWeight
 
     cfg = bench.PRESETS["tiny"]
-    model = bench.build_model(cfg, "tiny", "auto", "auto", 0, quantize="int4")
-    assert model.params["layers"]["wq"].kind == "int4"
+    # Random weights drawn and quantized layer by layer (quantize.random_quantized_params).
+    model = bench.build_model(cfg, "tiny", "stacked", "auto", 0, quantize="int4")
+    for name, shape in param_shapes(cfg)["layers"].items():
+        w = model.params["layers"][name]
+        assert w.shape == shape and isinstance(w, QuantizedWeight) == ("norm" not in name)
+    wq = model.params["layers"]["wq"]
+    assert wq.kind == "int4" and not np.array_equal(wq.q[0], wq.q[1])  # a draw per layer
     args = bench.parse_args(["--preset", "tiny", "--max-batch", "1", "--token-budget", "16"])
     b1 = bench.run_batch1(bench.make_engine(model, args), cfg, 8, 4, 1e12, 2)
     # The roofline reads the int4 weights (packed values, scales, zeros), not bf16 ones.
