@@ -1,8 +1,13 @@
 """Import a llama-architecture GGUF file (llama.cpp format) into the jaxinfer params pytree.
 
 Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized to float32 with the ``gguf``
-package. llama.cpp's converter permutes the rows of Q and K projections so that RoPE can rotate
-adjacent pairs (interleaved convention); we undo that so the weights use HF's rotate_half layout.
+package, or, with ``load_gguf(native=True)``, Q8_0 / Q4_0 / Q4_1 matmul weights are kept as
+their blocks in ``jaxinfer.quantize`` formats (``native_weight``): Q8_0 as int8 with a scale
+per 32 input rows, Q4_0 / Q4_1 as int4 with group 32 (their nibble order is ours; Q4_0's
+``d * (q - 8)`` is ``d * q + (-8 d)``); Q4_K is re-quantized to int4 (group 32), other
+quantized types (Q5_*, Q6_K) to int8. llama.cpp's converter permutes the rows of Q and K
+projections so that RoPE can rotate adjacent pairs (interleaved convention); we undo that so
+the weights use HF's rotate_half layout.
 """
 
 from __future__ import annotations
@@ -10,11 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.params import param_shapes
+from jaxinfer.quantize import QuantizedWeight, quantize_weight
+
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+"""GGUF tensor types ``load_gguf(native=True)`` keeps quantized (matmul weights only)."""
 
 # GGUF per-block tensor name -> (our key, whether it is a weight matrix to transpose).
 _BLOCK_TENSORS: dict[str, tuple[str, bool]] = {
@@ -232,6 +242,37 @@ class _GGUFFile:
                                   f"({type(e).__name__}: {e})") from None
 
 
+def native_weight(raw: np.ndarray, qtype: str, shape: tuple[int, int], n_head: int = 0
+                  ) -> QuantizedWeight:
+    """A GGUF tensor's Q8_0 / Q4_0 / Q4_1 blocks as a ``QuantizedWeight`` in ``x @ W``
+    orientation (numpy arrays), without dequantizing.
+
+    Args:
+      raw: the tensor's bytes (uint8), ``shape[0]`` rows of ``shape[1] / 32`` blocks.
+      qtype: one of ``NATIVE_TYPES``.
+      shape: ``(out, in)``, GGUF's (torch) orientation.
+      n_head: > 0 undoes llama.cpp's Q/K row permutation for that many heads.
+    """
+    out, n_in = shape
+    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    blocks = raw.reshape(out, n_in // 32, block_bytes)  # [out, in / 32, block]
+    if n_head:
+        blocks = _unpermute(blocks, n_head)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].T  # [in / 32, out]
+    if qtype == "Q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out, n_in)
+        return QuantizedWeight(q=np.ascontiguousarray(q.T), scale=d.astype(np.float32),
+                               group=32, kind="int8")
+    nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # [out, in / 32, 16]
+    q = np.ascontiguousarray(nibbles.reshape(out, n_in // 2).T)  # byte j: rows j, j + 16
+    if qtype == "Q4_1":
+        zero = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].T
+    else:  # d * (v - 8) = d * v + (-8 d), exact in float16 (a power-of-two scaling)
+        zero = (-8 * d.astype(np.float32)).astype(np.float16)
+    return QuantizedWeight(q=q, scale=np.ascontiguousarray(d), zero=np.ascontiguousarray(zero),
+                           group=32, kind="int4")
+
+
 def _open_gguf(path: Path) -> _GGUFFile:
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
@@ -256,15 +297,21 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return dict(_open_gguf(Path(path)).metadata)
 
 
-def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
+def load_gguf(path: str | Path, native: bool = False
+              ) -> tuple[LlamaConfig, dict[str, Any], dict[str, Any]]:
     """Import a llama-architecture GGUF file.
 
     Args:
       path: the ``.gguf`` file.
+      native: keep quantized matmul weights quantized (``QuantizedWeight``): Q8_0 / Q4_0 /
+        Q4_1 blocks as they are (``native_weight``), K-quants and other types re-quantized
+        layer by layer (``_native_method`` says how per weight kind); the embedding, norms
+        and weights stored as floats are dequantized as without it.
 
     Returns:
       ``(config, params, metadata)``: params is the jaxinfer params pytree of float32 numpy
-      arrays (see ``checkpoints.hf``), with Q/K in HF rotate_half layout; metadata is every GGUF
+      arrays (or, with ``native``, ``QuantizedWeight`` of numpy arrays; see
+      ``checkpoints.hf``), with Q/K in HF rotate_half layout; metadata is every GGUF
       key/value (tokenizer vocabulary, merges, chat template, ...) as Python values, suitable for
       ``jaxinfer.tokenizer.Tokenizer.from_gguf_metadata``.
 
@@ -294,26 +341,82 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Any], dict[str, 
         "embed": get("token_embd.weight", shapes["embed"], False),
         "final_norm": get("output_norm.weight", shapes["final_norm"], False),
     }
-    layers: dict[str, np.ndarray] = {
-        key: np.empty(shape, dtype=np.float32) for key, shape in shapes["layers"].items()
-    }
-    for i in range(config.num_layers):
-        for gname, (key, transpose) in _BLOCK_TENSORS.items():
-            name = f"blk.{i}.{gname}.weight"
+    layers: dict[str, Any] = {}
+    for gname, (key, transpose) in _BLOCK_TENSORS.items():
+        names = [f"blk.{i}.{gname}.weight" for i in range(config.num_layers)]
+        for name in names:
             if name not in tensors:
                 raise CheckpointError(f"GGUF file {path.name} is missing tensor {name!r}")
-            shape = shapes["layers"][key][1:]
+        shape = shapes["layers"][key][1:]
+        n_head = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key, 0)
+        method = _native_method({tensors[n][0].name for n in names}) if native else None
+        if method is not None:
+            per_layer = [_native_checked(f, n, key, tuple(reversed(shape)), n_head, method)
+                         for n in names]
+            layers[key] = jax.tree.map(lambda *a: np.stack(a), *per_layer)
+            continue
+        stacked = np.empty(shapes["layers"][key], dtype=np.float32)
+        for i, name in enumerate(names):
             a = _shape_checked(name, f.tensor(name),
                                tuple(reversed(shape)) if transpose else shape)
-            if key == "wq":
-                a = _unpermute(a, config.num_heads)
-            elif key == "wk":
-                a = _unpermute(a, config.num_kv_heads)
-            layers[key][i] = a.T if transpose else a
+            if n_head:
+                a = _unpermute(a, n_head)
+            stacked[i] = a.T if transpose else a
+        layers[key] = stacked
     params["layers"] = layers
     if not config.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("output.weight", shapes["lm_head"], True))
+        name = "output.weight"
+        if name not in tensors:
+            raise CheckpointError(f"GGUF file {path.name} is missing tensor {name!r}")
+        method = _native_method({tensors[name][0].name}) if native else None
+        if method is not None:
+            params["lm_head"] = _native_checked(f, name, "lm_head",
+                                                tuple(reversed(shapes["lm_head"])), 0, method)
+        else:
+            params["lm_head"] = np.ascontiguousarray(get(name, shapes["lm_head"], True))
     return config, params, meta
+
+
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def _native_method(types: set[str]) -> str | None:
+    """How ``load_gguf(native=True)`` keeps a weight kind stored in these GGUF types (one
+    kind stacks all layers, so they must agree): ``"native"`` for Q8_0 or Q4_0/Q4_1 blocks
+    as they are; ``"int4"`` (group 32) when Q4_K joins Q4_0/Q4_1 (its 32-value sub-blocks
+    share one affine 16-level grid, which group-32 min/max quantization finds again);
+    ``"int8"`` for other quantized types (Q5, Q6_K, mixes: 8 bits keep their precision);
+    None (dequantized to float) when a layer is stored as floats."""
+    if types <= {"Q8_0"} or types <= {"Q4_0", "Q4_1"}:
+        return "native"
+    if types <= {"Q4_0", "Q4_1", "Q4_K"}:
+        return "int4"
+    return None if types & _FLOAT_TYPES else "int8"
+
+
+def _native_checked(f: _GGUFFile, name: str, key: str, shape: tuple[int, int], n_head: int,
+                    method: str) -> QuantizedWeight:
+    """Tensor ``name`` as our quantized weight ``key``: its blocks as they are
+    (``native_weight``) when its type allows, else dequantized and re-quantized by
+    ``method`` (``requantized_weight``)."""
+    qt, got, offset, nbytes = f.tensors[name]
+    if got != shape:
+        raise CheckpointError(f"GGUF tensor {name!r} has shape {list(got)} ([out, in]) but "
+                              f"the metadata implies {list(shape)}")
+    if qt.name in NATIVE_TYPES and method in ("native", "int4"):  # int4: Q4_0 / Q4_1 here
+        return native_weight(np.asarray(f.buf[offset:offset + nbytes]), qt.name, shape, n_head)
+    return requantized_weight(f.tensor(name), key, method, n_head)
+
+
+def requantized_weight(w: np.ndarray, key: str, method: str, n_head: int = 0
+                       ) -> QuantizedWeight:
+    """A dequantized GGUF matmul weight ``w [out, in]`` (float32, torch orientation)
+    quantized by ``method`` into weight ``key`` (``"wq"``, ...), in ``x @ W`` orientation,
+    numpy arrays: one layer at a time on the default device, so a K-quant model is never
+    held in float32 there."""
+    if n_head:
+        w = _unpermute(w, n_head)
+    return jax.device_get(quantize_weight(np.ascontiguousarray(w.T), key, method))
 
 
 def _shape_checked(name: str, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

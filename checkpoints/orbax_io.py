@@ -11,6 +11,11 @@ A converted folder (one of the inputs ``jaxinfer.load_model`` accepts) holds::
 We keep our own manifest of leaf shapes/dtypes instead of reading orbax's metadata because the
 metadata API changed shape across orbax releases; the manifest lets us build the restore target
 (``jax.ShapeDtypeStruct`` with a sharding) the same way on every version.
+
+Quantized weights (``jaxinfer.quantize.QuantizedWeight``, ``jaxinfer convert --quantize``) are
+saved as their arrays (``layers/wq/q``, ``layers/wq/scale``, ``layers/wq/zero``) and a
+manifest entry ``layers/wq`` with their kind, group and output axes; restoring rebuilds them,
+each array in the weight's sharding.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from checkpoints.hf import iter_leaves
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.quantize import QuantizedWeight
 
 if TYPE_CHECKING:
     from jaxinfer.tokenizer import Tokenizer
@@ -51,7 +57,7 @@ def save_params(path: str | Path, params: dict[str, Any], overwrite: bool = Fals
     Args:
       path: checkpoint directory to create (a sibling ``<name>.params_manifest.json`` records
         every leaf's shape and dtype).
-      params: nested dict of arrays.
+      params: nested dict of arrays and ``QuantizedWeight``.
       overwrite: replace an existing checkpoint at ``path`` instead of raising.
     """
     import orbax.checkpoint as ocp
@@ -62,11 +68,22 @@ def save_params(path: str | Path, params: dict[str, Any], overwrite: bool = Fals
             raise CheckpointError(f"{path} already exists; delete it or pass overwrite=True")
         shutil.rmtree(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    manifest = {name: {"shape": list(np.shape(a)), "dtype": str(a.dtype)}
-                for name, a in iter_leaves(params)}
+    manifest: dict[str, Any] = {}
+    arrays: dict[str, Any] = {}  # params with each quantized weight as a dict of its arrays
+    for name, a in iter_leaves(params):
+        if isinstance(a, QuantizedWeight):
+            manifest[name] = {"quantized": {"kind": a.kind, "group": a.group,
+                                            "out_axes": a.out_axes}}
+            parts = {"q": a.q, "scale": a.scale, **({} if a.zero is None else {"zero": a.zero})}
+            for part, x in parts.items():
+                manifest[f"{name}/{part}"] = {"shape": list(np.shape(x)), "dtype": str(x.dtype)}
+                _set_leaf(arrays, f"{name}/{part}", x)
+        else:
+            manifest[name] = {"shape": list(np.shape(a)), "dtype": str(a.dtype)}
+            _set_leaf(arrays, name, a)
     ckptr = ocp.StandardCheckpointer()
     try:
-        ckptr.save(path, params)
+        ckptr.save(path, arrays)
         ckptr.wait_until_finished()
     finally:
         ckptr.close()
@@ -84,7 +101,8 @@ def restore_params(path: str | Path, shardings: Any = None) -> dict[str, Any]:
         read straight into its sharding (no full host copy per device).
 
     Returns:
-      The params pytree of ``jax.Array`` with the saved shapes and dtypes.
+      The params pytree of ``jax.Array`` (and ``QuantizedWeight`` of them) with the saved
+      shapes and dtypes.
     """
     import jax
     import jax.numpy as jnp
@@ -102,6 +120,8 @@ def restore_params(path: str | Path, shardings: Any = None) -> dict[str, Any]:
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target: dict[str, Any] = {}
     for name, info in manifest.items():
+        if "quantized" in info:
+            continue  # its arrays have entries of their own
         if shardings is None:
             sharding = default
         elif isinstance(shardings, jax.sharding.Sharding):
@@ -109,6 +129,8 @@ def restore_params(path: str | Path, shardings: Any = None) -> dict[str, Any]:
         else:
             sharding = shardings
             for part in name.split("/"):
+                if isinstance(sharding, jax.sharding.Sharding):
+                    break  # a quantized weight's arrays take the weight's sharding
                 if not isinstance(sharding, dict) or part not in sharding:
                     raise CheckpointError(f"shardings pytree has no entry for param {name!r}; "
                                           "it must match the params structure")
@@ -117,13 +139,21 @@ def restore_params(path: str | Path, shardings: Any = None) -> dict[str, Any]:
                                                      jnp.dtype(info["dtype"]), sharding=sharding))
     ckptr = ocp.StandardCheckpointer()
     try:
-        return ckptr.restore(path, target)
+        params = ckptr.restore(path, target)
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on bad data
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot restore params from {path} ({msg}); the checkpoint is "
                               "corrupt or incomplete, run 'jaxinfer convert' again") from None
     finally:
         ckptr.close()
+    for name, info in manifest.items():
+        if "quantized" in info:
+            *parents, leaf = name.split("/")
+            tree = params
+            for p in parents:
+                tree = tree[p]
+            tree[leaf] = QuantizedWeight(**tree[leaf], **info["quantized"])
+    return params
 
 
 def save_converted(directory: str | Path, config: LlamaConfig, params: dict[str, Any],

@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="a new or empty folder, or a previous conversion with --overwrite")
     c.add_argument("--overwrite", action="store_true",
                    help="replace DST when it holds a previous jaxinfer conversion")
+    c.add_argument("--quantize", default=None,
+                   help="save the matmul weights quantized: int8, int4, int4-g64, int4-g128, "
+                        "fp8, or native (a GGUF's Q8_0/Q4_0/Q4_1 blocks as they are)")
     return p
 
 
@@ -253,7 +256,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     from jaxinfer.loading import convert
 
-    out = convert(args.src, args.dst, overwrite=args.overwrite)
+    out = convert(args.src, args.dst, overwrite=args.overwrite, quantize=args.quantize)
     print(f"converted {args.src} -> {out}")
 
 

@@ -16,7 +16,12 @@ from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import apply_layout, param_shapes, resolve_layout
 from jaxinfer.paged_cache import check_kv_cache_dtype
-from jaxinfer.quantize import check_method, quantize_params
+from jaxinfer.quantize import (
+    QUANTIZATIONS,
+    QuantizedWeight,
+    is_quantized,
+    quantize_params,
+)
 from jaxinfer.requests import Model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -41,7 +46,9 @@ def _parse_dtype(dtype: Any) -> Any:
 
 def _check_shapes(config: LlamaConfig, params: dict[str, Any]) -> None:
     expected = param_shapes(config)
-    got = jax.tree.map(lambda a: tuple(a.shape), params)
+    # A quantized weight counts as the weight it stands for (QuantizedWeight.shape).
+    got = jax.tree.map(lambda a: tuple(a.shape), params,
+                       is_leaf=lambda a: isinstance(a, QuantizedWeight))
     flat_e = dict(jax.tree_util.tree_flatten_with_path(
         expected, is_leaf=lambda x: isinstance(x, tuple))[0])
     flat_g = dict(jax.tree_util.tree_flatten_with_path(
@@ -133,10 +140,18 @@ def load_model(
         attention through the ragged Pallas kernel with one query block size. Slower
         (bench/NOTES.md measures it); one device per replica (no tensor parallelism), GPU
         (or CPU, in the Pallas interpreter: for tests), not TPU.
-      quantize: ``"int8"``: weight-only int8 matmul weights, one scale per output column
-        and 64 input rows (``jaxinfer.quantize``), made on the device after loading;
-        embeddings, norms and a tied output head stay in ``dtype``. ``Model.param_bytes``
-        reports the result. Not with a tensor-parallel mesh or ``deterministic`` yet.
+      quantize: weight-only quantization of the matmul weights (``jaxinfer.quantize``),
+        made on the device after loading; embeddings, norms and a tied output head stay in
+        ``dtype``. ``"int8"``: one scale per output column and 64 input rows; ``"int4"``:
+        two values per byte, a float16 scale and zero (minimum) per column and 32 input rows
+        (``"int4-g64"``, ``"int4-g128"``: 64 / 128 rows, fewer scale bytes, less accurate);
+        ``"fp8"``: float8_e4m3fn with a scale per output column. ``"native"`` (a ``.gguf``
+        file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
+        as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
+        tensors are dequantized. ``Model.param_bytes`` reports the result. On a
+        tensor-parallel mesh each device quantizes its own shard (scales split alongside; the
+        int8 / int4 kernels are not used there yet, each step dequantizes); ``"native"`` and
+        ``deterministic`` do not run with quantization yet.
       kv_cache_dtype: how the engine's page pool stores K/V: None (default) in ``dtype``;
         ``"int8"`` (symmetric, amax / 127) or ``"fp8"`` (float8 e4m3, amax / 448), each with
         one bfloat16 scale per token and K/V head (``pallas_kernels.kv_quant``). K/V are
@@ -151,8 +166,8 @@ def load_model(
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
     if quantize is not None:
-        check_method(quantize)
-        if split or deterministic:
+        _check_quantize(quantize, name_or_path)
+        if deterministic or (split and quantize == "native"):
             raise InputError(f"quantize={quantize!r} does not run with "
                              f"{'a tensor-parallel mesh' if split else 'deterministic=True'}"
                              " yet; load without one of them")
@@ -163,7 +178,13 @@ def load_model(
 
         # Shardings depend on the config, which only the checkpoint knows: pass a callable.
         shardings = lambda cfg: stored_shardings(cfg, mesh)
-    config, params, tokenizer = _load_raw(name_or_path, shardings)
+    native = quantize == "native"
+    config, params, tokenizer = _load_raw(name_or_path, shardings, native=native)
+    if is_quantized(params) and (split or deterministic or quantize not in (None, "native")):
+        # Saved quantized (convert --quantize): restored as they are, on one device.
+        raise InputError(f"{name_or_path} holds quantized weights (jaxinfer convert --quantize)"
+                         f"; load it without quantize=, "
+                         "a tensor-parallel mesh or deterministic=True")
     resolve_backend(backend, config.head_dim)  # reject a bad backend before placing weights
     check_kv_cache_dtype(kv_cache_dtype, config.head_dim)
     if split:
@@ -185,23 +206,42 @@ def load_model(
             layout = "stacked"
         # The loaded arrays are ours alone, so the layout may consume them (donate=True).
         params = apply_layout(params, layout, place=lambda a: _place(a, jdtype), donate=True)
-    if quantize is not None:  # the layout's arrays are ours: each is freed once quantized
-        params = quantize_params(params, quantize, donate=mesh is None)
+    if quantize is not None and not native:  # the layout's arrays are ours: freed as we go
+        # (not on a data-only mesh, where a replica may share the loaded array's buffer)
+        params = quantize_params(params, quantize, donate=mesh is None or split)
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
 
 
-def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
-              ) -> tuple[LlamaConfig, dict[str, Any], Any]:
-    """(config, params as stored, tokenizer or None), shape-checked against the config."""
+def _check_quantize(quantize: str, name_or_path: str | os.PathLike[str]) -> None:
+    """``InputError`` for an unknown method, or ``"native"`` for a model that is not a GGUF."""
+    if quantize != "native":
+        if quantize not in QUANTIZATIONS:
+            raise InputError(f"quantize={quantize!r} must be one of "
+                             f"{', '.join(QUANTIZATIONS)}, native or None")
+        return
+    name = str(name_or_path)
+    if name.lower() != DEFAULT_MODEL and Path(name).expanduser().suffix != ".gguf":
+        raise InputError(f"quantize='native' keeps a GGUF file's quantized blocks, but {name} "
+                         "is not a .gguf file; pass one, or quantize with int8 / int4 / fp8")
+
+
+def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None,
+              native: bool = False) -> tuple[LlamaConfig, dict[str, Any], Any]:
+    """(config, params as stored, tokenizer or None), shape-checked against the config;
+    ``native``: a GGUF's quantized blocks kept (``load_gguf(native=True)``)."""
     from checkpoints.gguf import load_gguf
     from checkpoints.hf import load_hf_checkpoint
     from checkpoints.orbax_io import is_converted_dir, load_converted
 
     name = str(name_or_path)
     path = Path(name).expanduser()
-    if name.lower() == DEFAULT_MODEL:
+    if name.lower() == DEFAULT_MODEL and native:
+        from checkpoints.default_model import fetch_default_gguf
+
+        path = fetch_default_gguf(cache_dir() / "downloads")
+    elif name.lower() == DEFAULT_MODEL:
         path = cache_dir() / DEFAULT_MODEL
         if not is_converted_dir(path):
             _convert_default(path)
@@ -214,7 +254,7 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
                              "checkpoint folder or a converted folder")
         from jaxinfer.tokenizer import Tokenizer
 
-        config, params, metadata = load_gguf(path)
+        config, params, metadata = load_gguf(path, native=native)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
     elif is_converted_dir(path):
         if callable(shardings):  # load_model(mesh=...): shardings computed from the config
@@ -230,7 +270,10 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None
     return config, params, tokenizer
 
 
-def _place(a: Any, dtype: Any) -> jax.Array:
+def _place(a: Any, dtype: Any) -> Any:
+    """A weight on the default device in ``dtype``; a quantized one keeps its dtypes."""
+    if isinstance(a, QuantizedWeight):
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), a)
     if isinstance(a, jax.Array):
         return a.astype(dtype)
     return jnp.asarray(np.asarray(a), dtype=dtype)
@@ -244,9 +287,13 @@ def _tokenizer_if_any(path: Path) -> Any:
     return None
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool = False
-            ) -> Path:
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite: bool = False,
+            quantize: str | None = None) -> Path:
     """Convert any format ``load_model`` reads into a converted folder (orbax params).
+
+    ``quantize`` (as in ``load_model``: ``"int8"``, ``"int4"``, ..., or ``"native"`` for a
+    GGUF) saves the matmul weights quantized, so ``load_model(dst)`` runs them as they are,
+    without quantizing again (other weights are saved as the source stores them).
 
     ``dst`` must be new, empty, or (with ``overwrite=True``) a previous conversion: any other
     folder is refused untouched. The model is written into a temporary sibling folder that
@@ -258,6 +305,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite:
 
     from checkpoints.orbax_io import MARKER, save_converted
 
+    if quantize is not None:
+        _check_quantize(quantize, src)
     dst = Path(dst).expanduser().resolve()
     if dst.exists() and not dst.is_dir():
         raise InputError(f"convert destination {dst} is a file; choose a new folder")
@@ -275,9 +324,14 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite:
         raise InputError(f"cannot write next to convert destination {dst}: {e.strerror}; "
                          "choose a writable folder") from None
     try:
-        config, params, tokenizer = _load_raw(src)
+        config, params, tokenizer = _load_raw(src, native=quantize == "native")
         if tokenizer is None:
             raise CheckpointError(f"{src} has no tokenizer files; a converted folder needs one")
+        if quantize is not None and quantize != "native":
+            if is_quantized(params):
+                raise InputError(f"{src} holds quantized weights already; convert it without "
+                                 "--quantize")
+            params = quantize_params(params, quantize)
         save_converted(tmp, config, params, tokenizer, overwrite=True)
         old = None
         if dst.exists():

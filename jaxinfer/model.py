@@ -22,6 +22,7 @@ of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -34,8 +35,8 @@ import pallas_kernels
 from jaxinfer.config import LlamaConfig
 from jaxinfer.paged_cache import QuantizedPages
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
-from jaxinfer.quantize import QuantizedWeight
-from sharding.attention import gather_vocab, mesh_ragged_attention  # per shard on a mesh
+from jaxinfer.quantize import QuantizedWeight, fuse_quantized
+from sharding.attention import gather_vocab, mesh_ragged_attention, model_split
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, deterministic: bool = False
@@ -84,10 +85,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
            ) -> jax.Array:
     """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
-    (a row's result does not depend on the other rows), else XLA's GEMM. An int8
-    ``QuantizedWeight`` goes through ``_dense_int8``."""
+    (a row's result does not depend on the other rows), else XLA's GEMM. A
+    ``QuantizedWeight`` goes through ``_dense_quantized``."""
     if isinstance(w, QuantizedWeight):
-        return _dense_int8(x, w, x.dtype)
+        return _dense_quantized(x, w, x.dtype)
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
@@ -95,15 +96,25 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
-def _dense_int8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
-    """``x [..., in]`` times an int8 ``w [in, out]``, in ``out_dtype``."""
+def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
+    """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
     rows = math.prod(x.shape[:-1])
-    if (jax.default_backend() == "gpu" and w.q.ndim == 2 and w.group == 64
-            and rows <= pallas_kernels.GEMV_ROWS):
-        # Decode rows: the kernel reads the int8 bytes only (XLA's GEMM would read a bf16
-        # copy it writes first).
-        out = pallas_kernels.int8_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale,
-                                         out_dtype=out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+    out = None
+    if jax.default_backend() == "gpu" and w.q.ndim == 2:
+        # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
+        # read a bf16 copy it writes first); not on a tensor-parallel mesh, where the kernel
+        # would get whole weights. fp8: an fp8 GEMM at every size where the GPU has one (no
+        # dequantized copy at all; GSPMD splits it like any matmul).
+        kernel = not model_split()
+        if kernel and w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
+            out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
+        elif (kernel and w.kind == "int4" and w.group in (32, 64, 128)
+              and rows <= pallas_kernels.INT4_GEMV_ROWS):
+            out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
+        elif w.kind == "fp8" and _has_fp8_matmul():
+            return _dense_fp8(x, w, out_dtype)
+    if out is not None:
         return out.reshape(*x.shape[:-1], out.shape[-1])
     # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
     # this layer's input, so XLA dequantizes one layer at a time rather than every layer up
@@ -113,11 +124,35 @@ def _dense_int8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
                       preferred_element_type=out_dtype)
 
 
-def _dense_fused(x: jax.Array, w: jax.Array, deterministic: bool = False) -> jax.Array:
+def _has_fp8_matmul() -> bool:
+    """Whether this process's GPU multiplies float8 operands natively (compute capability
+    8.9+: Ada, Hopper and later)."""
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    return cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) >= (8, 9)
+
+
+def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
+    """``x [..., in]`` times an fp8 ``w [in, out]`` as an fp8 GEMM: each row of ``x`` is
+    scaled into float8_e4m3fn by its own absolute maximum, the product accumulates in
+    float32 and is scaled back by the row's and the column's scales, in ``out_dtype``."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # [..., 1]
+    x_scale = jnp.where(amax > 0, amax / 448.0, 1.0)  # 448: the largest finite e4m3
+    xq = (x32 / x_scale).astype(jnp.float8_e4m3fn)
+    out = jax.lax.dot_general(xq, w.q, (((x.ndim - 1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)  # [..., out]
+    return (out * x_scale * w.scale[0]).astype(out_dtype)
+
+
+def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
+                 ) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, QuantizedWeight) and w.q.shape[-2] == 1:
         return _dense(x, w.first_shard())[..., None, :]
+    if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
+        x, q = jax.lax.optimization_barrier((x, w.q))
+        w = dataclasses.replace(w, q=q).dequantize(x.dtype)
     if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
         return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
@@ -196,9 +231,9 @@ _FUSED = (("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up")))
 
 
 @jax.jit
-def _take_layer(stacked: jax.Array, i: jax.Array) -> jax.Array:
+def _take_layer(stacked: jax.Array | QuantizedWeight, i: jax.Array) -> Any:
     # The index is traced, so one program per weight shape serves every layer.
-    return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False)
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacked)
 
 
 def fuse_columns(parts: Sequence[Any], shards: int = 1) -> Any:
@@ -208,8 +243,11 @@ def fuse_columns(parts: Sequence[Any], shards: int = 1) -> Any:
     so with the shard axis split over a mesh's ``model`` devices each device multiplies by
     exactly the Q/K/V heads (or gate/up columns) the tensor-parallel rules give it, and the
     fused output splits into its parts without communication. ``shards=1`` on one device.
-    Works on numpy and jax arrays alike.
+    Works on numpy and jax arrays alike, and on ``QuantizedWeight`` parts (each of their
+    arrays fused the same way).
     """
+    if isinstance(parts[0], QuantizedWeight):
+        return fuse_quantized(list(parts), functools.partial(fuse_columns, shards=shards))
     xp = jnp if isinstance(parts[0], jax.Array) else np
     split = [p.reshape(*p.shape[:-1], shards, p.shape[-1] // shards) for p in parts]
     return xp.concatenate(split, axis=-1)
@@ -218,10 +256,13 @@ def fuse_columns(parts: Sequence[Any], shards: int = 1) -> Any:
 _fuse_on_device = jax.jit(fuse_columns, static_argnames="shards")
 
 
-def _delete(a: Any) -> None:
-    """Free a device buffer now (numpy arrays are left to the garbage collector)."""
-    if isinstance(a, jax.Array) and not a.is_deleted():
-        a.delete()
+def _delete(a: Any, keep: Any = None) -> None:
+    """Free a weight's device buffers now, except those ``keep`` (its placed copy) shares
+    (numpy arrays are left to the garbage collector)."""
+    kept = {id(leaf) for leaf in jax.tree.leaves(keep)}
+    for leaf in jax.tree.leaves(a):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted() and id(leaf) not in kept:
+            leaf.delete()
 
 
 def prepare_params(
@@ -247,9 +288,9 @@ def prepare_params(
       unstack: split the stacked ``[L, ...]`` layer arrays into a list of per-layer dicts, so
         ``forward_ragged`` unrolls the layer loop and no weight is sliced out of a stacked
         buffer.
-      place: optional ``array -> jax.Array`` applied to every leaf of the result (e.g. cast
-        and put on the device). With host (numpy) params, each layer's slice is placed as it
-        is made, so the device never holds the stacked copy.
+      place: optional ``weight -> weight`` applied to every array or ``QuantizedWeight`` of
+        the result (e.g. cast and put on the device). With host (numpy) params, each layer's
+        slice is placed as it is made, so the device never holds the stacked copy.
       donate: delete each input ``jax.Array`` as soon as its data has been copied out. Peak
         device memory is then the result plus one stacked weight kind (its largest, e.g.
         ``w_down``: a quarter of the 8B model's layer weights) instead of two whole models.
@@ -265,8 +306,8 @@ def prepare_params(
     out = {k: place(v) for k, v in params.items() if k != "layers"}
     if donate:
         for k, v in params.items():
-            if k != "layers" and out[k] is not v:
-                _delete(v)
+            if k != "layers":
+                _delete(v, keep=out[k])
     layers = dict(params["layers"])
     if not unstack:
         if fuse:
@@ -279,8 +320,7 @@ def prepare_params(
         placed = {k: place(v) for k, v in layers.items()}
         if donate:
             for k, v in layers.items():
-                if placed[k] is not v:
-                    _delete(v)
+                _delete(v, keep=placed[k])
         out["layers"] = placed
         return out
 
@@ -290,9 +330,10 @@ def prepare_params(
     per_layer: list[Params] = [{} for _ in range(n)]
     for key in list(layers):
         stacked = layers.pop(key)
+        on_device = isinstance(jax.tree.leaves(stacked)[0], jax.Array)
         for i in range(n):
-            piece = (_take_layer(stacked, jnp.int32(i)) if isinstance(stacked, jax.Array)
-                     else stacked[i])
+            piece = (_take_layer(stacked, jnp.int32(i)) if on_device
+                     else jax.tree.map(lambda a, i=i: a[i], stacked))
             per_layer[i][key] = place(piece)
         if donate:
             _delete(stacked)
@@ -301,7 +342,8 @@ def prepare_params(
             for name, parts in _FUSED:
                 pieces = [lp.pop(p) for p in parts]
                 lp[name] = (_fuse_on_device(pieces, shards=shards)
-                            if isinstance(pieces[0], jax.Array) else fuse_columns(pieces, shards))
+                            if isinstance(jax.tree.leaves(pieces)[0], jax.Array)
+                            else fuse_columns(pieces, shards))
                 for piece in pieces:  # per-layer slices made above: always ours to free
                     _delete(piece)
     out["layers"] = per_layer
@@ -332,7 +374,7 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
                                        interpret=jax.default_backend() != "gpu")
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if isinstance(params.get("lm_head"), QuantizedWeight):
-        logits = _dense_int8(h, params["lm_head"], jnp.float32)
+        logits = _dense_quantized(h, params["lm_head"], jnp.float32)
     elif "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),

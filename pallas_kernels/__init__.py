@@ -1,6 +1,7 @@
 """Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic),
-the batch-invariant matmul of deterministic mode (GPU Triton), and the int8 / fp8 K/V page
-format the paged and ragged kernels read (``kv_quant``)."""
+the batch-invariant matmul of deterministic mode and the int8 / int4 weight matmuls (GPU
+Triton), and the int8 / fp8 K/V page format the paged and ragged kernels read
+(``kv_quant``)."""
 
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS
 from pallas_kernels.decode_attention import (
@@ -10,6 +11,7 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.int4_matmul import INT4_GEMV_ROWS, int4_matmul, int4_matmul_reference
 from pallas_kernels.kv_quant import (
     KV_CACHE_DTYPES,
     SCALE_DTYPE,
@@ -34,6 +36,7 @@ __all__ = [
     "GEMV_ROWS",
     "KV_CACHE_DTYPES",
     "SCALE_DTYPE",
+    "INT4_GEMV_ROWS",
     "SUPPORTED_HEAD_DIMS",
     "decode_attention",
     "decode_attention_layer",
@@ -43,6 +46,8 @@ __all__ = [
     "flash_attention",
     "flash_attention_reference",
     "hadamard_rotate",
+    "int4_matmul",
+    "int4_matmul_reference",
     "int8_matmul",
     "int8_matmul_reference",
     "matmul",

@@ -21,6 +21,9 @@ Usage:
     python scripts/bench_engine.py --preset 1b
     python scripts/bench_engine.py --preset 8b --rate 0,20 --batch1-tokens 512 --json auto
     python scripts/bench_engine.py --preset 8b --max-batch 64 --kv-cache-dtype fp8 --json auto
+    python scripts/bench_engine.py --preset 8b --quantize int4 --requests 0 --batch1-tokens 512
+    python scripts/bench_engine.py --preset 70b --quantize int4-g128 --requests 0 \
+        --batch1-tokens 256                                       # one H200: 70B in ~37 GB
     JAX_PLATFORMS=cpu python scripts/bench_engine.py --preset tiny --requests 32 --rate 0,50 \
         --batch1-tokens 16 --json /tmp/x.json                           # CPU smoke run
 
@@ -52,14 +55,19 @@ from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
 from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
-from jaxinfer.quantize import QUANTIZATIONS, is_quantized, quantize_params
+from jaxinfer.quantize import QUANTIZATIONS, is_quantized, random_quantized_params
 from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Llama-3.1-8B and Llama-3.2-1B shapes with an 8k context (the engine's block tables are
-# as wide as the context), and a CPU-sized model.
+# Llama-3.1-70B, -8B and Llama-3.2-1B shapes with an 8k context (the engine's block tables
+# are as wide as the context), and a CPU-sized model. 70B runs on one GPU only quantized
+# (int4: ~37-45 GB; bf16 is 141 GB).
 PRESETS: dict[str, jaxinfer.LlamaConfig] = {
+    "70b": jaxinfer.LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                                rope_theta=500000.0, max_position_embeddings=8192,
+                                eos_token_ids=(128001,)),
     "8b": jaxinfer.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                                rope_theta=500000.0, max_position_embeddings=8192,
@@ -75,6 +83,7 @@ PRESETS: dict[str, jaxinfer.LlamaConfig] = {
 
 # (prompt_min, prompt_max, output_min, output_max) when not given on the command line.
 DEFAULT_LENGTHS: dict[str, tuple[int, int, int, int]] = {
+    "70b": (32, 1024, 16, 512),
     "8b": (32, 1024, 16, 512),
     "1b": (32, 1024, 16, 512),
     "tiny": (4, 64, 4, 32),
@@ -193,16 +202,19 @@ def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
 def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: str,
                 seed: int, deterministic: bool = False, quantize: str | None = None,
                 kv_cache_dtype: str | None = None) -> jaxinfer.Model:
-    """Random bf16 weights of ``cfg``'s shapes, made on the default device, in ``layout``.
+    """Random bf16 weights of ``cfg``'s shapes, made on the default device, in ``layout``;
+    with ``quantize``, quantized.
 
     ``init_params`` draws each weight on the device; ``apply_layout(donate=True)`` frees each
     stored-layout buffer as soon as it is copied, so the device holds one model plus one
-    stacked weight kind at most (8B: 16 GB of weights).
+    stacked weight kind at most (8B: 16 GB of weights). Quantized weights are drawn and
+    quantized one layer at a time (``random_quantized_params``), so the bf16 model never
+    exists (70B: 141 GB).
     """
-    params = init_params(cfg, jax.random.PRNGKey(seed), jnp.bfloat16)
+    key = jax.random.PRNGKey(seed)
+    params = (init_params(cfg, key, jnp.bfloat16) if quantize is None
+              else random_quantized_params(cfg, quantize, key))
     params = apply_layout(params, layout, donate=True)
-    if quantize is not None:
-        params = quantize_params(params, quantize, donate=True)
     return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.bfloat16,
                           name=preset, backend=backend, deterministic=deterministic,
                           kv_cache_dtype=kv_cache_dtype)
@@ -388,7 +400,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags; unset length ranges take the preset's ``DEFAULT_LENGTHS``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="requests of the workload; 0 runs none (only --batch1-tokens)")
     ap.add_argument("--rate", default="0", help="requests/s; 0 = all at once; a comma-"
                     "separated list runs each in turn (same lengths, compiled once)")
     for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
@@ -432,6 +445,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="write the record here after each run; 'auto' = bench/results/"
                          "<device>/engine_<preset>_<date>.json")
     args = ap.parse_args(argv)
+    if args.requests < 0:
+        ap.error(f"--requests {args.requests} must be 0 or more")
     if args.kv_bytes is None:
         args.kv_bytes = DEFAULT_KV_BYTES.get(args.preset)
     for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
@@ -472,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"prompts {args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-"
           f"{args.output_max}; ceilings {flops / 1e12:.0f} TFLOP/s, {bandwidth / 1e12:.2f} TB/s "
           f"({ceiling_note})", flush=True)
-    for rate in (float(x) for x in args.rate.split(",")):
+    rates = [float(x) for x in args.rate.split(",")] if args.requests > 0 else []
+    for rate in rates:
         w = make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
                           (args.output_min, args.output_max), rate, args.seed)
         engine = make_engine(model, args)

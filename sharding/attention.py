@@ -26,6 +26,13 @@ def _context_mesh() -> jax.sharding.AbstractMesh | None:
     return mesh
 
 
+def model_split() -> bool:
+    """Whether the context mesh splits the model axis: a Pallas custom call traced there
+    would have its operands gathered whole onto every device (GSPMD cannot split it)."""
+    mesh = _context_mesh()
+    return mesh is not None and mesh.shape[MODEL] > 1
+
+
 def gather_vocab(logits: jax.Array) -> jax.Array:
     """Constrain logits ``[B, ..., vocab]`` to batch-on-data, vocab whole, under a context mesh.
 

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +87,28 @@ def test_tiny_end_to_end(bench, tmp_path):
     assert b1["tokens"] == 6 and b1["decode_tok_per_s"] > 0
     assert b1["fraction_of_floor"] == pytest.approx(b1["decode_tok_per_s"]
                                                     / b1["floor_tok_per_s"])
+
+
+def test_int4_batch1_counts_the_packed_bytes(bench):
+    from jaxinfer import roofline
+    from jaxinfer.model import param_shapes
+    from jaxinfer.quantize import QuantizedWeight
+
+    cfg = bench.PRESETS["tiny"]
+    # Random weights drawn and quantized layer by layer (quantize.random_quantized_params).
+    model = bench.build_model(cfg, "tiny", "stacked", "auto", 0, quantize="int4")
+    for name, shape in param_shapes(cfg)["layers"].items():
+        w = model.params["layers"][name]
+        assert w.shape == shape and isinstance(w, QuantizedWeight) == ("norm" not in name)
+    wq = model.params["layers"]["wq"]
+    assert wq.kind == "int4" and not np.array_equal(wq.q[0], wq.q[1])  # a draw per layer
+    args = bench.parse_args(["--preset", "tiny", "--max-batch", "1", "--token-budget", "16"])
+    b1 = bench.run_batch1(bench.make_engine(model, args), cfg, 8, 4, 1e12, 2)
+    # The roofline reads the int4 weights (packed values, scales, zeros), not bf16 ones.
+    bf16 = roofline.decode_step_bytes(cfg, 1, 8 + b1["tokens"] // 2, 2)
+    assert b1["step_bytes"] == (bf16 + model.param_bytes - model.params["embed"].nbytes
+                                - roofline.weight_bytes_per_step(cfg, 2))
+    assert b1["step_bytes"] < bf16 and b1["tokens"] == 4
 
 
 def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch):

@@ -1,0 +1,145 @@
+"""Weight-only int4 matmul for decode rows: the packed weight is unpacked and dequantized
+inside the kernel, so only its bytes (half a byte per weight) and its scales are read.
+
+Weight format (``jaxinfer.quantize``, kind ``"int4"``): ``q [K / 2, N]`` uint8 holds two
+4-bit values ``v`` in 0..15 per byte; ``scale``, ``zero [K / G, N]`` (float16 or float32)
+give ``w = scale * v + zero`` per group of ``G`` input rows and column. Within a group, byte
+row ``j`` holds input row ``j`` (low nibble) and row ``j + G / 2`` (high nibble), GGUF's
+Q4_0 / Q4_1 order. So a group's low nibbles multiply the first half of the group's slice of
+``x`` and its high nibbles the second half: two contiguous slices, no interleaving.
+
+Per group the kernel takes ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds
+``d * scale + sum(x over the group) * zero``: the scale and zero multiply a ``[rows, N]``
+result instead of every weight. A batch-1 GEMV has too few column blocks to fill a GPU, so,
+like ``pallas_kernels.int8_matmul``'s decode path, K is also split over programs, each
+writing a float32 partial that is summed afterwards.
+
+GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import MIN_DOT, cdiv, check, check_dtype, gpu_params
+
+INT4_GEMV_ROWS = 64
+"""Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
+kernel; larger steps dequantize and run XLA's GEMM."""
+
+BLOCK_N = 128  # output columns per program
+STEP_ROWS = 128  # input rows each loop iteration covers (several groups when G < 128)
+TARGET_PROGRAMS = 512  # about 4 per H100 SM: the split-K factor aims at this many programs
+
+
+def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                          out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``x [M, K] @ w`` for the packed int4 weight ``q [K / 2, N]`` with ``scale``, ``zero
+    [K / G, N]`` (format in the module docstring), dequantized in float32 first, then
+    multiplied in ``x.dtype`` with float32 accumulation; result in ``out_dtype`` (default
+    ``x.dtype``)."""
+    groups, n = scale.shape
+    half = q.shape[0] // groups
+    v = q.reshape(groups, half, n)
+    v = jnp.concatenate([v & 15, v >> 4], axis=1).astype(jnp.float32)  # [K / G, G, N]
+    w = (v * scale[:, None].astype(jnp.float32) + zero[:, None].astype(jnp.float32))
+    out = lax.dot_general(x, w.reshape(2 * q.shape[0], n).astype(x.dtype),
+                          (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or x.dtype)
+
+
+def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_step: int,
+                 steps_per_split: int) -> None:
+    """One ``[rows, BLOCK_N]`` float32 partial over this program's split of K."""
+    split = pl.program_id(2)
+    half = group // 2
+    dims = (((1,), (0,)), ((), ()))
+
+    def body(i, acc):
+        first = (split * steps_per_split + i) * groups_per_step
+        for j in range(groups_per_step):  # unrolled: independent loads in flight together
+            g = first + j
+            b = q_ref[pl.ds(g * half, half), :]  # [G / 2, BLOCK_N] uint8
+            x_lo = x_ref[:, pl.ds(g * group, half)]  # [rows, G / 2]
+            x_hi = x_ref[:, pl.ds(g * group + half, half)]
+            d = (lax.dot_general(x_lo, (b & 15).astype(x_lo.dtype), dims,
+                                 preferred_element_type=jnp.float32)
+                 + lax.dot_general(x_hi, (b >> 4).astype(x_hi.dtype), dims,
+                                   preferred_element_type=jnp.float32))  # [rows, BLOCK_N]
+            x_sum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
+                     + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [rows, 1]
+            acc = (acc + d * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
+                   + x_sum * z_ref[pl.ds(g, 1), :].astype(jnp.float32))
+        return acc
+
+    o_ref[...] = lax.fori_loop(0, steps_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _int4_jit(x, q, scale, zero, *, out_dtype, interpret):
+    m, k = x.shape
+    groups, n = scale.shape
+    group = k // groups
+    # Rows: the smallest tensor-core tile holding the step's tokens.
+    rows = 16 if m <= 16 else INT4_GEMV_ROWS
+    groups_per_step = _largest_divisor(groups, STEP_ROWS // group)
+    steps = groups // groups_per_step
+    col_blocks = cdiv(n, BLOCK_N)
+    splits = _largest_divisor(steps, TARGET_PROGRAMS // col_blocks)
+    mp, np_ = cdiv(m, rows) * rows, col_blocks * BLOCK_N
+    # Padded rows and columns are sliced off the result (zero scales: padded columns are 0).
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
+    sp = jnp.pad(scale, ((0, 0), (0, np_ - n)))
+    zp = jnp.pad(zero, ((0, 0), (0, np_ - n)))
+    partial = pl.pallas_call(
+        functools.partial(_int4_kernel, group=group, groups_per_step=groups_per_step,
+                          steps_per_split=steps // splits),
+        grid=(mp // rows, col_blocks, splits),
+        in_specs=[pl.BlockSpec((rows, k), lambda i, j, t: (i, 0)),
+                  pl.BlockSpec((k // 2, BLOCK_N), lambda i, j, t: (0, j)),
+                  pl.BlockSpec((groups, BLOCK_N), lambda i, j, t: (0, j)),
+                  pl.BlockSpec((groups, BLOCK_N), lambda i, j, t: (0, j))],
+        out_specs=pl.BlockSpec((None, rows, BLOCK_N), lambda i, j, t: (t, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32),
+        compiler_params=gpu_params(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="jaxinfer_int4_matmul",
+    )(xp, qp, sp, zp)
+    return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
+
+
+def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
+    """``x [M, K] @ w`` for a packed int4 weight (module docstring): ``q [K / 2, N]`` uint8,
+    ``scale`` and ``zero [K / G, N]`` float16 or float32, ``G`` (``K / scale.shape[0]``) a
+    power of two of at least 32 (a tensor-core dot needs 16 rows per nibble half; Triton
+    blocks are powers of two).
+
+    Meant for decode steps (up to ``INT4_GEMV_ROWS`` rows; it runs any M, tiled by 64 rows).
+    Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
+    """
+    check(x.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {x.shape}, q "
+          f"{q.shape}")
+    check(q.dtype == jnp.uint8, f"q must be uint8 (two int4 values per byte), got {q.dtype}")
+    check(scale.shape == zero.shape and scale.ndim == 2 and scale.shape[1] == q.shape[1],
+          f"scale {scale.shape} and zero {zero.shape} must both be [K / G, N] for q {q.shape}")
+    k = x.shape[1]
+    groups = scale.shape[0]
+    group = k // groups
+    check(k == 2 * q.shape[0] and k % groups == 0 and group >= 2 * MIN_DOT
+          and group & (group - 1) == 0,
+          f"int4_matmul needs x [M, K] with K = 2 * q.shape[0] split into groups of a power of "
+          f"two, at least {2 * MIN_DOT}, rows; got x {x.shape}, q {q.shape}, {groups} groups")
+    check_dtype("x", x)
+    return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(out_dtype or x.dtype),
+                     interpret=interpret)

@@ -1,0 +1,77 @@
+"""pallas_kernels.int4_matmul (Pallas interpreter on CPU) against its dequantize-then-matmul
+reference over decode row counts, odd column counts and group sizes; and against the
+``jaxinfer.quantize`` format it reads."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+
+
+def _operands(m: int, k: int, n: int, group: int, dtype, seed: int):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype)
+    q = jnp.asarray(rng.integers(0, 256, size=(k // 2, n)), jnp.uint8)
+    scale = jnp.asarray(rng.random((k // group, n)) * 0.02, jnp.float16)
+    zero = jnp.asarray(-rng.random((k // group, n)) * 0.15, jnp.float16)
+    return x, q, scale, zero
+
+
+# (rows, K, N, group, dtype): rows 1..64 (one 16-row tile, then 64-row tiles), N not a
+# multiple of the 128-column block, K of 1..12 groups (several groups per loop step, splits).
+SHAPES = [(1, 256, 200, 32, jnp.float32), (17, 576, 96, 64, jnp.float32),
+          (64, 384, 257, 128, jnp.float32), (7, 320, 131, 32, jnp.bfloat16),
+          (70, 128, 64, 64, jnp.float32)]
+
+
+@pytest.mark.parametrize("m, k, n, group, dtype", SHAPES)
+def test_int4_matmul_equals_reference(m, k, n, group, dtype):
+    x, q, scale, zero = _operands(m, k, n, group, dtype, seed=m * k + n)
+    got = int4_matmul(x, q, scale, zero, out_dtype=jnp.float32, interpret=True)
+    want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    # bf16: the reference rounds the dequantized weight to bf16, the kernel scales in float32.
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
+    np.testing.assert_allclose(got, want, **tol)
+
+
+def test_int4_matmul_reads_quantized_weights():
+    from jaxinfer.quantize import quantize_weight
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(256, 48)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 256)), jnp.float32)
+    qw = quantize_weight(w, "wq", "int4-g64")
+    got = int4_matmul(x, qw.q, qw.scale, qw.zero, interpret=True)
+    np.testing.assert_allclose(got, x @ qw.dequantize(), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_operands_are_one_line_errors():
+    x, q, scale, zero = _operands(2, 64, 32, 32, jnp.float32, seed=0)
+    with pytest.raises(ValueError, match="uint8"):
+        int4_matmul(x, q.astype(jnp.int8), scale, zero, interpret=True)
+    with pytest.raises(ValueError, match="power of two, at least 32"):
+        int4_matmul(x, q, jnp.zeros((4, 32)), jnp.zeros((4, 32)), interpret=True)
+    with pytest.raises(ValueError, match="K = 2"):
+        int4_matmul(x[:, :48], q, scale, zero, interpret=True)
+    with pytest.raises(ValueError, match="must both be"):
+        int4_matmul(x, q, scale, zero[:1], interpret=True)
+
+
+def test_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
+    """Lowering for a GPU (on this CPU machine, through jax.export) runs every Pallas Triton
+    lowering rule the kernel needs: uint8 masks and shifts, int-to-float casts, dots."""
+    import jax
+    from jax import export
+
+    f = jax.jit(lambda x, q, s, z: int4_matmul(x, q, s, z))
+    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for m, k, n, group in ((1, 4096, 6144, 32), (48, 14336, 4096, 128)):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
+        s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
+        exported = export.export(f, platforms=["cuda"], disabled_checks=no_check)(x, q, s, s)
+        assert "jaxinfer_int4_matmul" in exported.mlir_module()

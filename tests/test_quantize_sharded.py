@@ -1,0 +1,67 @@
+"""Quantized weights on a tensor-parallel mesh: each device quantizes its shard of a weight
+(packed int4 values, scales and zeros split alongside), and the logits equal the
+single-device quantized model's (fused "fast" layout: column- and row-split weights).
+
+Two forced CPU devices in a subprocess (``tests/test_sharding.py`` explains why).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_int4_on_a_model_split_mesh_equals_one_device():
+    from test_sharding import run_with_devices
+
+    res = run_with_devices([__file__, "worker"], n=2)
+    assert res["max_err"] < 1e-4, res
+    # wo [in, out] is split on its input rows: each device holds half the packed bytes and
+    # half the groups' scales.
+    assert res["wo_q_shard"] == [16, 64] and res["wo_scale_shard"] == [1, 64]
+    # Fused per shard: [in / 2 bytes, 1 of 2 shards, (64 + 16 + 16) / 2 columns].
+    assert res["wqkv_q_shard"] == [32, 1, 48]
+    assert "cannot split wo" in res["int8_error"]
+
+
+def _worker() -> None:
+    import tempfile
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+
+    import jaxinfer
+    from jaxinfer.errors import InputError
+    from sharding import make_mesh
+    from sharding.testing import write_tiny_model
+
+    path = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    prompt = [5, 9, 2, 77, 31, 8, 100]
+    # The fused, per-layer layout: column-split fused weights and row-split wo / w_down.
+    one = jaxinfer.load_model(path, dtype="float32", backend="reference", layout="fast",
+                              quantize="int4")
+    split = jaxinfer.load_model(path, dtype="float32", backend="reference", layout="fast",
+                                quantize="int4", mesh=make_mesh(data=1, model=2))
+    want = np.asarray(jaxinfer.compute_logits(one, prompt))
+    got = np.asarray(jaxinfer.compute_logits(split, prompt))
+    layer = split.params["layers"][0]
+    out = {"max_err": float(np.abs(got - want).max()),
+           "wo_q_shard": list(layer["wo"].q.addressable_shards[0].data.shape),
+           "wo_scale_shard": list(layer["wo"].scale.addressable_shards[0].data.shape),
+           "wqkv_q_shard": list(layer["wqkv"].q.addressable_shards[0].data.shape)}
+    try:
+        jaxinfer.load_model(path, dtype="float32", quantize="int8",
+                            mesh=make_mesh(data=1, model=2))
+        out["int8_error"] = ""
+    except InputError as e:
+        out["int8_error"] = str(e)
+    assert jax.device_count() == 2
+    print(json.dumps(out))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    _worker()
