@@ -668,17 +668,20 @@ class Server:
         for i, prompt in enumerate(prompts):
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             try:
-                ids = encode(self.model, prompt, chat=chat)
-                ids_list.append(ids)
-                if max_tokens == 0:
-                    continue  # echo only: the prompt is scored, nothing generated
-                limit = max_tokens
-                if limit is None:
-                    limit = max(1, self.max_seq_len - len(ids))
+                if max_tokens == 0:  # echo only: the prompt is scored, nothing generated
+                    ids_list.append(encode(self.model, prompt, chat=chat))
+                    continue
+                ids = None  # encoded (and checked) once, by the first choice's request
+                if max_tokens is None:  # up to the context's end: the length comes first
+                    ids = encode(self.model, prompt, chat=chat)
                 for j in range(body.n):
+                    limit = max_tokens or max(1, self.max_seq_len - len(ids))
                     sp = self.sampling(body, limit, j)
-                    (req,) = make_requests(self.model, ids, False, sp, {})
+                    (req,) = make_requests(self.model, prompt if ids is None else ids,
+                                           chat and ids is None, sp, {})
+                    ids = list(req.prompt_ids)
                     choices.append(Choice(len(choices), req, TextStream(self.model, sp.stop)))
+                ids_list.append(ids)
             except InputError as e:
                 err = input_error(e)
                 err.message = where + err.message

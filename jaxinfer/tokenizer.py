@@ -451,8 +451,23 @@ class IncrementalDecoder:
         return ""
 
     def add_many(self, token_ids: Iterable[int]) -> str:
-        """Append several ids; return the newly final text."""
-        return "".join(self.add(t) for t in token_ids)
+        """Append several ids; return the newly final text.
+
+        One decode of the window for all of them when they end on a complete character
+        (a streaming server's usual case: tokens arrive in groups), else id by id.
+        """
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            return ""
+        start = len(self._ids)
+        self._ids += ids
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(prefix_text):]
+        del self._ids[start:]
+        return "".join(self.add(t) for t in ids)
 
     def flush(self) -> str:
         """Text still held back (e.g. a trailing incomplete character, as U+FFFD) at the end."""

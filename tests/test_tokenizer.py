@@ -82,6 +82,12 @@ def test_incremental_decoder_matches_full_decode(gguf_tokenizers):
         pieces = [dec.add(i) for i in ids]
         assert "".join(pieces) + dec.flush() == ours.decode(ids, skip_special_tokens=False)
         assert all("\ufffd" not in p for p in pieces), pieces
+        # Groups of ids (one decode per group when it ends on a whole character) agree.
+        for group in (2, 3, 7):
+            dec = ours.incremental_decoder(skip_special_tokens=False)
+            pieces = [dec.add_many(ids[k: k + group]) for k in range(0, len(ids), group)]
+            assert "".join(pieces) + dec.flush() == ours.decode(ids, skip_special_tokens=False)
+            assert all("\ufffd" not in p for p in pieces), pieces
     # A 4-byte emoji spans several byte-level tokens: nothing is emitted until it is complete.
     ids = ours.encode("😀")
     assert len(ids) > 1
