@@ -42,7 +42,8 @@ class JaxinferLM(LM):
     Model arguments (``--model_args key=value,...``):
       pretrained: a model name, checkpoint or converted folder (``load_model``), or a loaded
         ``jaxinfer.Model`` (``simple_evaluate(model_args={"pretrained": model})``).
-      dtype, backend, quantize: passed to ``load_model`` (default bfloat16, auto, none).
+      dtype, backend, quantize, kv_cache_dtype: passed to ``load_model`` (default
+        bfloat16, auto, none, none).
       tp, dp: tensor- and data-parallel devices (``sharding.make_mesh``), default 1.
 
     lm_eval's ``batch_size``, ``max_batch_size`` and ``device`` are accepted and have no
@@ -50,7 +51,8 @@ class JaxinferLM(LM):
     """
 
     def __init__(self, pretrained: str | Model, dtype: str = "bfloat16",
-                 backend: str = "auto", quantize: str | None = None, tp: int = 1, dp: int = 1,
+                 backend: str = "auto", quantize: str | None = None,
+                 kv_cache_dtype: str | None = None, tp: int = 1, dp: int = 1,
                  batch_size: Any = None, max_batch_size: Any = None, device: Any = None
                  ) -> None:
         super().__init__()
@@ -63,7 +65,8 @@ class JaxinferLM(LM):
 
                 mesh = make_mesh(data=dp, model=tp)
             self.model = load_model(str(pretrained), dtype=dtype, backend=backend,
-                                    quantize=quantize, mesh=mesh)
+                                    quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                                    mesh=mesh)
         tok = self.model.tokenizer
         if tok is None:
             raise InputError("lm_eval passes text; the model needs a tokenizer")

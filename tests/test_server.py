@@ -530,7 +530,7 @@ def test_command_line_registers_the_model(model, tmp_path, monkeypatch):
         "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out")])
     lm_eval_adapter.main()
     assert loaded == [("some/folder", dict(dtype="float32", backend="reference",
-                                           quantize=None, mesh=None))]
+                                           quantize=None, kv_cache_dtype=None, mesh=None))]
     (result,) = (tmp_path / "out").rglob("results_*.json")
     assert "tiny_choice" in json.loads(result.read_text())["results"]
 
