@@ -17,7 +17,7 @@ def _draw(n: int, **options) -> np.ndarray:
     """n draws from one row with distribution PROBS, each with a different step index."""
     logits = jnp.asarray(np.log(PROBS), jnp.float32)[None].repeat(n, axis=0)
     s = SamplingArrays.from_params([SamplingParams(seed=11, **options)] * n)
-    tokens, _ = sample(logits, s, jnp.zeros((n, 4), bool), jnp.arange(n, dtype=jnp.int32))
+    tokens, *_ = sample(logits, s, jnp.zeros((n, 4), jnp.int32), jnp.arange(n, dtype=jnp.int32))
     return np.asarray(tokens)
 
 
@@ -163,13 +163,16 @@ def test_greedy_sampler_equals_the_stochastic_one_on_greedy_rows():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
     seen = jnp.asarray(rng.random((6, 50)) < 0.2)
+    counts = seen.astype(jnp.int32)  # in the prompt: what the repetition penalty reads
     steps = jnp.arange(6, dtype=jnp.int32)
     greedy_rows = [SamplingParams(seed=i, repetition_penalty=1.5) for i in range(6)]
     mixed_rows = [SamplingParams(seed=i, temperature=[0, 1.5][i % 2], repetition_penalty=1.5)
                   for i in range(6)]
-    fast, fast_lp = sample(logits, SamplingArrays.from_params(greedy_rows), seen, steps, False)
-    full, full_lp = sample(logits, SamplingArrays.from_params(greedy_rows), seen, steps, True)
-    mixed, _ = sample(logits, SamplingArrays.from_params(mixed_rows), seen, steps, True)
+    fast, fast_lp, *_ = sample(logits, SamplingArrays.from_params(greedy_rows), counts, steps,
+                               False)
+    full, full_lp, *_ = sample(logits, SamplingArrays.from_params(greedy_rows), counts, steps,
+                               True)
+    mixed, *_ = sample(logits, SamplingArrays.from_params(mixed_rows), counts, steps, True)
     want = np.argmax(apply_repetition_penalty(logits, seen, jnp.full(6, 1.5)), axis=-1)
     np.testing.assert_array_equal(fast, want)
     np.testing.assert_array_equal(full, want)
