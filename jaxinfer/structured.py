@@ -3,7 +3,8 @@
 A request's ``response_format`` (``SamplingParams.response_format``) is one of
 
 * ``{"type": "text"}`` or None: unconstrained;
-* ``{"type": "json_object"}``: any JSON object;
+* ``{"type": "json_object"}``: any JSON object (on one line, laid out as ``json.dumps``
+  does: ``JSON_STYLE``);
 * ``{"type": "json_schema", "json_schema": {"schema": {...}, "name": ..., "strict": ...}}``:
   JSON valid against the schema (OpenAI's shape; only ``schema`` is read);
 * ``{"type": "regex", "pattern": "..."}``: text matching the regular expression in full
@@ -33,6 +34,11 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.errors import InputError
+
+JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+"""How constrained JSON is laid out: one line, ``json.dumps``' separators. (Free whitespace
+would let a model spend its tokens on newlines and indentation, or never stop emitting them.)
+A schema may override it with llguidance's ``"x-guidance"`` key."""
 
 FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema",
            "regex": "pattern", "grammar": "grammar"}
@@ -95,10 +101,9 @@ class ResponseFormat:
         """The llguidance grammar of this format (not yet checked against a tokenizer)."""
         import llguidance
 
-        if self.type == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-        if self.type == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.spec)
+        if self.type in ("json_object", "json_schema"):
+            schema = self.spec if self.type == "json_schema" else '{"type": "object"}'
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
         if self.type == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.spec)
         try:

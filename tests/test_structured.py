@@ -1,0 +1,176 @@
+"""Structured output (``response_format``): validation, grammar-exact outputs, EOS and
+finish reasons, and unconstrained requests unaffected by constrained ones in the same engine.
+
+Most tests run a tiny random model with a byte-level tokenizer of its own (256 one-byte
+tokens, an EOS and a BOS; the model's vocabulary is padded past the tokenizer's); the default model
+checks JSON-schema outputs end to end (``tests/test_smollm2.py``, slow).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as FastTokenizer
+
+import jaxinfer
+from jaxinfer.engine import Engine
+from jaxinfer.errors import InputError
+from jaxinfer.params import init_params
+from jaxinfer.requests import make_requests
+from jaxinfer.sampling import SamplingParams, apply_token_mask
+from jaxinfer.structured import TokenMatcher, compile_format, fill_masks, mask_words
+from jaxinfer.tokenizer import Tokenizer
+
+EOS = 256
+REGEX = r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"
+YES_NO = 'root ::= ("yes" | "no") "!"'  # GBNF
+
+
+def byte_tokenizer() -> Tokenizer:
+    """One token per byte (byte-level symbols, no merges), ``<eos>`` = 256, ``<s>`` = 257."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fast = FastTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    fast.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<s>", special=True)])
+    return Tokenizer(fast, bos_id=EOS + 1, eos_ids=[EOS])
+
+
+@pytest.fixture(scope="module")
+def model() -> jaxinfer.Model:
+    """Float32 random weights over 300 ids (ids 258.. are padding the tokenizer never makes)."""
+    cfg = jaxinfer.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=112,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                               max_position_embeddings=256, eos_token_ids=(EOS,))
+    params = init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
+    return jaxinfer.Model(config=cfg, params=params, tokenizer=byte_tokenizer(),
+                          dtype=jnp.float32, backend="reference", max_batch=8)
+
+
+def _engine(model: jaxinfer.Model) -> Engine:
+    return Engine(model, num_pages=96, page_size=4, max_tokens_per_step=32, max_seq_len=64,
+                  verbose=False)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("json", "must be a dict with a 'type'"),
+    ({"type": "xml"}, "type 'xml' is unknown"),
+    ({"type": "json_object", "schema": {}}, "unknown key 'schema'"),
+    ({"type": "json_schema"}, "needs 'json_schema'"),
+    ({"type": "json_schema", "json_schema": {"schema": "{}"}}, "with the JSON schema as a dict"),
+    ({"type": "json_schema", "json_schema": {"schema": {"x": float("nan")}}}, "is not JSON"),
+    ({"type": "regex", "pattern": ""}, "non-empty string"),
+    ({"type": "grammar", "grammar": 3}, "non-empty string"),
+])
+def test_malformed_response_formats_are_one_line_input_errors(value, message):
+    with pytest.raises(InputError, match=re.escape(message)) as e:
+        SamplingParams(response_format=value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"type": "regex", "pattern": "a(b"}, "response_format regex does not compile"),
+    ({"type": "grammar", "grammar": "start: foo"}, "response_format grammar does not compile"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}},
+     "response_format json_schema does not compile"),
+])
+def test_formats_that_do_not_compile_are_one_line_input_errors(model, value, message):
+    with pytest.raises(InputError, match=message) as e:
+        jaxinfer.generate(model, "hi", response_format=value)
+    assert "\n" not in str(e.value)
+
+
+def test_format_needs_a_tokenizer_and_end_of_sequence(model):
+    no_tok = jaxinfer.Model(config=model.config, params=model.params, tokenizer=None,
+                            dtype=jnp.float32, backend="reference")
+    with pytest.raises(InputError, match="needs a model with a tokenizer"):
+        make_requests(no_tok, [[1, 2]], False, None, {"response_format": {"type": "json_object"}})
+    with pytest.raises(InputError, match="cannot be combined with response_format"):
+        SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)
+    assert SamplingParams(response_format={"type": "text"}).response_format is None
+
+
+def test_masks_allow_exactly_the_grammar_and_eos_where_it_may_end(model):
+    tok = model.tokenizer
+    vocab = model.config.vocab_size
+    grammar = compile_format(SamplingParams(response_format={
+        "type": "regex", "pattern": "ab+"}).response_format, tok, vocab)
+    matcher = TokenMatcher(grammar, tok, vocab)
+    masks = np.zeros((2, mask_words(vocab)), np.int32)
+    a, b = tok.encode("a", add_bos=False)[0], tok.encode("b", add_bos=False)[0]
+    for want, then in (({a}, a), ({b}, b), ({b, EOS}, None)):
+        fill_masks([(matcher, 1)], masks)
+        assert not masks[0].any()  # rows not named are left alone
+        bits = np.unpackbits(masks[1].view(np.uint8), bitorder="little")[:vocab]
+        assert set(np.flatnonzero(bits).tolist()) == want
+        # The device applies the same mask: everything else becomes -inf.
+        logits = jnp.zeros((2, vocab), jnp.float32)
+        kept = np.isfinite(np.asarray(apply_token_mask(logits, jnp.asarray(masks))))
+        assert set(np.flatnonzero(kept[1]).tolist()) == want and not kept[0].any()
+        if then is not None:
+            matcher.consume(then)
+    with pytest.raises(ValueError, match="not allowed"):
+        matcher.consume(a)
+
+
+def test_regex_and_grammar_outputs_match_in_full(model):
+    formats = [{"type": "regex", "pattern": REGEX}, {"type": "grammar", "grammar": YES_NO},
+               {"type": "grammar", "grammar": 'start: ("yes" | "no") "!"'}]  # Lark
+    params = [SamplingParams(max_new_tokens=40, response_format=f, seed=s, temperature=t)
+              for f in formats for s, t in ((0, 0.0), (1, 1.0), (2, 1.5))]
+    outs = jaxinfer.generate(model, ["mail:"] * len(params), sampling=params)
+    for p, out in zip(params, outs, strict=True):
+        pattern = REGEX if p.response_format.type == "regex" else "(yes|no)!"
+        assert out.finish_reason == "stop", out
+        assert re.fullmatch(pattern, out.text), out.text
+        assert EOS not in out.token_ids
+    assert len({o.text for o in outs[:3]}) > 1  # sampling picks different addresses
+
+
+def test_eos_ends_a_grammar_only_where_it_may_end(model):
+    # "ab+" may end after any b: EOS is allowed there only, and a sampled EOS ends the
+    # output (not part of it) with reason "stop"; max_new_tokens cuts it with "length".
+    fmt = {"type": "regex", "pattern": "ab+"}
+    params = [SamplingParams(max_new_tokens=n, response_format=fmt, temperature=1.0, seed=s)
+              for n, s in ((12, 0), (12, 1), (12, 2), (2, 3))]
+    outs = jaxinfer.generate(model, ["x"] * len(params), sampling=params)
+    for p, out in zip(params, outs, strict=True):
+        assert re.fullmatch("ab+", out.text), out.text
+        assert (out.finish_reason == "stop") == (len(out.token_ids) < p.max_new_tokens)
+    assert outs[-1].text == "ab" and outs[-1].finish_reason == "length"
+    assert any(o.finish_reason == "stop" for o in outs)
+
+
+def test_unconstrained_requests_are_unaffected_by_constrained_ones(model):
+    rng = np.random.default_rng(0)
+    plain = [(rng.integers(3, 250, size=int(rng.integers(2, 12))).tolist(),
+              SamplingParams(max_new_tokens=int(rng.integers(8, 20)), seed=i,
+                             temperature=[0.0, 1.0][i % 2], logprobs=True))
+             for i in range(5)]
+    constrained = [("mail:", SamplingParams(max_new_tokens=40, seed=9, temperature=1.0,
+                                            response_format={"type": "regex", "pattern": REGEX})),
+                   ("q:", SamplingParams(max_new_tokens=40,
+                                         response_format={"type": "grammar", "grammar": YES_NO}))]
+    engine = _engine(model)
+    alone = []
+    for p, sp in plain + constrained:
+        rid = engine.submit(p, sampling=sp)
+        engine.run_until_done()
+        alone.append(engine.result(rid))
+    assert engine.stats().decode_calls > 0  # unconstrained requests decode several per call
+    engine = _engine(model)
+    mixed = plain[:2] + constrained[:1] + plain[2:] + constrained[1:]
+    ids = [engine.submit(p, sampling=sp) for p, sp in mixed]
+    engine.run_until_done()
+    together = {sp: engine.result(i) for (_, sp), i in zip(mixed, ids, strict=True)}
+    for (_, sp), want in zip(plain + constrained, alone, strict=True):
+        got = together[sp]
+        assert got.token_ids == want.token_ids
+        if sp.logprobs:
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    engine.blocks.check_all_free()
