@@ -14,12 +14,23 @@ its fraction of the floor, requests/s, TTFT/TPOT percentiles and the engine's co
 ``--batch1-tokens N`` adds one request decoding N tokens alone (the single-stream rate
 against its roofline).
 
+``--response-format json`` gives a share of the requests (``--constrained-fraction``, all by
+default) a JSON-schema ``response_format`` (one string field, so the grammar stays in its
+costliest state, inside a string, until ``max_new_tokens``) and the tokenizer of
+``--tokenizer`` (a tokenizer folder or a GGUF; default the default model's GGUF, only its
+vocabulary is read): the cost of structured output against the same run without it (while a
+constrained request decodes, the engine runs one token per host round trip and the host
+computes its token masks). Constrained requests may end early, when the random model closes
+the JSON; the tokens counted are the ones returned.
+
 Usage:
     python scripts/bench_engine.py --preset 8b
     python scripts/bench_engine.py --preset 1b
     python scripts/bench_engine.py --preset 8b --rate 0,20 --batch1-tokens 512 --json auto
     JAX_PLATFORMS=cpu python scripts/bench_engine.py --preset tiny --requests 32 --rate 0,50 \
         --batch1-tokens 16 --json /tmp/x.json                           # CPU smoke run
+    python scripts/bench_engine.py --preset 1b --requests 256 --response-format json \
+        --tokenizer bench/tokenizer_smollm2 --json auto      # structured output's cost
 
 Several comma-separated rates run in one process on the same prompts and output lengths
 (only arrivals differ), each on a fresh ``Engine`` so no run hits the previous run's prefix
@@ -44,11 +55,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
+from checkpoints.default_model import fetch_default_gguf
+from checkpoints.gguf import read_gguf_metadata
 from jaxinfer import roofline
 from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
+from jaxinfer.loading import cache_dir
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
 from jaxinfer.quantize import QUANTIZATIONS, is_quantized, quantize_params
+from jaxinfer.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,6 +101,12 @@ MEASURED_CEILINGS: dict[str, tuple[float, float]] = {
     "h200": (790e12, 4.3e12),
 }
 
+# --response-format json: a JSON object with one string field, whose content is open until
+# the model closes it (the mask computation's costliest grammar state).
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+    "additionalProperties": False}}}
+
 
 @dataclasses.dataclass
 class Workload:
@@ -94,11 +115,14 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     arrivals_s: list[float]  # seconds after the start; all 0 offline
+    constrained: frozenset[int] = frozenset()  # requests given JSON_FORMAT
 
 
 def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, int],
-                  output_range: tuple[int, int], rate: float, seed: int) -> Workload:
-    """Log-uniform lengths (many short, some long, like chat traffic), Poisson arrivals.
+                  output_range: tuple[int, int], rate: float, seed: int,
+                  constrained_fraction: float = 0.0) -> Workload:
+    """Log-uniform lengths (many short, some long, like chat traffic), Poisson arrivals, and
+    ``round(constrained_fraction * n)`` requests picked to get ``JSON_FORMAT``.
 
     The lengths are drawn before the arrivals, so every rate gets the same prompts and
     output lengths from the same seed.
@@ -113,7 +137,8 @@ def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, in
     prompts = [rng.choice(vocab, size=p).tolist() for p in lengths(*prompt_range)]
     output_lens = lengths(*output_range)
     arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist() if rate > 0 else [0.0] * n
-    return Workload(prompts, output_lens, arrivals)
+    picked = np.random.default_rng(seed + 1).permutation(n)[: round(constrained_fraction * n)]
+    return Workload(prompts, output_lens, arrivals, frozenset(picked.tolist()))
 
 
 def ceilings(device_kind: str, matmul_tflops: float | None, read_tbps: float | None
@@ -191,6 +216,15 @@ def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: st
                           name=preset, backend=backend, deterministic=deterministic)
 
 
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """A tokenizer folder, or a GGUF's vocabulary (default: the default model's GGUF)."""
+    if path is None:
+        path = str(fetch_default_gguf(cache_dir() / "downloads"))
+    if path.endswith(".gguf"):
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    return Tokenizer.from_pretrained_dir(path)
+
+
 def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Engine:
     """``jaxinfer.Engine(model)`` with only the sizing flags that were given."""
     gc.collect()  # free the previous run's page pool before this one sizes itself on free memory
@@ -227,7 +261,9 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
     while nxt < len(w.prompts) or engine.has_unfinished():
         now = time.perf_counter() - t0
         while nxt < len(w.prompts) and w.arrivals_s[nxt] <= now:
-            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt]))
+            ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt],
+                                     response_format=(JSON_FORMAT if nxt in w.constrained
+                                                      else None)))
             late_s.append(time.perf_counter() - t0 - w.arrivals_s[nxt])
             nxt += 1
         if engine.has_unfinished():
@@ -241,7 +277,7 @@ def run_workload(engine: jaxinfer.Engine, w: Workload) -> dict[str, Any]:
     computed, padded = (s.computed_tokens - before.computed_tokens,
                         s.padded_tokens - before.padded_tokens)
     return dict(
-        elapsed_s=elapsed_s, output_tokens=output_tokens,
+        elapsed_s=elapsed_s, output_tokens=output_tokens, constrained_requests=len(w.constrained),
         planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=output_tokens / elapsed_s, req_per_s=len(ids) / elapsed_s,
         ttft_ms=_percentiles_ms([m.time_to_first_token + late
@@ -314,6 +350,8 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
     if run["output_tokens"] != run["planned_output_tokens"]:
         print(f"  note: {run['planned_output_tokens'] - run['output_tokens']} planned tokens not "
               "generated (eos sampled); the floor counts the planned ones")
+    if run["constrained_requests"]:
+        print(f"  {run['constrained_requests']} requests constrained to JSON (response_format)")
     print(f"  TTFT ms {_fmt_ms(run['ttft_ms'])}   TPOT ms {_fmt_ms(run['tpot_ms'])}")
     print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
           f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in decode calls, the rest "
@@ -370,6 +408,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="prompt tokens of the batch-1 request")
     ap.add_argument("--compile-cache", default=None,
                     help="JAX persistent compilation cache folder (reused across processes)")
+    ap.add_argument("--response-format", choices=("none", "json"), default="none",
+                    help="json: constrain requests to JSON_FORMAT (structured output's cost)")
+    ap.add_argument("--constrained-fraction", type=float, default=1.0,
+                    help="share of the requests constrained with --response-format json")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --response-format json: a tokenizer folder or GGUF (default: "
+                         "the default model's GGUF)")
     ap.add_argument("--json", default=None,
                     help="write the record here after each run; 'auto' = bench/results/"
                          "<device>/engine_<preset>_<date>.json")
@@ -398,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                                   *argv])])
     model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
                         args.deterministic, args.quantize)
+    fraction = args.constrained_fraction if args.response_format == "json" else 0.0
+    if fraction:
+        model = dataclasses.replace(model, tokenizer=load_tokenizer(args.tokenizer))
     record: dict[str, Any] = dict(
         date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
         command=command, preset=args.preset, layout=model.layout, dtype="bfloat16",
@@ -416,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"({ceiling_note})", flush=True)
     for rate in (float(x) for x in args.rate.split(",")):
         w = make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
-                          (args.output_min, args.output_max), rate, args.seed)
+                          (args.output_min, args.output_max), rate, args.seed, fraction)
         engine = make_engine(model, args)
         if record["floor"] is None:  # the same prompts and lengths, slots and rates every run
             record["floor"] = workload_floor(cfg, w, engine.max_batch, flops, bandwidth,

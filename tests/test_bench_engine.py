@@ -91,3 +91,19 @@ def test_a_failed_request_stops_the_benchmark_with_its_error(bench, monkeypatch)
     engine = engine_module.Engine(model, num_pages=16, page_size=4, verbose=False)
     with pytest.raises(RuntimeError, match="benchmark request failed: .*ZeroDivisionError"):
         bench.run_batch1(engine, model.config, 4, 3, 3e12, 4)
+
+
+def test_tiny_structured_output_run(bench, tmp_path):
+    """--response-format json: half the requests constrained, with a tokenizer folder."""
+    from tests.conftest import byte_tokenizer
+
+    byte_tokenizer(printable_only=True).save(tmp_path / "tok")
+    record = bench.main(["--preset", "tiny", "--requests", "6", "--max-batch", "4",
+                         "--token-budget", "16", "--output-max", "12", "--response-format",
+                         "json", "--constrained-fraction", "0.5", "--tokenizer",
+                         str(tmp_path / "tok")])
+    (run,) = record["runs"]
+    assert run["constrained_requests"] == 3 and 0 < run["output_tokens"]
+    w = bench.make_workload(bench.PRESETS["tiny"], 6, (4, 64), (4, 12), 0.0, 0, 0.5)
+    assert len(w.constrained) == 3 and w.prompts == bench.make_workload(
+        bench.PRESETS["tiny"], 6, (4, 64), (4, 12), 0.0, 0).prompts

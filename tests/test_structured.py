@@ -14,31 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as FastTokenizer
 
 import jaxinfer
-from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
 from jaxinfer.params import init_params
 from jaxinfer.requests import make_requests
 from jaxinfer.sampling import SamplingParams, apply_token_mask
 from jaxinfer.structured import TokenMatcher, compile_format, fill_masks, mask_words
-from jaxinfer.tokenizer import Tokenizer
+from tests.conftest import byte_tokenizer
 
-EOS = 256
+EOS = 256  # byte_tokenizer's
 REGEX = r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"
 YES_NO = 'root ::= ("yes" | "no") "!"'  # GBNF
-
-
-def byte_tokenizer() -> Tokenizer:
-    """One token per byte (byte-level symbols, no merges), ``<eos>`` = 256, ``<s>`` = 257."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    fast = FastTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    fast.decoder = decoders.ByteLevel()
-    fast.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<s>", special=True)])
-    return Tokenizer(fast, bos_id=EOS + 1, eos_ids=[EOS])
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +37,6 @@ def model() -> jaxinfer.Model:
     params = init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
     return jaxinfer.Model(config=cfg, params=params, tokenizer=byte_tokenizer(),
                           dtype=jnp.float32, backend="reference", max_batch=8)
-
-
-def _engine(model: jaxinfer.Model) -> Engine:
-    return Engine(model, num_pages=96, page_size=4, max_tokens_per_step=32, max_seq_len=64,
-                  verbose=False)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -122,14 +104,16 @@ def test_regex_and_grammar_outputs_match_in_full(model):
     formats = [{"type": "regex", "pattern": REGEX}, {"type": "grammar", "grammar": YES_NO},
                {"type": "grammar", "grammar": 'start: ("yes" | "no") "!"'}]  # Lark
     params = [SamplingParams(max_new_tokens=40, response_format=f, seed=s, temperature=t)
-              for f in formats for s, t in ((0, 0.0), (1, 1.0), (2, 1.5))]
+              for f in formats for s, t in ((0, 0.0), (1, 1.0))]
+    params.append(SamplingParams(max_new_tokens=40, response_format=formats[0], seed=2,
+                                 temperature=1.5))
     outs = jaxinfer.generate(model, ["mail:"] * len(params), sampling=params)
     for p, out in zip(params, outs, strict=True):
         pattern = REGEX if p.response_format.type == "regex" else "(yes|no)!"
         assert out.finish_reason == "stop", out
         assert re.fullmatch(pattern, out.text), out.text
         assert EOS not in out.token_ids
-    assert len({o.text for o in outs[:3]}) > 1  # sampling picks different addresses
+    assert len({o.text for o in outs[:2] + outs[-1:]}) > 1  # sampling picks other addresses
 
 
 def test_eos_ends_a_grammar_only_where_it_may_end(model):
@@ -149,25 +133,20 @@ def test_eos_ends_a_grammar_only_where_it_may_end(model):
 def test_unconstrained_requests_are_unaffected_by_constrained_ones(model):
     rng = np.random.default_rng(0)
     plain = [(rng.integers(3, 250, size=int(rng.integers(2, 12))).tolist(),
-              SamplingParams(max_new_tokens=int(rng.integers(8, 20)), seed=i,
-                             temperature=[0.0, 1.0][i % 2], logprobs=True))
-             for i in range(5)]
+              SamplingParams(max_new_tokens=int(rng.integers(8, 20)), seed=i, temperature=1.0,
+                             logprobs=True, top_p=[1.0, 0.9][i % 2]))
+             for i in range(4)]
     constrained = [("mail:", SamplingParams(max_new_tokens=40, seed=9, temperature=1.0,
                                             response_format={"type": "regex", "pattern": REGEX})),
-                   ("q:", SamplingParams(max_new_tokens=40,
+                   ("q:", SamplingParams(max_new_tokens=40, seed=3, temperature=0.5,
                                          response_format={"type": "grammar", "grammar": YES_NO}))]
-    engine = _engine(model)
-    alone = []
-    for p, sp in plain + constrained:
-        rid = engine.submit(p, sampling=sp)
-        engine.run_until_done()
-        alone.append(engine.result(rid))
-    assert engine.stats().decode_calls > 0  # unconstrained requests decode several per call
-    engine = _engine(model)
+    engine = jaxinfer.replicas.engine_for(model)
+    calls = engine.stats().decode_calls
+    alone = [jaxinfer.generate(model, p, sampling=sp)[0] for p, sp in plain + constrained]
+    assert engine.stats().decode_calls > calls  # unconstrained requests decode several per call
     mixed = plain[:2] + constrained[:1] + plain[2:] + constrained[1:]
-    ids = [engine.submit(p, sampling=sp) for p, sp in mixed]
-    engine.run_until_done()
-    together = {sp: engine.result(i) for (_, sp), i in zip(mixed, ids, strict=True)}
+    outs = jaxinfer.generate(model, [p for p, _ in mixed], sampling=[sp for _, sp in mixed])
+    together = {sp: out for (_, sp), out in zip(mixed, outs, strict=True)}
     for (_, sp), want in zip(plain + constrained, alone, strict=True):
         got = together[sp]
         assert got.token_ids == want.token_ids
