@@ -576,14 +576,15 @@ class Engine(StepLoop):
             cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
             num_programs=len(self._programs))
 
-    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
-               ) -> float:
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
+               constrained: bool = False) -> float:
         """Compile (or load from JAX's compilation cache) every step shape now; return the
         seconds it took.
 
         ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
-        sample with a temperature above 0. Runs them on all-padding inputs, which write no
+        sample with a temperature above 0; ``constrained``: also the mixed steps that apply
+        token masks (``response_format``). Runs them on all-padding inputs, which write no
         page and sample for no slot, so the engine's state is unchanged. Benchmarks and
         ``batch_eval`` call this before timing.
         """
@@ -591,15 +592,22 @@ class Engine(StepLoop):
             raise InputError("warmup() runs on an idle engine; call it before submitting")
         t0 = time.perf_counter()
         samplers = (False, True) if sampled else (False,)
-        mixed = [(sc, st) for sc in (False,) * generate + (True,) * score for st in samplers]
+        mixed = [(sc, st, False) for sc in (False,) * generate + (True,) * score
+                 for st in samplers]
+        mixed += [(False, st, True) for st in samplers if generate and constrained]
         decode = samplers if generate else ()
         n = len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
+        everything = np.full((self.max_batch, mask_words(self.model.config.vocab_size)), -1,
+                             np.int32)  # a mask that allows every token
         for t in self.token_buckets:
-            for sc, st in mixed:
-                to_host(self._dispatch_mixed(self._mixed_inputs([], t, sc), t, sc, st))
+            for sc, st, masked in mixed:
+                inp = self._mixed_inputs([], t, sc)
+                if masked:
+                    inp = inp.replace(token_mask=everything)
+                to_host(self._dispatch_mixed(inp, t, sc, st))
         for b in self.row_buckets:
             for st in decode:
                 to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))

@@ -195,8 +195,8 @@ class DataParallelEngine(StepLoop):
             i, _ = self._where.pop(request_id)
             del self._ids[i][local]
 
-    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False
-               ) -> float:
+    def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
+               constrained: bool = False) -> float:
         """Compile or load every replica's step programs; return the seconds it took.
 
         Replicas warm up in parallel threads: each replica's programs are compiled for its
@@ -204,7 +204,8 @@ class DataParallelEngine(StepLoop):
         """
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda e: e.warmup(generate, score, sampled), self.replicas))
+            list(pool.map(lambda e: e.warmup(generate, score, sampled, constrained),
+                          self.replicas))
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:

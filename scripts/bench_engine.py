@@ -235,10 +235,11 @@ def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Eng
     return jaxinfer.Engine(model, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def warmup(engine: jaxinfer.Engine) -> float:
-    """Compile every step shape (``engine.warmup``); return the seconds it took."""
+def warmup(engine: jaxinfer.Engine, constrained: bool = False) -> float:
+    """Compile every step shape (``engine.warmup``), with the token-masking mixed steps when
+    ``constrained``; return the seconds it took."""
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(constrained=constrained)
     return time.perf_counter() - t0
 
 
@@ -475,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"decode {f['decode_tokens']} tokens in ~{f['decode_steps']:.0f} steps of "
                   f"{f['batch_eff']}: {(f['decode_weight_bytes'] + f['decode_kv_bytes']) / 1e9:.1f}"
                   f" GB = {f['decode_s']:.4g} s)", flush=True)
-        warmup_s = warmup(engine)
+        warmup_s = warmup(engine, constrained=bool(w.constrained))
         print(f"\n-- rate {rate or 'offline'}: {engine.max_batch} slots, {engine.max_tokens} "
               f"tokens per step", flush=True)
         run = dict(rate=rate, warmup_s=warmup_s, **run_workload(engine, w))

@@ -104,6 +104,7 @@ def test_tiny_structured_output_run(bench, tmp_path):
                          str(tmp_path / "tok")])
     (run,) = record["runs"]
     assert run["constrained_requests"] == 3 and 0 < run["output_tokens"]
+    assert run["programs_compiled_in_run"] == 0  # warmup(constrained=True) compiled them
     w = bench.make_workload(bench.PRESETS["tiny"], 6, (4, 64), (4, 12), 0.0, 0, 0.5)
     assert len(w.constrained) == 3 and w.prompts == bench.make_workload(
         bench.PRESETS["tiny"], 6, (4, 64), (4, 12), 0.0, 0).prompts
