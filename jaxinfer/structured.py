@@ -87,8 +87,8 @@ class ResponseFormat:
             if not isinstance(schema, dict):
                 raise InputError("response_format json_schema must be {'schema': {...}, ...} with "
                                  "the JSON schema as a dict")
-            try:
-                text = json.dumps(schema, sort_keys=True, allow_nan=False)
+            try:  # key order kept: properties come out in the schema's order
+                text = json.dumps(schema, allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise InputError(f"response_format json_schema is not JSON ({e})") from None
             return cls("json_schema", text)
