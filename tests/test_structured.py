@@ -100,22 +100,6 @@ def test_masks_allow_exactly_the_grammar_and_eos_where_it_may_end(model):
         matcher.consume(a)
 
 
-def test_regex_and_grammar_outputs_match_in_full(model):
-    formats = [{"type": "regex", "pattern": REGEX}, {"type": "grammar", "grammar": YES_NO},
-               {"type": "grammar", "grammar": 'start: ("yes" | "no") "!"'}]  # Lark
-    params = [SamplingParams(max_new_tokens=40, response_format=f, seed=s, temperature=t)
-              for f in formats for s, t in ((0, 0.0), (1, 1.0))]
-    params.append(SamplingParams(max_new_tokens=40, response_format=formats[0], seed=2,
-                                 temperature=1.5))
-    outs = jaxinfer.generate(model, ["mail:"] * len(params), sampling=params)
-    for p, out in zip(params, outs, strict=True):
-        pattern = REGEX if p.response_format.type == "regex" else "(yes|no)!"
-        assert out.finish_reason == "stop", out
-        assert re.fullmatch(pattern, out.text), out.text
-        assert EOS not in out.token_ids
-    assert len({o.text for o in outs[:2] + outs[-1:]}) > 1  # sampling picks other addresses
-
-
 def test_eos_ends_a_grammar_only_where_it_may_end(model):
     # "ab+" may end after any b: EOS is allowed there only, and a sampled EOS ends the
     # output (not part of it) with reason "stop"; max_new_tokens cuts it with "length".
@@ -130,26 +114,36 @@ def test_eos_ends_a_grammar_only_where_it_may_end(model):
     assert any(o.finish_reason == "stop" for o in outs)
 
 
-def test_unconstrained_requests_are_unaffected_by_constrained_ones(model):
+def test_outputs_match_their_format_and_leave_other_requests_unchanged(model):
+    """Regex, GBNF and Lark outputs match in full and end with "stop" (no EOS in them); in
+    one batch with unconstrained requests, every request gets the tokens it gets alone."""
     rng = np.random.default_rng(0)
     plain = [(rng.integers(3, 250, size=int(rng.integers(2, 12))).tolist(),
               SamplingParams(max_new_tokens=int(rng.integers(8, 20)), seed=i, temperature=1.0,
                              logprobs=True, top_p=[1.0, 0.9][i % 2]))
-             for i in range(4)]
-    constrained = [("mail:", SamplingParams(max_new_tokens=40, seed=9, temperature=1.0,
-                                            response_format={"type": "regex", "pattern": REGEX})),
-                   ("q:", SamplingParams(max_new_tokens=40, seed=3, temperature=0.5,
-                                         response_format={"type": "grammar", "grammar": YES_NO}))]
+             for i in range(3)]
+    regex = {"type": "regex", "pattern": REGEX}
+    gbnf = {"type": "grammar", "grammar": YES_NO}
+    lark = {"type": "grammar", "grammar": 'start: ("yes" | "no") "!"'}
+    constrained = [("mail:", SamplingParams(max_new_tokens=40, response_format=f, seed=s,
+                                            temperature=t))
+                   for f, s, t in ((regex, 0, 0.0), (regex, 1, 1.0), (regex, 2, 1.5),
+                                   (gbnf, 3, 1.0), (lark, 4, 0.0))]
     engine = jaxinfer.replicas.engine_for(model)
     calls = engine.stats().decode_calls
     alone = [jaxinfer.generate(model, p, sampling=sp)[0] for p, sp in plain + constrained]
     assert engine.stats().decode_calls > calls  # unconstrained requests decode several per call
-    mixed = plain[:2] + constrained[:1] + plain[2:] + constrained[1:]
+    for (_, sp), out in zip(constrained, alone[len(plain):], strict=True):
+        pattern = REGEX if sp.response_format.type == "regex" else "(yes|no)!"
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out
+        assert EOS not in out.token_ids
+    assert len({o.text for o in alone[len(plain): len(plain) + 3]}) > 1  # sampled addresses
+    mixed = plain[:2] + constrained[:2] + plain[2:] + constrained[2:]
     outs = jaxinfer.generate(model, [p for p, _ in mixed], sampling=[sp for _, sp in mixed])
     together = {sp: out for (_, sp), out in zip(mixed, outs, strict=True)}
     for (_, sp), want in zip(plain + constrained, alone, strict=True):
         got = together[sp]
-        assert got.token_ids == want.token_ids
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
         if sp.logprobs:
             np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
     engine.blocks.check_all_free()
