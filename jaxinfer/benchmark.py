@@ -282,7 +282,7 @@ class DecodeCase:
     """One ``runner.decode_steps`` workload: B rows at ``context`` keys each, in a pool."""
 
     pool: PagePool
-    seen: jax.Array  # [B, vocab] bool (the engine's repetition-penalty table)
+    counts: jax.Array  # [B, vocab] int32 (the engine's token-count table for the penalties)
     inputs: DecodeInputs
     max_steps: int
     page_size: int
@@ -314,8 +314,8 @@ def decode_case(config: LlamaConfig, params: Params, backend: str, batch: int, c
         num_steps=jnp.int32(steps),
         sampling=greedy_sampling(batch),
     )
-    seen = jnp.zeros((batch, config.vocab_size), bool)
-    return DecodeCase(pool, seen, inputs, steps, page_size)
+    counts = jnp.asarray(runner.new_counts(batch, config.vocab_size))
+    return DecodeCase(pool, counts, inputs, steps, page_size)
 
 
 def _greedy_loop(max_steps: int) -> dict[str, Any]:
@@ -329,13 +329,13 @@ def run_decode(params: Params, config: LlamaConfig, backend: str, case: DecodeCa
     """One ``runner.decode_steps`` call on ``case``; returns its tokens ``[steps, B]`` (ready).
 
     Every call starts from the same positions: the K/V the previous call wrote past
-    ``context`` are overwritten, so each call does identical work. The pool and ``seen``
+    ``context`` are overwritten, so each call does identical work. The pool and ``counts``
     are donated, so ``case`` takes the returned ones.
     """
-    case.pool, case.seen, tokens, _ = runner.decode_steps(
-        params, case.pool, case.seen, case.inputs, config=config, backend=backend,
+    case.pool, case.counts, out = runner.decode_steps(
+        params, case.pool, case.counts, case.inputs, config=config, backend=backend,
         dtype=dtype, **_greedy_loop(case.max_steps))
-    return jax.block_until_ready(tokens)
+    return jax.block_until_ready(out["tokens"])
 
 
 def prefill_inputs(prompts: Sequence[np.ndarray], tables: np.ndarray, page_size: int
@@ -370,7 +370,7 @@ def bench_decode(params: Params, config: LlamaConfig, impl: Impl, batch: int, co
     if census:
         t0 = time.perf_counter()
         compiled = runner.decode_steps.lower(
-            params, case.pool, case.seen, case.inputs, config=config, backend=impl.backend,
+            params, case.pool, case.counts, case.inputs, config=config, backend=impl.backend,
             dtype=jnp.bfloat16, **_greedy_loop(steps_per_call)).compile()
         compile_s = time.perf_counter() - t0
         row["hlo"] = hlo_census(compiled.as_text())
@@ -416,15 +416,15 @@ def bench_prefill(params: Params, config: LlamaConfig, impl: Impl, prompt_len: i
     inputs = prefill_inputs(prompts, tables, page_size)
     holder = {"pool": random_pool(config, num_pages, page_size, key=kp,
                                   stacked=pool_is_stacked(params, impl.backend)),
-              "seen": jnp.zeros((batch, config.vocab_size), bool)}
+              "counts": jnp.asarray(runner.new_counts(batch, config.vocab_size))}
 
     def call() -> None:
-        pool, seen, out = runner.mixed_step(
-            params, holder["pool"], holder["seen"], inputs, config=config,
+        pool, counts, out = runner.mixed_step(
+            params, holder["pool"], holder["counts"], inputs, config=config,
             backend=impl.backend, dtype=jnp.bfloat16, max_q_len=prompt_len, score=False,
             stochastic=False)
         jax.block_until_ready(out["tokens"])
-        holder["pool"], holder["seen"] = pool, seen
+        holder["pool"], holder["counts"] = pool, counts
 
     t0 = time.perf_counter()
     call()

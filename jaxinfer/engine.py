@@ -14,6 +14,9 @@ the one place stop rules live):
    in about ``decode_call_seconds`` of device time, at most ``decode_steps``)
    in one device loop. Pages for those tokens are reserved first; stop tokens, token limits
    and the reserved pages are checked on the device, so the host syncs once per call.
+   While a request with a ``response_format`` decodes, every step is a mixed step instead:
+   its next token's mask depends on the token before, so the host computes the masks
+   (``structured.fill_masks``) and the device applies them, one token per round trip.
 3. **Verify step** instead of a decode call when running requests ask for speculative
    decoding (``SamplingParams.speculative``) and it pays: each proposes up to ``k`` tokens
    (``speculative.propose_ngram``), one forward pass checks them all, and each row emits the
@@ -69,14 +72,16 @@ from jaxinfer.runner import (
     MixedInputs,
     bucket,
     decode_steps,
-    load_seen,
+    load_counts,
     mixed_step,
+    new_counts,
     row_buckets,
     token_buckets,
     verify_step,
 )
-from jaxinfer.sampling import SamplingArrays, SamplingParams, prng_key_data
+from jaxinfer.sampling import MAX_TOP_LOGPROBS, SamplingArrays, SamplingParams, prng_key_data
 from jaxinfer.speculative import Speculative, propose_ngram
+from jaxinfer.structured import TokenMatcher, fill_masks, mask_words
 from sharding.mesh import mesh_sizes, spans_processes
 from sharding.placement import on_mesh, to_host
 from sharding.rules import engine_pool_sharding
@@ -101,16 +106,17 @@ def step_workspace_bytes(config: Any, slots: int, max_tokens: int,
     """Device bytes the steps need besides weights and pool: kept free when sizing the pool.
 
     Activations of the largest mixed step (float32 upper bound on its widest tensors), the
-    sampling rows ``[slots, vocab]`` (logits, log-softmax, penalised and filtered copies),
-    one scoring chunk of logits, and 1 GiB for XLA/cuBLAS workspaces and autotuning. A
-    quantized ``kv_cache_dtype`` adds the float32 copies of the step's K and V that are
-    quantized before the write (the kernels dequantize in registers: no pool-sized buffer).
+    sampling rows ``[slots, vocab]`` (logits, log-softmax, penalised and filtered copies,
+    and the int32 token-count table), one scoring chunk of logits, and 1 GiB for XLA/cuBLAS
+    workspaces and autotuning. A quantized ``kv_cache_dtype`` adds the float32 copies of the
+    step's K and V that are quantized before the write (the kernels dequantize in registers:
+    no pool-sized buffer).
     """
     c = config
     width = 3 * c.hidden_size + 2 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) \
         * c.head_dim
     activations = 2 * max_tokens * width * 4
-    sampling = 4 * slots * c.vocab_size * 4
+    sampling = 5 * slots * c.vocab_size * 4
     scoring = 2 * min(512, max_tokens) * c.vocab_size * 4
     kv_quant = 0 if kv_cache_dtype is None else 2 * max_tokens * c.num_kv_heads * c.head_dim * 4
     return activations + sampling + scoring + kv_quant + 2**30
@@ -435,6 +441,8 @@ class Engine(StepLoop):
         self._top_p = np.ones(slots, np.float32)
         self._min_p = np.zeros(slots, np.float32)
         self._rep_penalty = np.ones(slots, np.float32)
+        self._presence = np.zeros(slots, np.float32)
+        self._frequency = np.zeros(slots, np.float32)
         self._keys = np.zeros((slots, 2), np.uint32)
         self._stop_width = 4
         # Host mirror of each slot's block table, extended as pages are reserved, so step
@@ -479,6 +487,9 @@ class Engine(StepLoop):
         if req.is_score:
             seq.score_lp = np.zeros(req.num_scored, np.float32)
             seq.score_greedy = np.zeros(req.num_scored, bool)
+        if req.grammar is not None:
+            seq.progress.matcher = TokenMatcher(req.grammar, self.model.tokenizer,
+                                                self.model.config.vocab_size)
         self._seqs[rid] = seq
         self._waiting.append(seq)
         self._unordered = True
@@ -494,7 +505,7 @@ class Engine(StepLoop):
         t0 = time.perf_counter()
         self._order_waiting()
         try:
-            if self._prompt_work_pending():
+            if self._prompt_work_pending() or self._constrained():
                 call = self._launch_mixed()
             else:
                 call = self._launch_decode_step(max_decode_steps)
@@ -613,13 +624,15 @@ class Engine(StepLoop):
             accepted_tokens=self._accepted_tokens)
 
     def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
-               speculative: Speculative | None = None) -> float:
+               constrained: bool = False, speculative: Speculative | None = None
+               ) -> float:
         """Compile (or load from JAX's compilation cache) every step shape now; return the
         seconds it took.
 
         ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
-        sample with a temperature above 0; ``speculative``: the verify step of each row
+        sample with a temperature above 0; ``constrained``: also the mixed steps that apply
+        token masks (``response_format``); ``speculative``: the verify step of each row
         bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens``. Runs them on all-padding
         inputs, which write no page and sample for no slot, so the engine's state is
         unchanged. Benchmarks and ``batch_eval`` call this before timing.
@@ -628,7 +641,9 @@ class Engine(StepLoop):
             raise InputError("warmup() runs on an idle engine; call it before submitting")
         t0 = time.perf_counter()
         samplers = (False, True) if sampled else (False,)
-        mixed = [(sc, st) for sc in (False,) * generate + (True,) * score for st in samplers]
+        mixed = [(sc, st, False) for sc in (False,) * generate + (True,) * score
+                 for st in samplers]
+        mixed += [(False, st, True) for st in samplers if generate and constrained]
         decode = samplers if generate else ()
         verify = [b for b in self.row_buckets if b <= VERIFY_MAX_ROWS] if speculative else []
         n = (len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
@@ -636,9 +651,14 @@ class Engine(StepLoop):
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
+        everything = np.full((self.max_batch, mask_words(self.model.config.vocab_size)), -1,
+                             np.int32)  # a mask that allows every token
         for t in self.token_buckets:
-            for sc, st in mixed:
-                to_host(self._dispatch_mixed(self._mixed_inputs([], t, sc), t, sc, st))
+            for sc, st, masked in mixed:
+                inp = self._mixed_inputs([], t, sc)
+                if masked:
+                    inp = inp.replace(token_mask=everything)
+                to_host(self._dispatch_mixed(inp, t, sc, st))
         for b in self.row_buckets:
             for st in decode:
                 to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
@@ -679,6 +699,12 @@ class Engine(StepLoop):
         # A chunked prompt can start with one page; a whole prompt needs all of its pages.
         pages = 1 if self._chunks(s) else math.ceil(first / self.page_size)
         return pages + len(self._running) <= self.blocks.num_free  # + a page per decode
+
+    def _constrained(self) -> bool:
+        """Whether a running request has a ``response_format``: its mask for each token
+        depends on the token before, so the engine runs mixed steps (one token per sequence
+        and host round trip) instead of multi-token decode calls while it runs."""
+        return any(s.progress.matcher is not None for s in self._running)
 
     def _fit(self, s: _Seq, start: int, n: int, free: int, hits: Sequence[int]) -> int:
         """Largest count ``<= n`` of tokens from position ``start`` whose pages fit in ``free``.
@@ -793,7 +819,7 @@ class Engine(StepLoop):
         self._waiting.extendleft(reversed(deferred))
 
     def _new_device_state(self) -> None:
-        """An empty page pool (and its block manager) and an empty ``seen`` table."""
+        """An empty page pool (and its block manager) and an empty token-count table."""
         cfg, dtype = self.model.config, self.model.dtype
         num_pages = self.num_pages
         self.blocks = BlockManager(num_pages, self.page_size, self.prefix_caching)
@@ -802,7 +828,7 @@ class Engine(StepLoop):
                     else engine_pool_sharding(self.mesh, cfg, stacked))
         self.pool = PagePool.create(cfg, num_pages, self.page_size, dtype, sharding=sharding,
                                     stacked=stacked, kv_cache_dtype=self.model.kv_cache_dtype)
-        self._seen = self._put(np.zeros((self.max_batch, cfg.vocab_size), bool))
+        self._counts = self._put(new_counts(self.max_batch, cfg.vocab_size))
 
     def _out_of_memory(self, e: Exception) -> list[Event]:
         """The device ran out of memory in the step just launched: its requests end with an
@@ -818,7 +844,7 @@ class Engine(StepLoop):
             self._fail(s, why)
         print(f"jaxinfer: {why}; requests {[s.rid for s in failed]} ended with this error",
               file=sys.stderr, flush=True)
-        if any(x.is_deleted() for x in jax.tree.leaves((self.pool, self._seen))):
+        if any(x.is_deleted() for x in jax.tree.leaves((self.pool, self._counts))):
             for s in list(reversed(self._running)):
                 self._preempt(s)
             self._new_device_state()
@@ -832,6 +858,7 @@ class Engine(StepLoop):
         sp, b = s.req.sampling, s.slot
         self._temperature[b], self._top_k[b], self._top_p[b] = sp.temperature, sp.top_k, sp.top_p
         self._min_p[b], self._rep_penalty[b] = sp.min_p, sp.repetition_penalty
+        self._presence[b], self._frequency[b] = sp.presence_penalty, sp.frequency_penalty
         self._keys[b] = s.key
         stops = s.req.stop_ids
         if len(stops) > self._stop_width:  # rare: widen (one more decode program per bucket)
@@ -841,12 +868,17 @@ class Engine(StepLoop):
             self._stop_ids = wider
         self._stop_ids[b] = -1
         self._stop_ids[b, : len(stops)] = stops
-        if sp.repetition_penalty != 1.0:  # rows of other slots are never read by the penalty
-            ids = np.full(self.pages_per_seq * self.page_size, self.model.config.vocab_size,
-                          np.int32)
-            ids[: len(s.tokens)] = s.tokens
+        if sp.penalized:  # rows of other slots are never read by the penalties
+            # Prompt and generated ids (a preempted request has both), padded to one shape.
+            n_prompt = len(s.req.prompt_ids)
+            prompt, generated = (np.full(self.pages_per_seq * self.page_size,
+                                         self.model.config.vocab_size, np.int32)
+                                 for _ in range(2))
+            prompt[:n_prompt] = s.tokens[:n_prompt]
+            generated[: len(s.tokens) - n_prompt] = s.tokens[n_prompt:]
             with on_mesh(self.mesh):
-                self._seen = load_seen(self._seen, *self._put((np.int32(b), ids)))
+                self._counts = load_counts(self._counts,
+                                           *self._put((np.int32(b), prompt, generated)))
 
     def _preempt(self, s: _Seq) -> None:
         """Release ``s``'s pages and slot; it recomputes its tokens when readmitted."""
@@ -905,11 +937,14 @@ class Engine(StepLoop):
         return SamplingArrays(
             temperature=self._temperature[:rows], top_k=self._top_k[:rows],
             top_p=self._top_p[:rows], min_p=self._min_p[:rows],
-            repetition_penalty=self._rep_penalty[:rows], keys=self._keys[:rows])
+            repetition_penalty=self._rep_penalty[:rows], presence_penalty=self._presence[:rows],
+            frequency_penalty=self._frequency[:rows], keys=self._keys[:rows])
 
     def _mixed_inputs(self, plan: list[tuple[_Seq, int]], t: int, score: bool) -> MixedInputs:
         """Packed inputs in slot order; one-token entries (decodes) are filled with array
-        indexing, only prompt chunks loop over their sequences."""
+        indexing, only prompt chunks loop over their sequences. Sequences with a
+        ``response_format`` that sample get their next token's mask (``token_mask`` None
+        when there are none)."""
         s_rows, n_pages, ps = self.max_batch, self.blocks.num_pages, self.page_size
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -957,23 +992,34 @@ class Engine(StepLoop):
                     targets[sl] = np.where(pos >= q.first_output, seq_tokens[1: n + 1], -1)
         else:
             cu = np.zeros(s_rows + 1, np.int32)
+        constrained = [(q.progress.matcher, q.slot) for q, _ in plan
+                       if q.progress.matcher is not None and samples[q.slot]]
+        token_mask = None
+        if constrained:
+            token_mask = np.full((s_rows, mask_words(self.model.config.vocab_size)), -1,
+                                 np.int32)
+            fill_masks(constrained, token_mask)
         return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
             write_offsets=write_offsets, targets=targets, block_tables=self._tables,
             kv_lens=kv_lens, cu_q_lens=cu, last_index=last, gen_index=gen, samples=samples,
-            sampling=self._sampling(s_rows))
+            sampling=self._sampling(s_rows), token_mask=token_mask)
 
-    def _dispatch_mixed(self, inp: MixedInputs, t: int, score: bool, stochastic: bool
-                        ) -> dict[str, jax.Array]:
-        """Launch one mixed step program (asynchronously); the pool and ``seen`` advance."""
-        self._announce(("mixed", t, score, stochastic), f"mixed step for {t} tokens"
-                       + (" with scoring" if score else "") + (", sampled" if stochastic else ""))
+    def _dispatch_mixed(self, inp: MixedInputs, t: int, score: bool, stochastic: bool,
+                        num_top: int = 0) -> dict[str, jax.Array]:
+        """Launch one mixed step program (asynchronously); the pool and ``counts`` advance."""
+        constrained = inp.token_mask is not None
+        self._announce(("mixed", t, score, stochastic, num_top, constrained),
+                       f"mixed step for {t} tokens" + (" with scoring" if score else "")
+                       + (", sampled" if stochastic else "")
+                       + (", top log-probabilities" if num_top else "")
+                       + (", token masks" if constrained else ""))
         with on_mesh(self.mesh):
-            self.pool, self._seen, out = mixed_step(
-                self.model.params, self.pool, self._seen, self._put(inp),
+            self.pool, self._counts, out = mixed_step(
+                self.model.params, self.pool, self._counts, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_q_len=t, score=score, stochastic=stochastic,
-                deterministic=self.model.deterministic)
+                deterministic=self.model.deterministic, num_top=num_top)
         return out
 
     def _launch_mixed(self) -> _Call | None:
@@ -986,9 +1032,11 @@ class Engine(StepLoop):
         t = bucket(sum(n for _, n in plan), self.token_buckets)
         score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
         stochastic = any(s.req.sampling.temperature > 0 for s, _ in plan if not s.req.is_score)
+        num_top = _num_top(s for s, _ in plan)
         self._inflight = (f"mixed step of {t} tokens", [s for s, _ in plan])
         launched = time.perf_counter()
-        out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score, stochastic)
+        out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score, stochastic,
+                                   num_top)
         return _Call(out=out, launched=launched, padded=t, plan=plan, score=score)
 
     def _results_of(self, call: _Call) -> tuple[Any, float]:
@@ -1032,11 +1080,17 @@ class Engine(StepLoop):
             cursor += n
             if end < len(s.tokens):
                 continue  # a prefill chunk that did not reach the prompt's end
+            top = None
+            if s.req.sampling.top_logprobs:
+                top = _top_dicts(out["top_ids"][s.slot: s.slot + 1],
+                                 out["top_logprobs"][s.slot: s.slot + 1],
+                                 s.req.sampling.top_logprobs)
             events.append(self._emit(s, [int(out["tokens"][s.slot])],
-                                     [float(out["logprobs"][s.slot])], now))
+                                     [float(out["logprobs"][s.slot])], now, top))
         return events
 
-    def _emit(self, s: _Seq, tokens: list[int], logprobs: list[float], now: float) -> Event:
+    def _emit(self, s: _Seq, tokens: list[int], logprobs: list[float], now: float,
+              top_logprobs: list[dict[int, float]] | None = None) -> Event:
         """Hand sampled tokens to the output side; finish the request if a stop rule fired."""
         self._generated += len(tokens)
         p = s.progress
@@ -1046,7 +1100,7 @@ class Engine(StepLoop):
         s.last_token, p.t_last = now, now - s.arrival
         s.tokens.extend(tokens)
         try:
-            new = add_tokens(self.model, s.req, p, tokens, logprobs)
+            new = add_tokens(self.model, s.req, p, tokens, logprobs, top_logprobs)
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
             self._fail(s, f"its output handling raised {type(e).__name__}: {e}")
             return s.rid, [], True
@@ -1098,22 +1152,23 @@ class Engine(StepLoop):
             gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
             sampling=self._sampling(b))
 
-    def _dispatch_decode(self, inp: DecodeInputs, stochastic: bool
-                         ) -> tuple[jax.Array, jax.Array]:
-        """Launch one decode call program (asynchronously); the pool and ``seen`` advance."""
+    def _dispatch_decode(self, inp: DecodeInputs, stochastic: bool, num_top: int = 0
+                         ) -> dict[str, jax.Array]:
+        """Launch one decode call program (asynchronously); the pool and ``counts`` advance."""
         b = inp.block_tables.shape[0]
-        self._announce(self._decode_program(b, stochastic),
-                       f"decode loop for {b} rows" + (", sampled" if stochastic else ""))
+        self._announce(self._decode_program(b, stochastic, num_top),
+                       f"decode loop for {b} rows" + (", sampled" if stochastic else "")
+                       + (", top log-probabilities" if num_top else ""))
         with on_mesh(self.mesh):
-            self.pool, self._seen, out_t, out_lp = decode_steps(
-                self.model.params, self.pool, self._seen, self._put(inp),
+            self.pool, self._counts, out = decode_steps(
+                self.model.params, self.pool, self._counts, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self._decode_buffer, chunk=self.decode_chunk, stochastic=stochastic,
-                deterministic=self.model.deterministic)
-        return out_t, out_lp
+                deterministic=self.model.deterministic, num_top=num_top)
+        return out
 
-    def _decode_program(self, b: int, stochastic: bool) -> tuple[Any, ...]:
-        return ("decode", b, self._stop_width, stochastic)
+    def _decode_program(self, b: int, stochastic: bool, num_top: int) -> tuple[Any, ...]:
+        return ("decode", b, self._stop_width, stochastic, num_top)
 
     def _call_length(self, b: int, max_steps: int | None) -> int:
         """Iterations for a decode call over ``b`` rows: ``decode_call_seconds`` of measured
@@ -1134,14 +1189,17 @@ class Engine(StepLoop):
             return None
         rows = list(self._running)  # planning may have preempted some
         stochastic = any(s.req.sampling.temperature > 0 for s in rows)
-        compiled = self._program_key(self._decode_program(b, stochastic)) not in _ANNOUNCED
+        num_top = _num_top(rows)
+        compiled = (self._program_key(self._decode_program(b, stochastic, num_top))
+                    not in _ANNOUNCED)
         self._inflight = (f"decode call of {b} rows x {k} iterations", rows)
         launched = time.perf_counter()
-        out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic)
+        out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic, num_top)
         return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled)
 
     def _collect_decode(self, call: _Call) -> list[Event]:
-        (out_t, out_lp), seconds = self._results_of(call)
+        out, seconds = self._results_of(call)
+        out_t, out_lp = out["tokens"], out["logprobs"]
         self._decode_time += seconds
         b = out_t.shape[1]
         ran = int(np.count_nonzero((out_t >= 0).any(axis=1)))
@@ -1158,7 +1216,12 @@ class Engine(StepLoop):
             computed += n
             start = s.num_computed
             s.num_computed += n
-            events.append(self._emit(s, col[:n].tolist(), out_lp[:n, s.slot].tolist(), now))
+            top = None
+            if s.req.sampling.top_logprobs:
+                top = _top_dicts(out["top_ids"][:n, s.slot], out["top_logprobs"][:n, s.slot],
+                                 s.req.sampling.top_logprobs)
+            events.append(self._emit(s, col[:n].tolist(), out_lp[:n, s.slot].tolist(), now,
+                                     top))
             if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
         self._computed += computed
@@ -1225,11 +1288,13 @@ class Engine(StepLoop):
         for (s, _), e in zip(proposals, ends, strict=True):
             self._reserve(s, e)
         stochastic = any(s.req.sampling.temperature > 0 for s, _ in proposals)
-        compiled = self._program_key(self._verify_program(b, width, stochastic)) not in _ANNOUNCED
+        num_top = _num_top(s for s, _ in proposals)
+        program = self._verify_program(b, width, stochastic, num_top)
+        compiled = self._program_key(program) not in _ANNOUNCED
         self._inflight = (f"verify step of {b} rows x {width + 1} tokens",
                           [s for s, _ in proposals])
         launched = time.perf_counter()
-        out = self._dispatch_verify(proposals, b, width, stochastic)
+        out = self._dispatch_verify(proposals, b, width, stochastic, num_top)
         return _Call(out=out, launched=launched, padded=self._verify_tokens(b, width),
                      proposals=proposals, compiled=compiled)
 
@@ -1238,23 +1303,24 @@ class Engine(StepLoop):
         every row's full proposal, so one program serves each row bucket."""
         return bucket(min(b * (width + 1), self.max_tokens), self.token_buckets)
 
-    def _verify_program(self, b: int, width: int, stochastic: bool) -> tuple[Any, ...]:
-        return ("verify", b, width, stochastic)
+    def _verify_program(self, b: int, width: int, stochastic: bool, num_top: int
+                        ) -> tuple[Any, ...]:
+        return ("verify", b, width, stochastic, num_top)
 
     def _dispatch_verify(self, proposals: list[tuple[_Seq, list[int]]], b: int, width: int,
-                         stochastic: bool) -> dict[str, jax.Array]:
-        """Launch one verify step program (asynchronously); the pool and ``seen`` advance."""
+                         stochastic: bool, num_top: int = 0) -> dict[str, jax.Array]:
+        """Launch one verify step program (asynchronously); the pool and ``counts`` advance."""
         t = self._verify_tokens(b, width)
-        self._announce(self._verify_program(b, width, stochastic),
+        self._announce(self._verify_program(b, width, stochastic, num_top),
                        f"verify step for {b} rows x {width + 1} tokens"
                        + (", sampled" if stochastic else ""))
         inp, drafts, counts = self._verify_inputs(proposals, b, t, width)
         with on_mesh(self.mesh):
-            self.pool, self._seen, out = verify_step(
-                self.model.params, self.pool, self._seen, self._put(inp), *self._put(
+            self.pool, self._counts, out = verify_step(
+                self.model.params, self.pool, self._counts, self._put(inp), *self._put(
                     (drafts, counts)), config=self.model.config, backend=self.backend,
                 dtype=self.model.dtype, max_q_len=t, stochastic=stochastic,
-                deterministic=self.model.deterministic)
+                deterministic=self.model.deterministic, num_top=num_top)
         return out
 
     def _verify_inputs(self, proposals: list[tuple[_Seq, list[int]]], b: int, t: int,
@@ -1313,8 +1379,12 @@ class Engine(StepLoop):
             start = s.num_computed
             s.num_computed += 1 + a
             self._computed += 1 + len(p)
+            top = None
+            if s.req.sampling.top_logprobs:
+                top = _top_dicts(out["top_ids"][s.slot, : a + 1],
+                                 out["top_logprobs"][s.slot, : a + 1], s.req.sampling.top_logprobs)
             events.append(self._emit(s, out["tokens"][s.slot, : a + 1].tolist(),
-                                     out["logprobs"][s.slot, : a + 1].tolist(), now))
+                                     out["logprobs"][s.slot, : a + 1].tolist(), now, top))
             if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
         self._verified_rows += len(call.proposals)
@@ -1323,3 +1393,16 @@ class Engine(StepLoop):
         if proposed:
             self._acceptance = 0.5 * (self._acceptance + accepted / proposed)
         return events
+
+def _num_top(seqs: Iterator[_Seq] | Sequence[_Seq]) -> int:
+    """Most likely tokens a step returns per row: ``MAX_TOP_LOGPROBS`` when any of its
+    generation requests asks for top log-probabilities, else 0 (nothing computed or sent)."""
+    wants = any(not s.req.is_score and s.req.sampling.top_logprobs for s in seqs)
+    return MAX_TOP_LOGPROBS if wants else 0
+
+
+def _top_dicts(ids: np.ndarray, logprobs: np.ndarray, k: int) -> list[dict[int, float]]:
+    """One ``{token id: log-probability}`` dict of the ``k`` most likely tokens per row of
+    ``ids, logprobs [n, MAX_TOP_LOGPROBS]`` (most likely first)."""
+    return [dict(zip(i[:k].tolist(), lp[:k].tolist(), strict=True))
+            for i, lp in zip(ids, logprobs, strict=True)]

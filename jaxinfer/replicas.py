@@ -197,7 +197,7 @@ class DataParallelEngine(StepLoop):
             del self._ids[i][local]
 
     def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
-               speculative: Speculative | None = None) -> float:
+               constrained: bool = False, speculative: Speculative | None = None) -> float:
         """Compile or load every replica's step programs (``Engine.warmup``); return the
         seconds it took.
 
@@ -206,7 +206,8 @@ class DataParallelEngine(StepLoop):
         """
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda e: e.warmup(generate, score, sampled, speculative),
+            list(pool.map(lambda e: e.warmup(generate, score, sampled, constrained,
+                                             speculative),
                           self.replicas))
         return time.perf_counter() - t0
 

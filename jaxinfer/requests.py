@@ -20,6 +20,7 @@ from jaxinfer.errors import InputError
 from jaxinfer.model import params_layout
 from jaxinfer.quantize import param_bytes
 from jaxinfer.sampling import SamplingParams, prng_key_data
+from jaxinfer.structured import ResponseFormat, TokenMatcher, compile_format
 
 Messages = Sequence[dict[str, Any]]  # a chat: [{"role": "user", "content": "..."}, ...]
 Prompt = str | Sequence[int] | Messages
@@ -68,7 +69,11 @@ class Completion:
     """The result of one generation request.
 
     ``token_ids`` are the generated tokens (without the stop token or the tokens of a stop
-    string's tail); ``logprobs`` (when asked for) align with them. Times are in seconds from
+    string's tail); ``logprobs`` and ``top_logprobs`` (when asked for) align with them:
+    ``top_logprobs[i]`` maps the ``SamplingParams.top_logprobs`` most likely tokens at
+    position ``i`` to their log-probabilities (most likely first). With a
+    ``response_format``, ``finish_reason`` ``"stop"`` means the output completed its grammar
+    (``"length"``: it was cut by ``max_new_tokens``). Times are in seconds from
     the request's submission. ``finish_reason`` ``"error"``: the request failed while it ran
     (``error`` says why); the tokens are those it had before the failure.
     ``draft_tokens`` counts the tokens proposed for it by speculative decoding and
@@ -83,6 +88,7 @@ class Completion:
     time_per_output_token: float
     logprobs: list[float] | None = None
     error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
@@ -113,13 +119,15 @@ class Request:
 
     A generation request has ``sampling``; a scoring request has ``num_scored`` > 0: its
     last ``num_scored`` token ids are the continuation whose log-probabilities are wanted,
-    and nothing is generated.
+    and nothing is generated. ``grammar`` is the compiled ``sampling.response_format``
+    (``structured.compile_format``), None when the output is unconstrained.
     """
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     stop_ids: tuple[int, ...]
     num_scored: int = 0
+    grammar: str | None = None
 
     @property
     def is_score(self) -> bool:
@@ -276,6 +284,7 @@ def make_requests(
                              "give one per prompt or a single one")
     context = model.config.max_position_embeddings
     eos = _eos_ids(model)
+    grammars: dict[ResponseFormat, str] = {}  # each distinct format compiled once
     requests = []
     for i, (p, sp) in enumerate(zip(plist, sps, strict=True)):
         if not isinstance(sp, SamplingParams):
@@ -291,7 +300,11 @@ def make_requests(
         if sp.stop and model.tokenizer is None:
             raise InputError("stop strings need a tokenizer; use stop_token_ids instead")
         stops = tuple(dict.fromkeys((() if sp.ignore_eos else eos) + sp.stop_token_ids))
-        requests.append(Request(tuple(ids), resolve_seed(sp), stops))
+        fmt = sp.response_format
+        if fmt is not None and fmt not in grammars:
+            grammars[fmt] = compile_format(fmt, model.tokenizer, model.config.vocab_size)
+        requests.append(Request(tuple(ids), resolve_seed(sp), stops,
+                                grammar=None if fmt is None else grammars[fmt]))
     return requests
 
 
@@ -341,6 +354,8 @@ class Progress:
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    matcher: TokenMatcher | None = None  # follows the output in its grammar (response_format)
     finished: bool = False
     reason: Literal["stop", "length", "error"] = "length"
     text: str | None = None  # set when a stop string cut the text (or the request failed)
@@ -352,24 +367,33 @@ class Progress:
 
 
 def add_tokens(model: Model, r: Request, p: Progress, tokens: Sequence[int],
-               logprobs: Sequence[float]) -> list[int]:
+               logprobs: Sequence[float],
+               top_logprobs: Sequence[dict[int, float]] | None = None) -> list[int]:
     """Apply the stop rules to newly sampled tokens; return those that become output.
 
     The one place stop rules live: a stop token ends the request and is not output;
-    ``max_new_tokens`` ends it with ``"length"``; a stop string cuts the tokens after the one
-    completing it (and the text before the string). Tokens after a stop never reach ``p``.
+    ``max_new_tokens`` ends it with ``"length"``; an output that completes its grammar
+    (``response_format``) ends it with ``"stop"``; a stop string cuts the tokens after the
+    one completing it (and the text before the string). Tokens after a stop never reach
+    ``p``. ``top_logprobs`` (one dict per token) is required when the request asks for them.
     """
     new: list[int] = []
-    for tok, lp in zip(tokens, logprobs, strict=True):
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         if p.finished:
             break
         if tok in r.stop_ids:
             p.finished, p.reason = True, "stop"
             break
+        if p.matcher is not None:
+            p.matcher.consume(tok)
         p.tokens.append(int(tok))
         p.logprobs.append(float(lp))
+        if r.sampling.top_logprobs:
+            p.top_logprobs.append(top_logprobs[i])
         new.append(int(tok))
-        if len(p.tokens) >= r.sampling.max_new_tokens:
+        if p.matcher is not None and p.matcher.finished:
+            p.finished, p.reason = True, "stop"
+        elif len(p.tokens) >= r.sampling.max_new_tokens:
             p.finished, p.reason = True, "length"
     if r.sampling.stop and new:
         kept = len(p.tokens)
@@ -389,6 +413,7 @@ def trim_at_stop_string(model: Model, r: Request, p: Progress) -> bool:
         cut = find_stop(prefix, r.sampling.stop)
         if cut >= 0:
             p.tokens, p.logprobs = p.tokens[:k], p.logprobs[:k]
+            p.top_logprobs = p.top_logprobs[:k]
             p.text = prefix[:cut]
             return True
     return False
@@ -409,6 +434,7 @@ def completion(model: Model, r: Request, p: Progress) -> Completion:
         time_per_output_token=(p.t_last - p.t_first) / (n - 1) if n > 1 else 0.0,
         logprobs=list(p.logprobs) if r.sampling.logprobs else None,
         error=p.error,
+        top_logprobs=list(p.top_logprobs) if r.sampling.top_logprobs else None,
         draft_tokens=p.draft_tokens,
         accepted_tokens=p.accepted_tokens,
     )

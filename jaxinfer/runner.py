@@ -1,11 +1,13 @@
 """The engine's device side: jitted steps over the page pool, in a few fixed shapes.
 
-Three step functions, all pure (params, pool, ``seen``, plain inputs) -> new state:
+Three step functions, all pure (params, pool, ``counts``, plain inputs) -> new state:
 
 * ``mixed_step``: one forward pass over a packed mix of prefill chunks and decode tokens
   (``model.forward_ragged``), then one sampled token per slot that finished its input.
   With ``score=True`` it also returns, for every packed token, the log-probability of a
-  given target token and whether that target is the argmax (scoring requests).
+  given target token and whether that target is the argmax (scoring requests). It is the
+  only step that takes a structured-output token mask (one token per row and host round
+  trip, so the host can compute each constrained row's mask for the token it samples).
 * ``decode_steps``: up to ``num_steps`` decode iterations on the device: every row feeds
   its last token, writes its K/V into pages the host reserved ahead, samples the next token
   and stops on the device at a stop token, its token limit or the end of its reserved pages.
@@ -31,13 +33,14 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.model import Params, forward_ragged, lm_head
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.quantize import is_quantized
-from jaxinfer.sampling import SamplingArrays, logsumexp_rows, sample
+from jaxinfer.sampling import SamplingArrays, logsumexp_rows, record_tokens, sample
 from sharding.rules import engine_pool_spec
 
 Backend = Literal["reference", "pallas"]
@@ -93,6 +96,9 @@ class MixedInputs:
     gen_index: jax.Array  # Int['S'] index of the token being sampled (folded into the key)
     samples: jax.Array  # Bool['S'] slot finishes its input this step and samples a token
     sampling: SamplingArrays  # [S]
+    # Int['S W'] allowed-token bitmask per slot (sampling.apply_token_mask), W = ceil(V/32);
+    # None when no sampling slot is constrained: then nothing is transferred or masked.
+    token_mask: jax.Array | None = None
 
 
 @struct.dataclass
@@ -153,13 +159,18 @@ def target_logprobs(params: Params, h: jax.Array, targets: jax.Array,
     return lp.reshape(-1)[:t], greedy.reshape(-1)[:t]
 
 
+def new_counts(rows: int, vocab: int) -> np.ndarray:
+    """An empty token-count table ``int32 [rows, vocab]`` (``sampling.apply_penalties``)."""
+    return np.zeros((rows, vocab), np.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len", "score",
-                                            "stochastic", "deterministic"),
+                                            "stochastic", "deterministic", "num_top"),
                    donate_argnums=(1, 2))
 def mixed_step(
     params: Params,
     pool: PagePool,
-    seen: jax.Array,
+    counts: jax.Array,
     inp: MixedInputs,
     *,
     config: LlamaConfig,
@@ -169,16 +180,20 @@ def mixed_step(
     score: bool,
     stochastic: bool,
     deterministic: bool = False,
+    num_top: int = 0,
 ) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
     """One forward pass over packed tokens, then one sampled token per sampling slot.
 
     ``stochastic`` (static): some sampling slot has a temperature above 0 (``sample``).
     ``deterministic`` (static): batch-invariant kernels (``forward_ragged``).
-    ``seen [S, V]`` marks each slot's tokens for the repetition penalty (the host loads a
-    slot's row with ``load_seen`` when a request that uses the penalty is admitted). Returns
-    ``(pool, seen, out)`` with ``out["tokens"], out["logprobs"]`` ``[S]`` (rows of slots
-    that do not sample are garbage) and, with ``score``, ``out["target_logprobs"]`` and
-    ``out["target_greedy"]`` ``[T]``.
+    ``num_top`` (static): most likely tokens returned per slot (``sample``).
+    ``counts [S, V]`` is each slot's token-count table for the penalties (the host loads a
+    slot's row with ``load_counts`` when a request that uses a penalty is admitted);
+    ``inp.token_mask`` (None or ``[S, W]``) constrains the sampled tokens. Returns
+    ``(pool, counts, out)`` with ``out["tokens"], out["logprobs"]`` ``[S]`` (rows of slots
+    that do not sample are garbage), with ``num_top`` ``out["top_ids"]`` and
+    ``out["top_logprobs"]`` ``[S, num_top]``, and with ``score``
+    ``out["target_logprobs"]`` and ``out["target_greedy"]`` ``[T]``.
     """
     h, k, v = forward_ragged(params, config, inp.tokens, inp.positions, pool.k, pool.v,
                              inp.write_pages, inp.write_offsets, inp.block_tables, inp.kv_lens,
@@ -186,30 +201,35 @@ def mixed_step(
                              deterministic=deterministic)
     k, v = _constrain_pool(k, v)
     logits = lm_head(params, h[inp.last_index], deterministic)  # [S, V]: each slot's last token
-    tokens, logprobs = sample(logits, inp.sampling, seen, inp.gen_index, stochastic,
-                              deterministic)
-    rows = jnp.arange(tokens.shape[0])
-    seen = _replicated(seen.at[rows, tokens].set(seen[rows, tokens] | inp.samples))
+    tokens, logprobs, top_ids, top_lps = sample(logits, inp.sampling, counts, inp.gen_index,
+                                                stochastic, deterministic, inp.token_mask,
+                                                num_top)
+    counts = _replicated(record_tokens(counts, tokens, inp.samples))
     out = {"tokens": tokens, "logprobs": logprobs}
+    if num_top:
+        out["top_ids"], out["top_logprobs"] = top_ids, top_lps
     if score:
         out["target_logprobs"], out["target_greedy"] = target_logprobs(params, h, inp.targets,
                                                                        deterministic)
-    return PagePool(k=k, v=v), seen, out
+    return PagePool(k=k, v=v), counts, out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def load_seen(seen: jax.Array, row: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """Row ``row`` of ``seen [S, V]`` := the tokens in ``token_ids [N]`` (V-padded, dropped)."""
-    return seen.at[row].set(False).at[row, token_ids].set(True, mode="drop")
+def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
+                generated_ids: jax.Array) -> jax.Array:
+    """Row ``row`` of ``counts [S, V]`` := the table of a sequence with ``prompt_ids [N]``
+    and ``generated_ids [M]`` (both V-padded; padding is dropped)."""
+    counts = counts.at[row].set(0).at[row, prompt_ids].set(1, mode="drop")
+    return counts.at[row, generated_ids].add(2, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_steps", "chunk",
-                                            "stochastic", "deterministic"),
+                                            "stochastic", "deterministic", "num_top"),
                    donate_argnums=(1, 2))
 def decode_steps(
     params: Params,
     pool: PagePool,
-    seen: jax.Array,
+    counts: jax.Array,
     inp: DecodeInputs,
     *,
     config: LlamaConfig,
@@ -219,19 +239,23 @@ def decode_steps(
     chunk: int,
     stochastic: bool,
     deterministic: bool = False,
-) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
+    num_top: int = 0,
+) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
     """Decode up to ``inp.num_steps`` tokens per active row without leaving the device.
 
-    Rows are slots ``[0, B)``; ``seen`` is the engine's ``[S, V]`` table (rows ``[0, B)``
-    used). A row stops after sampling a stop token (recorded, so the host knows why), after
-    ``remaining`` tokens, or when its next input position reaches ``limit``. The loop ends
-    at the first multiple of ``chunk`` (static, dividing ``max_steps``) iterations where no
-    row is active or ``num_steps`` is reached; iterations past a row's stop compute but write
-    nothing. ``stochastic`` (static): some active row has a temperature above 0;
-    ``deterministic`` (static): batch-invariant kernels (``forward_ragged``).
+    Rows are slots ``[0, B)``; ``counts`` is the engine's ``[S, V]`` token-count table (rows
+    ``[0, B)`` used). A row stops after sampling a stop token (recorded, so the host knows
+    why), after ``remaining`` tokens, or when its next input position reaches ``limit``. The
+    loop ends at the first multiple of ``chunk`` (static, dividing ``max_steps``) iterations
+    where no row is active or ``num_steps`` is reached; iterations past a row's stop compute
+    but write nothing. ``stochastic`` (static): some active row has a temperature above 0;
+    ``deterministic`` (static): batch-invariant kernels (``forward_ragged``); ``num_top``
+    (static): most likely tokens returned per row and iteration (``sample``). No row is
+    constrained by a token mask (the engine runs those through ``mixed_step``).
 
-    Returns ``(pool, seen, tokens [max_steps, B], logprobs [max_steps, B])``; ``tokens`` is
-    -1 where a row was not active at that iteration.
+    Returns ``(pool, counts, out)``: ``out["tokens"]`` ``[max_steps, B]`` (-1 where a row
+    was not active at that iteration), ``out["logprobs"]`` ``[max_steps, B]`` and, with
+    ``num_top``, ``out["top_ids"]`` and ``out["top_logprobs"]`` ``[max_steps, B, num_top]``.
     """
     if max_steps % chunk:
         raise ValueError(f"max_steps={max_steps} must be a multiple of chunk={chunk}")
@@ -243,7 +267,7 @@ def decode_steps(
     quantized = is_quantized(params)
 
     def iteration(_: Any, carry: tuple) -> tuple:
-        step, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t, out_lp = carry
+        step, pool_k, pool_v, counts_b, active, tokens, pos, remaining, gen, out = carry
         # The weights are loop-invariant, so XLA would hoist an int8 weight's dequantization
         # (the XLA path of ``model._dense``) out of the loop and keep a bf16 copy of the
         # model; the barrier keeps it inside.
@@ -257,11 +281,14 @@ def decode_steps(
             inp.block_tables, kv_lens, jnp.arange(b + 1, dtype=jnp.int32), max_q_len=1,
             backend=backend, dtype=dtype, deterministic=deterministic)
         pool_k, pool_v = _constrain_pool(pool_k, pool_v)
-        new, lp = sample(lm_head(p, h, deterministic), inp.sampling, seen_b, gen,
-                         stochastic, deterministic)
-        out_t = out_t.at[step].set(jnp.where(active, new, -1))
-        out_lp = out_lp.at[step].set(lp)
-        seen_b = seen_b.at[rows, new].set(seen_b[rows, new] | active)
+        new, lp, top_ids, top_lps = sample(lm_head(p, h, deterministic), inp.sampling,
+                                           counts_b, gen, stochastic, deterministic,
+                                           num_top=num_top)
+        out = {"tokens": out["tokens"].at[step].set(jnp.where(active, new, -1)),
+               "logprobs": out["logprobs"].at[step].set(lp),
+               "top_ids": out["top_ids"].at[step].set(top_ids),
+               "top_logprobs": out["top_logprobs"].at[step].set(top_lps)}
+        counts_b = record_tokens(counts_b, new, active)
         stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1)
         pos = pos + active
         remaining = remaining - active
@@ -269,8 +296,7 @@ def decode_steps(
         tokens = jnp.where(active, new, tokens)
         active = (active & ~stopped & (remaining > 0) & (pos < inp.limit)
                   & (step + 1 < inp.num_steps))
-        return (step + 1, pool_k, pool_v, seen_b, active, tokens, pos, remaining, gen, out_t,
-                out_lp)
+        return step + 1, pool_k, pool_v, counts_b, active, tokens, pos, remaining, gen, out
 
     def keep_going(carry: tuple) -> jax.Array:  # read on the host, once per chunk
         return jnp.any(carry[4])
@@ -279,13 +305,17 @@ def decode_steps(
         return jax.lax.fori_loop(0, chunk, iteration, carry)
 
     active = inp.active & (inp.remaining > 0) & (inp.num_steps > 0)
-    carry = (jnp.int32(0), pool.k, pool.v, seen[:b], active, inp.tokens, inp.positions,
-             inp.remaining, inp.gen_index, jnp.full((max_steps, b), -1, jnp.int32),
-             jnp.zeros((max_steps, b), jnp.float32))
-    _, k, v, seen_b, *_, out_t, out_lp = jax.lax.while_loop(keep_going, chunk_of_iterations,
-                                                            carry)
-    seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
-    return PagePool(k=k, v=v), seen, out_t, out_lp
+    out = {"tokens": jnp.full((max_steps, b), -1, jnp.int32),
+           "logprobs": jnp.zeros((max_steps, b), jnp.float32),
+           "top_ids": jnp.zeros((max_steps, b, num_top), jnp.int32),
+           "top_logprobs": jnp.zeros((max_steps, b, num_top), jnp.float32)}
+    carry = (jnp.int32(0), pool.k, pool.v, counts[:b], active, inp.tokens, inp.positions,
+             inp.remaining, inp.gen_index, out)
+    _, k, v, counts_b, *_, out = jax.lax.while_loop(keep_going, chunk_of_iterations, carry)
+    counts = _replicated(jax.lax.dynamic_update_slice(counts, counts_b, (0, 0)))
+    if not num_top:
+        del out["top_ids"], out["top_logprobs"]
+    return PagePool(k=k, v=v), counts, out
 
 
 def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax.Array
@@ -298,12 +328,12 @@ def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len",
-                                            "stochastic", "deterministic"),
+                                            "stochastic", "deterministic", "num_top"),
                    donate_argnums=(1, 2))
 def verify_step(
     params: Params,
     pool: PagePool,
-    seen: jax.Array,
+    counts: jax.Array,
     inp: MixedInputs,
     proposals: jax.Array,
     num_proposed: jax.Array,
@@ -314,15 +344,17 @@ def verify_step(
     max_q_len: int,
     stochastic: bool,
     deterministic: bool = False,
+    num_top: int = 0,
 ) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
     """Verify proposed tokens: one forward pass, then every position sampled.
 
     Rows are slots ``[0, B)``; row ``r`` packs its last token and its ``num_proposed [B]``
     proposals (``proposals [B, K]``) at ``inp.cu_q_lens[r]`` (``inp.samples [B]`` marks the
     rows that verify). Position ``j`` of a row is sampled with the row's token index
-    ``gen_index + j`` and, for the repetition penalty, with the proposals before it counted
-    as seen: what plain decoding samples there if those proposals are accepted. Returns
-    ``(pool, seen, out)`` with ``out["tokens"], out["logprobs"]`` ``[B, K + 1]`` and
+    ``gen_index + j`` and, for the penalties, with the proposals before it counted as
+    generated: what plain decoding samples there if those proposals are accepted. Returns
+    ``(pool, counts, out)`` with ``out["tokens"], out["logprobs"]`` ``[B, K + 1]`` (with
+    ``num_top``, ``out["top_ids"], out["top_logprobs"]`` ``[B, K + 1, num_top]``) and
     ``out["accepted"] [B]``: the row emits ``tokens[:accepted + 1]``. K/V of rejected
     proposals stay in the pool past the row's length, where later tokens overwrite them.
     """
@@ -336,22 +368,26 @@ def verify_step(
     packed = jnp.minimum(inp.cu_q_lens[:-1, None] + width, inp.tokens.shape[0] - 1)
     logits = lm_head(params, h[packed.reshape(-1)], deterministic)  # [B * (K + 1), V]
     per_row = jax.tree.map(lambda a: jnp.repeat(a, k + 1, axis=0), inp.sampling)
-    # Row r, position j sees the proposals before j: scatter them into a copy of its seen row
-    # (pairs past the position, or past the row's proposals, go to the dropped column V).
-    vocab = seen.shape[1]
+    # Row r, position j has generated the proposals before j: count them in a copy of its
+    # row (pairs past the position, or past the row's proposals, go to the dropped column V).
+    vocab = counts.shape[1]
     earlier = (width[:, None] > jnp.arange(k)[None, :])[None] & (
         jnp.arange(k)[None, None, :] < num_proposed[:, None, None])  # [B, K + 1, K]
     cols = jnp.where(earlier, proposals[:, None, :], vocab)
-    seen_rows = jnp.repeat(seen[:b], k + 1, axis=0).reshape(b, k + 1, vocab)
-    seen_rows = seen_rows.at[jnp.arange(b)[:, None, None], width[None, :, None], cols].set(
-        True, mode="drop").reshape(b * (k + 1), vocab)
+    rows = jnp.repeat(counts[:b], k + 1, axis=0).reshape(b, k + 1, vocab)
+    rows = rows.at[jnp.arange(b)[:, None, None], width[None, :, None], cols].add(
+        2, mode="drop").reshape(b * (k + 1), vocab)
     gen = (inp.gen_index[:, None] + width).reshape(-1)
-    tokens, logprobs = sample(logits, per_row, seen_rows, gen, stochastic, deterministic)
+    tokens, logprobs, top_ids, top_lps = sample(logits, per_row, rows, gen, stochastic,
+                                                deterministic, None, num_top)
     tokens, logprobs = tokens.reshape(b, k + 1), logprobs.reshape(b, k + 1)
     accepted = jnp.where(inp.samples, accepted_lengths(tokens, proposals, num_proposed), 0)
     emitted = (width[None, :] <= accepted[:, None]) & inp.samples[:, None]  # [B, K + 1]
-    seen_b = seen[:b].at[jnp.arange(b)[:, None], jnp.where(emitted, tokens, vocab)].set(
-        True, mode="drop")
-    seen = _replicated(jax.lax.dynamic_update_slice(seen, seen_b, (0, 0)))
+    counts_b = counts[:b].at[jnp.arange(b)[:, None], jnp.where(emitted, tokens, vocab)].add(
+        2, mode="drop")
+    counts = _replicated(jax.lax.dynamic_update_slice(counts, counts_b, (0, 0)))
     out = {"tokens": tokens, "logprobs": logprobs, "accepted": accepted}
-    return PagePool(k=pool_k, v=pool_v), seen, out
+    if num_top:
+        out["top_ids"] = top_ids.reshape(b, k + 1, num_top)
+        out["top_logprobs"] = top_lps.reshape(b, k + 1, num_top)
+    return PagePool(k=pool_k, v=pool_v), counts, out

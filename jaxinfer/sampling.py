@@ -1,8 +1,11 @@
 """The one sampling function, and the per-sequence sampling settings it reads.
 
 Every option is a per-sequence array, so one batch can mix greedy and stochastic requests.
-Order of logit processing (as in HF transformers): repetition penalty, temperature, top-k,
-top-p, min-p; a temperature of 0 means greedy.
+Order of logit processing: the structured-output token mask (``apply_token_mask``), the
+repetition penalty (as in HF transformers), the presence and frequency penalties (as in
+OpenAI's API), then temperature, top-k, top-p, min-p (as in HF); a temperature of 0 means
+greedy. Log-probabilities (the chosen token's and the ``top_logprobs`` most likely tokens')
+are those of the model's raw distribution, before any of these.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ from flax import struct
 import pallas_kernels
 from jaxinfer.errors import InputError
 from jaxinfer.speculative import Speculative
+from jaxinfer.structured import ResponseFormat
 
 _INT32 = 2**31  # top_k and token ids live in int32 device arrays
+MAX_TOP_LOGPROBS = 20
+"""Most ``top_logprobs`` a request may ask for (OpenAI's limit); the device computes this
+many for every row of a step in which any request asks."""
 
 
 def _is_int(x: object) -> bool:
@@ -43,9 +50,17 @@ class SamplingParams:
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable those
     filters; ``repetition_penalty`` 1 disables it; ``seed`` None draws a fresh random seed.
     ``ignore_eos`` keeps generating past the model's end-of-sequence tokens (benchmarks,
-    fixed-length outputs); ``stop_token_ids`` still apply. ``speculative`` (a
-    ``jaxinfer.Speculative``) verifies proposed tokens in one forward pass; the output is the
-    same with or without it.
+    fixed-length outputs); ``stop_token_ids`` still apply.
+
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], OpenAI's semantics): a token
+    already generated ``c > 0`` times by this request (the prompt does not count) has its
+    logit lowered by ``presence_penalty + c * frequency_penalty``. ``top_logprobs`` (0 to
+    ``MAX_TOP_LOGPROBS``): per generated token, that many most likely tokens and their
+    log-probabilities (``Completion.top_logprobs``). ``response_format`` constrains the
+    output to JSON, a JSON schema, a regex or a grammar (``jaxinfer.structured``: the dict
+    forms it accepts); not with ``ignore_eos``, since a constrained output ends where its
+    grammar does. ``speculative`` (a ``jaxinfer.Speculative``) verifies proposed tokens
+    in one forward pass; the output is the same with or without it.
     """
 
     max_new_tokens: int = 64
@@ -59,9 +74,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    response_format: ResponseFormat | dict | None = None
     speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
         # One string (or one id) is one stop string (or id), never its characters.
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
@@ -99,6 +119,16 @@ class SamplingParams:
              f"logprobs={self.logprobs!r} must be True or False"),
             (isinstance(self.ignore_eos, bool | np.bool_),
              f"ignore_eos={self.ignore_eos!r} must be True or False"),
+            (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs={self.top_logprobs!r} must be an integer in [0, "
+             f"{MAX_TOP_LOGPROBS}]"),
+            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty={self.presence_penalty!r} must be a number in [-2, 2]"),
+            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty={self.frequency_penalty!r} must be a number in [-2, 2]"),
+            (not (self.ignore_eos and self.response_format is not None),
+             "ignore_eos=True cannot be combined with response_format: a constrained output "
+             "ends where its grammar does"),
             (self.speculative is None or isinstance(self.speculative, Speculative),
              f"speculative={self.speculative!r} must be a jaxinfer.Speculative or None"),
         ]
@@ -115,6 +145,12 @@ class SamplingParams:
             raise InputError(f"unknown sampling option {unknown[0]!r}; valid options: "
                              f"{', '.join(sorted(names))}")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty reads the request's row of the token-count table."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 def prng_key_data(seed: int) -> np.ndarray:
@@ -135,6 +171,8 @@ class SamplingArrays:
     top_p: jax.Array  # Float['B']
     min_p: jax.Array  # Float['B']
     repetition_penalty: jax.Array  # Float['B']
+    presence_penalty: jax.Array  # Float['B']
+    frequency_penalty: jax.Array  # Float['B']
     keys: jax.Array  # UInt32['B 2'] one PRNG key per sequence
 
     @classmethod
@@ -148,6 +186,8 @@ class SamplingArrays:
             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
             min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
             repetition_penalty=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
+            presence_penalty=jnp.asarray([p.presence_penalty for p in params], jnp.float32),
+            frequency_penalty=jnp.asarray([p.frequency_penalty for p in params], jnp.float32),
             keys=jnp.asarray(keys, jnp.uint32),
         )
 
@@ -160,6 +200,39 @@ def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Ar
     p = penalty[:, None]
     penalised = jnp.where(logits > 0, logits / p, logits * p)
     return jnp.where(seen, penalised, logits)
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The repetition penalty on tokens of the prompt or output, then OpenAI's presence and
+    frequency penalties on tokens of the output: ``logit - presence * (c > 0) -
+    frequency * c`` for a token generated ``c`` times.
+
+    logits ``[B, V]`` float32; counts ``[B, V]`` int32, the token-count table: ``2 * (times
+    the sequence generated token v) + (1 if v is in its prompt)``, so one table (and one
+    scatter-add per sampled token, ``record_tokens``) serves both kinds of penalty.
+    """
+    logits = apply_repetition_penalty(logits, counts > 0, s.repetition_penalty)
+    generated = (counts >> 1).astype(jnp.float32)
+    return (logits - s.presence_penalty[:, None] * (generated > 0)
+            - s.frequency_penalty[:, None] * generated)
+
+
+def record_tokens(counts: jax.Array, tokens: jax.Array, where: jax.Array) -> jax.Array:
+    """Count ``tokens [B]`` as generated in the rows of ``counts [B, V]`` where ``where [B]``
+    (``apply_penalties`` says what the table holds)."""
+    rows = jnp.arange(tokens.shape[0])
+    return counts.at[rows, tokens].add(jnp.where(where, 2, 0).astype(counts.dtype))
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """``-inf`` for the tokens a row's bitmask disallows.
+
+    logits ``[B, V]`` float32; mask ``[B, ceil(V / 32)]`` int32, bit ``v % 32`` of word
+    ``v // 32`` set when token ``v`` is allowed (all bits set: unconstrained row).
+    """
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    allowed = (jnp.right_shift(mask[:, ids // 32], ids % 32) & 1).astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -202,17 +275,19 @@ def logsumexp_rows(x: jax.Array, deterministic: bool = False) -> jax.Array:
 def sample(
     logits: jax.Array,
     s: SamplingArrays,
-    seen: jax.Array,
+    counts: jax.Array,
     step: jax.Array,
     stochastic: bool = True,
     deterministic: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+    mask: jax.Array | None = None,
+    num_top: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Choose the next token of every sequence.
 
     Args:
       logits: ``[B, V]`` float32 model logits.
       s: per-sequence settings.
-      seen: ``[B, V]`` bool, tokens already in each sequence (for the repetition penalty).
+      counts: ``[B, V]`` int32, each sequence's token-count table (``apply_penalties``).
       step: ``[B]`` int32, index of the token being sampled in each sequence; folded into the
         sequence's key, so a request's tokens depend only on its seed and inputs, not on the
         batch it shares.
@@ -222,13 +297,20 @@ def sample(
         host, stalling the stream once per call.) Rows with temperature 0 are greedy either
         way, so both variants give the same tokens for an all-greedy batch.
       deterministic: the log-probabilities through ``logsumexp_rows``' batch-invariant sum.
+      mask: ``[B, ceil(V / 32)]`` int32 allowed-token bitmask (``apply_token_mask``), applied
+        before everything else; None (static: nothing is transferred or masked) when no row
+        is constrained.
+      num_top: static count of most likely tokens to return per row (0 or
+        ``MAX_TOP_LOGPROBS``).
 
     Returns:
-      ``(tokens [B] int32, logprobs [B] float32)``: the log-probability is that of the chosen
-      token under the model's raw distribution (before any sampling filter).
+      ``(tokens [B] int32, logprobs [B] float32, top_ids [B, num_top] int32,
+      top_logprobs [B, num_top] float32)``: log-probabilities under the model's raw
+      distribution (before the mask, penalties and filters), the top ones in descending order.
     """
     lse = logsumexp_rows(logits, deterministic)
-    penalised = apply_repetition_penalty(logits, seen, s.repetition_penalty)
+    allowed = logits if mask is None else apply_token_mask(logits, mask)
+    penalised = apply_penalties(allowed, counts, s)
     tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     if stochastic:
         filtered = filter_logits(penalised, s)
@@ -236,4 +318,5 @@ def sample(
         drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
         tokens = jnp.where(s.temperature > 0, drawn, tokens)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    return tokens, chosen
+    top_values, top_ids = jax.lax.top_k(logits, num_top)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_values - lse[:, None]

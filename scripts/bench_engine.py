@@ -16,6 +16,15 @@ against its roofline). ``--kv-cache-dtype int8|fp8`` stores the engine's K/V qua
 (``load_model(kv_cache_dtype=...)``); every run records the pool's capacity in tokens and the
 tokens the same bytes would hold in bfloat16, and the floor counts the quantized K/V bytes.
 
+``--response-format json`` gives a share of the requests (``--constrained-fraction``, all by
+default) a JSON-schema ``response_format`` (one string field, so the grammar stays in its
+costliest state, inside a string, until ``max_new_tokens``) and the tokenizer of
+``--tokenizer`` (a tokenizer folder or a GGUF; default the default model's GGUF, only its
+vocabulary is read): the cost of structured output against the same run without it (while a
+constrained request decodes, the engine runs one token per host round trip and the host
+computes its token masks). Constrained requests may end early, when the random model closes
+the JSON; the tokens counted are the ones returned.
+
 Usage:
     python scripts/bench_engine.py --preset 8b
     python scripts/bench_engine.py --preset 1b
@@ -26,6 +35,8 @@ Usage:
         --batch1-tokens 256                                       # one H200: 70B in ~37 GB
     JAX_PLATFORMS=cpu python scripts/bench_engine.py --preset tiny --requests 32 --rate 0,50 \
         --batch1-tokens 16 --json /tmp/x.json                           # CPU smoke run
+    python scripts/bench_engine.py --preset 1b --requests 256 --response-format json \
+        --tokenizer bench/tokenizer_smollm2 --json auto      # structured output's cost
 
 Several comma-separated rates run in one process on the same prompts and output lengths
 (only arrivals differ), each on a fresh ``Engine`` so no run hits the previous run's prefix
@@ -50,13 +61,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
+from checkpoints.default_model import fetch_default_gguf
+from checkpoints.gguf import read_gguf_metadata
 from jaxinfer import roofline
 from jaxinfer.benchmark import device_name
 from jaxinfer.engine import SCHEDULES
+from jaxinfer.loading import cache_dir
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
 from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
 from jaxinfer.quantize import QUANTIZATIONS, is_quantized, random_quantized_params
 from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
+from jaxinfer.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,6 +115,12 @@ MEASURED_CEILINGS: dict[str, tuple[float, float]] = {
     "h200": (790e12, 4.3e12),
 }
 
+# --response-format json: a JSON object with one string field, whose content is open until
+# the model closes it (the mask computation's costliest grammar state).
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+    "additionalProperties": False}}}
+
 
 @dataclasses.dataclass
 class Workload:
@@ -108,11 +129,14 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     arrivals_s: list[float]  # seconds after the start; all 0 offline
+    constrained: frozenset[int] = frozenset()  # requests given JSON_FORMAT
 
 
 def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, int],
-                  output_range: tuple[int, int], rate: float, seed: int) -> Workload:
-    """Log-uniform lengths (many short, some long, like chat traffic), Poisson arrivals.
+                  output_range: tuple[int, int], rate: float, seed: int,
+                  constrained_fraction: float = 0.0) -> Workload:
+    """Log-uniform lengths (many short, some long, like chat traffic), Poisson arrivals, and
+    ``round(constrained_fraction * n)`` requests picked to get ``JSON_FORMAT``.
 
     The lengths are drawn before the arrivals, so every rate gets the same prompts and
     output lengths from the same seed.
@@ -127,7 +151,8 @@ def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, in
     prompts = [rng.choice(vocab, size=p).tolist() for p in lengths(*prompt_range)]
     output_lens = lengths(*output_range)
     arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist() if rate > 0 else [0.0] * n
-    return Workload(prompts, output_lens, arrivals)
+    picked = np.random.default_rng(seed + 1).permutation(n)[: round(constrained_fraction * n)]
+    return Workload(prompts, output_lens, arrivals, frozenset(picked.tolist()))
 
 
 def ceilings(device_kind: str, matmul_tflops: float | None, read_tbps: float | None
@@ -220,6 +245,15 @@ def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: st
                           kv_cache_dtype=kv_cache_dtype)
 
 
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """A tokenizer folder, or a GGUF's vocabulary (default: the default model's GGUF)."""
+    if path is None:
+        path = str(fetch_default_gguf(cache_dir() / "downloads"))
+    if path.endswith(".gguf"):
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    return Tokenizer.from_pretrained_dir(path)
+
+
 def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Engine:
     """``jaxinfer.Engine(model)`` with only the sizing flags that were given."""
     gc.collect()  # free the previous run's page pool before this one sizes itself on free memory
@@ -252,10 +286,12 @@ def speculative(args: argparse.Namespace) -> jaxinfer.Speculative | None:
                                 adaptive=not args.always_speculate)
 
 
-def warmup(engine: jaxinfer.Engine, spec: jaxinfer.Speculative | None = None) -> float:
-    """Compile every step shape (``engine.warmup``); return the seconds it took."""
+def warmup(engine: jaxinfer.Engine, constrained: bool = False,
+           spec: jaxinfer.Speculative | None = None) -> float:
+    """Compile every step shape (``engine.warmup``), with the token-masking mixed steps when
+    ``constrained`` and the verify steps of ``spec``; return the seconds it took."""
     t0 = time.perf_counter()
-    engine.warmup(speculative=spec)
+    engine.warmup(constrained=constrained, speculative=spec)
     return time.perf_counter() - t0
 
 
@@ -281,7 +317,9 @@ def run_workload(engine: jaxinfer.Engine, w: Workload,
         now = time.perf_counter() - t0
         while nxt < len(w.prompts) and w.arrivals_s[nxt] <= now:
             ids.append(engine.submit(w.prompts[nxt], max_new_tokens=w.output_lens[nxt],
-                                     speculative=spec))
+                                     speculative=spec,
+                                     response_format=(JSON_FORMAT if nxt in w.constrained
+                                                      else None)))
             late_s.append(time.perf_counter() - t0 - w.arrivals_s[nxt])
             nxt += 1
         if engine.has_unfinished():
@@ -295,7 +333,7 @@ def run_workload(engine: jaxinfer.Engine, w: Workload,
     computed, padded = (s.computed_tokens - before.computed_tokens,
                         s.padded_tokens - before.padded_tokens)
     return dict(
-        elapsed_s=elapsed_s, output_tokens=output_tokens,
+        elapsed_s=elapsed_s, output_tokens=output_tokens, constrained_requests=len(w.constrained),
         planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=output_tokens / elapsed_s, req_per_s=len(ids) / elapsed_s,
         ttft_ms=percentiles_ms([m.time_to_first_token + late
@@ -374,6 +412,8 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
     if run["output_tokens"] != run["planned_output_tokens"]:
         print(f"  note: {run['planned_output_tokens'] - run['output_tokens']} planned tokens not "
               "generated (eos sampled); the floor counts the planned ones")
+    if run["constrained_requests"]:
+        print(f"  {run['constrained_requests']} requests constrained to JSON (response_format)")
     print(f"  TTFT ms {_fmt_ms(run['ttft_ms'])}   TPOT ms {_fmt_ms(run['tpot_ms'])}")
     print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
           f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in decode calls, the rest "
@@ -441,6 +481,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="prompt tokens of the batch-1 request")
     ap.add_argument("--compile-cache", default=None,
                     help="JAX persistent compilation cache folder (reused across processes)")
+    ap.add_argument("--response-format", choices=("none", "json"), default="none",
+                    help="json: constrain requests to JSON_FORMAT (structured output's cost)")
+    ap.add_argument("--constrained-fraction", type=float, default=1.0,
+                    help="share of the requests constrained with --response-format json")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --response-format json: a tokenizer folder or GGUF (default: "
+                         "the default model's GGUF)")
     ap.add_argument("--json", default=None,
                     help="write the record here after each run; 'auto' = bench/results/"
                          "<device>/engine_<preset>_<date>.json")
@@ -471,6 +518,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                                   *argv])])
     model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
                         args.deterministic, args.quantize, args.kv_cache_dtype)
+    fraction = args.constrained_fraction if args.response_format == "json" else 0.0
+    if fraction:
+        model = dataclasses.replace(model, tokenizer=load_tokenizer(args.tokenizer))
     record: dict[str, Any] = dict(
         date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
         command=command, preset=args.preset, layout=model.layout, dtype="bfloat16",
@@ -490,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rates = [float(x) for x in args.rate.split(",")] if args.requests > 0 else []
     for rate in rates:
         w = make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
-                          (args.output_min, args.output_max), rate, args.seed)
+                          (args.output_min, args.output_max), rate, args.seed, fraction)
         engine = make_engine(model, args)
         if record["floor"] is None:  # the same prompts and lengths, slots and rates every run
             record["floor"] = workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
@@ -501,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"decode {f['decode_tokens']} tokens in ~{f['decode_steps']:.0f} steps of "
                   f"{f['batch_eff']}: {(f['decode_weight_bytes'] + f['decode_kv_bytes']) / 1e9:.1f}"
                   f" GB = {f['decode_s']:.4g} s)", flush=True)
-        warmup_s = warmup(engine, speculative(args))
+        warmup_s = warmup(engine, constrained=bool(w.constrained), spec=speculative(args))
         pool = pool_capacity(engine)
         print(f"\n-- rate {rate or 'offline'}: {engine.max_batch} slots, {engine.max_tokens} "
               f"tokens per step; pool {pool['pool_tokens']} tokens in "
@@ -518,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del engine
     if args.batch1_tokens > 0:
         engine = make_engine(model, args)
-        warmup_s = warmup(engine, speculative(args))
+        warmup_s = warmup(engine, spec=speculative(args))
         b1 = dict(warmup_s=warmup_s, **run_batch1(engine, cfg, args.batch1_prompt,
                                                  args.batch1_tokens, bandwidth, dtype_bytes,
                                                  speculative(args)))

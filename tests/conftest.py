@@ -92,6 +92,25 @@ def hf_smollm2(default_gguf: Path, hf_smollm2_tokenizer):
     return hf_smollm2_tokenizer, model
 
 
+def byte_tokenizer(printable_only: bool = False):
+    """A byte-level ``jaxinfer.tokenizer.Tokenizer`` without merges: one token per byte (only
+    the printable ASCII ones with ``printable_only``, for models of fewer than 257 ids), then
+    ``<eos>`` and ``<s>`` (BOS). For structured output on tiny random models."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as FastTokenizer
+
+    from jaxinfer.tokenizer import Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if printable_only:
+        alphabet = [chr(b) if b != 32 else "\u0120" for b in range(32, 127)]  # Ġ is a space
+    fast = FastTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    fast.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<s>", special=True)])
+    return Tokenizer(fast, bos_id=len(alphabet) + 1, eos_ids=[len(alphabet)])
+
+
 class LetterTokenizer:
     """Token id -> one letter; enough for stop strings and text on id prompts."""
 

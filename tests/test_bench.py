@@ -121,8 +121,8 @@ def test_timed_decode_produces_the_greedy_tokens(fuse, unstack, backend):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, context).astype(np.int32) for _ in range(batch)]
     inp = benchmark.prefill_inputs(prompts, tables, ps)
-    case.pool, case.seen, out = runner.mixed_step(
-        prepared, case.pool, case.seen, inp, config=TINY, backend=backend, dtype=jnp.float32,
+    case.pool, case.counts, out = runner.mixed_step(
+        prepared, case.pool, case.counts, inp, config=TINY, backend=backend, dtype=jnp.float32,
         max_q_len=context, score=False, stochastic=False)
     first = [int(np.argmax(compute_logits(model, p.tolist())[-1])) for p in prompts]
     assert np.asarray(out["tokens"]).tolist() == first  # the prefill step samples greedily

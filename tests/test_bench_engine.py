@@ -133,6 +133,23 @@ def test_speculative_run_counts_its_proposals_and_compiles_nothing_in_the_run(be
     assert run["programs_compiled_in_run"] == 0  # warmup(speculative=...) compiled the verify
 
 
+def test_tiny_structured_output_run(bench, tmp_path):
+    """--response-format json: half the requests constrained, with a tokenizer folder."""
+    from tests.conftest import byte_tokenizer
+
+    byte_tokenizer(printable_only=True).save(tmp_path / "tok")
+    record = bench.main(["--preset", "tiny", "--requests", "6", "--max-batch", "4",
+                         "--token-budget", "16", "--output-max", "12", "--response-format",
+                         "json", "--constrained-fraction", "0.5", "--tokenizer",
+                         str(tmp_path / "tok")])
+    (run,) = record["runs"]
+    assert run["constrained_requests"] == 3 and 0 < run["output_tokens"]
+    assert run["programs_compiled_in_run"] == 0  # warmup(constrained=True) compiled them
+    w = bench.make_workload(bench.PRESETS["tiny"], 6, (4, 64), (4, 12), 0.0, 0, 0.5)
+    assert len(w.constrained) == 3 and w.prompts == bench.make_workload(
+        bench.PRESETS["tiny"], 6, (4, 64), (4, 12), 0.0, 0).prompts
+
+
 def test_bench_server_tiny_served_and_offline(tmp_path):
     """scripts/bench_server.py on the same tiny engine sizes as above (its step programs are
     compiled already): the workload through HTTP streaming clients and offline."""

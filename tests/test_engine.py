@@ -129,8 +129,10 @@ def test_preemption_without_chunked_prefill(model, work200, alone200):
 
 def test_sampling_options_equal_generate(model):
     work = _workload(1, 12)
-    opts = dict(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, logprobs=True)
-    engine = _engine(model, num_pages=24)  # small: preempted requests must resume identically
+    opts = dict(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.3, logprobs=True,
+                presence_penalty=0.4, frequency_penalty=0.7)
+    # Small: preempted requests must resume identically (their token counts reloaded).
+    engine = _engine(model, num_pages=24)
     ids = [engine.submit(p, max_new_tokens=m, seed=i, **opts) for i, (p, m, _) in enumerate(work)]
     engine.run_until_done()
     for i, (p, m, _) in enumerate(work):
@@ -138,6 +140,7 @@ def test_sampling_options_equal_generate(model):
         (want,) = jaxinfer.generate(model, [p], max_new_tokens=m, seed=i, **opts)
         assert got.token_ids == want.token_ids
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert engine.stats().num_preemptions > 0
 
 
 def test_prefix_sharing_uses_fewer_pages_same_outputs(model):

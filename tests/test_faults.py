@@ -41,12 +41,12 @@ def test_a_request_whose_output_handling_raises_ends_alone(model, monkeypatch):
     real = engine_module.add_tokens
     calls = {"poisoned": 0}
 
-    def add_tokens(model_, req, progress, tokens, logprobs):
+    def add_tokens(model_, req, progress, tokens, logprobs, *rest):
         if list(req.prompt_ids) == poison:
             calls["poisoned"] += 1
             if calls["poisoned"] == 2:  # after its first token: a failure mid-generation
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return real(model_, req, progress, tokens, logprobs)
+        return real(model_, req, progress, tokens, logprobs, *rest)
 
     monkeypatch.setattr(engine_module, "add_tokens", add_tokens)
     engine = _engine(model)

@@ -110,7 +110,7 @@ def _decode_hlo(params, cfg, backend: str = "reference"):
     # More pages than the rows map, so attention's page gathers are smaller than the pool.
     case.pool = benchmark.random_pool(cfg, 64, 8, stacked=case.pool.stacked,
                                       key=jax.random.PRNGKey(2), dtype=jnp.float32)
-    hlo = runner.decode_steps.lower(params, case.pool, case.seen, case.inputs, config=cfg,
+    hlo = runner.decode_steps.lower(params, case.pool, case.counts, case.inputs, config=cfg,
                                     backend=backend, dtype=jnp.float32,
                                     max_steps=4, chunk=4, stochastic=False).compile().as_text()
     return case, hlo
@@ -141,7 +141,7 @@ def test_decode_steps_donate_the_pool():
                             unstack=True)
     case = benchmark.decode_case(cfg, params, "reference", 2, 5, 3, jax.random.PRNGKey(1),
                                  page_size=8, dtype=jnp.float32)
-    old = [*case.pool.k, *case.pool.v, case.seen]
+    old = [*case.pool.k, *case.pool.v, case.counts]
     benchmark.run_decode(params, cfg, "reference", case, jnp.float32)
     assert all(a.is_deleted() for a in old)
 
@@ -155,7 +155,7 @@ def test_compile_time_does_not_grow_with_depth():
         inp = benchmark.prefill_inputs([np.ones(16, np.int32)], tables, 8)
         pool = benchmark.random_pool(cfg, 2, 8, stacked=True, key=jax.random.PRNGKey(1),
                                      dtype=jnp.float32)
-        text = runner.mixed_step.lower(params, pool, jnp.zeros((1, 64), bool), inp, config=cfg,
+        text = runner.mixed_step.lower(params, pool, jnp.zeros((1, 64), jnp.int32), inp, config=cfg,
                                        backend="reference", dtype=jnp.float32, max_q_len=16,
                                        score=False, stochastic=False).as_text()
         return len(text.splitlines())

@@ -94,7 +94,8 @@ def test_any_prompts_and_chats_validate_or_raise_input_error(model, prompts, cha
 @settings(max_examples=25, **SETTINGS)
 @given(prompts=PROMPTS, chat=st.booleans(),
        options=st.dictionaries(st.sampled_from(["temperature", "top_k", "top_p", "min_p",
-                                                "repetition_penalty", "stop", "seed"]),
+                                                "repetition_penalty", "presence_penalty",
+                                                "frequency_penalty", "stop", "seed"]),
                                ANYTHING, max_size=3))
 def test_generate_on_any_input_works_or_raises_input_error(model, prompts, chat, options):
     out = _one_of_outcomes(jaxinfer.generate, model, prompts, chat=chat, max_new_tokens=3,

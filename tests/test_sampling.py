@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import jaxinfer
-from jaxinfer.sampling import SamplingArrays, SamplingParams, apply_repetition_penalty, sample
+from jaxinfer.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    apply_penalties,
+    apply_repetition_penalty,
+    sample,
+)
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 
@@ -17,7 +23,7 @@ def _draw(n: int, **options) -> np.ndarray:
     """n draws from one row with distribution PROBS, each with a different step index."""
     logits = jnp.asarray(np.log(PROBS), jnp.float32)[None].repeat(n, axis=0)
     s = SamplingArrays.from_params([SamplingParams(seed=11, **options)] * n)
-    tokens, _ = sample(logits, s, jnp.zeros((n, 4), bool), jnp.arange(n, dtype=jnp.int32))
+    tokens, *_ = sample(logits, s, jnp.zeros((n, 4), jnp.int32), jnp.arange(n, dtype=jnp.int32))
     return np.asarray(tokens)
 
 
@@ -163,15 +169,90 @@ def test_greedy_sampler_equals_the_stochastic_one_on_greedy_rows():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
     seen = jnp.asarray(rng.random((6, 50)) < 0.2)
+    counts = seen.astype(jnp.int32)  # in the prompt: what the repetition penalty reads
     steps = jnp.arange(6, dtype=jnp.int32)
     greedy_rows = [SamplingParams(seed=i, repetition_penalty=1.5) for i in range(6)]
     mixed_rows = [SamplingParams(seed=i, temperature=[0, 1.5][i % 2], repetition_penalty=1.5)
                   for i in range(6)]
-    fast, fast_lp = sample(logits, SamplingArrays.from_params(greedy_rows), seen, steps, False)
-    full, full_lp = sample(logits, SamplingArrays.from_params(greedy_rows), seen, steps, True)
-    mixed, _ = sample(logits, SamplingArrays.from_params(mixed_rows), seen, steps, True)
+    fast, fast_lp, *_ = sample(logits, SamplingArrays.from_params(greedy_rows), counts, steps,
+                               False)
+    full, full_lp, *_ = sample(logits, SamplingArrays.from_params(greedy_rows), counts, steps,
+                               True)
+    mixed, *_ = sample(logits, SamplingArrays.from_params(mixed_rows), counts, steps, True)
     want = np.argmax(apply_repetition_penalty(logits, seen, jnp.full(6, 1.5)), axis=-1)
     np.testing.assert_array_equal(fast, want)
     np.testing.assert_array_equal(full, want)
     np.testing.assert_array_equal(np.asarray(mixed)[::2], want[::2])
     np.testing.assert_array_equal(fast_lp, full_lp)
+
+
+def test_penalties_follow_the_openai_formula():
+    rng = np.random.default_rng(1)
+    b, v = 5, 40
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    in_prompt = rng.random((b, v)) < 0.3
+    generated = rng.integers(0, 4, size=(b, v)) * (rng.random((b, v)) < 0.4)
+    counts = (2 * generated + in_prompt).astype(np.int32)  # the engine's token-count table
+    rows = [SamplingParams(presence_penalty=pp, frequency_penalty=fp, repetition_penalty=rp)
+            for pp, fp, rp in ((0.0, 0.0, 1.0), (1.5, 0.0, 1.0), (0.0, 2.0, 1.0),
+                               (-0.7, 1.3, 1.0), (0.5, -2.0, 1.4))]
+    s = SamplingArrays.from_params(rows)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts), s))
+    want = logits.copy()
+    for i, sp in enumerate(rows):
+        seen = in_prompt[i] | (generated[i] > 0)  # HF's penalty: prompt and output
+        row = np.where(want[i] > 0, want[i] / sp.repetition_penalty,
+                       want[i] * sp.repetition_penalty)
+        want[i] = np.where(seen, row, want[i])
+        # OpenAI: output tokens only, c[j] = times j was generated.
+        want[i] -= sp.presence_penalty * (generated[i] > 0) + sp.frequency_penalty * generated[i]
+    np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(ours[0], logits[0])  # defaults change nothing
+    tokens, *_ = sample(jnp.asarray(logits), s, jnp.asarray(counts), jnp.arange(b), False)
+    np.testing.assert_array_equal(tokens, want.argmax(-1))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    m = logits.max(-1, keepdims=True)
+    return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.6, 1.5), (-0.5, -1.0)])
+def test_penalised_greedy_generation_equals_a_reference_loop(gqa_model, presence, frequency):
+    """Through the engine (first token in a mixed step, the rest in decode loops) against a
+    host loop over compute_logits that applies OpenAI's formula to the generated tokens."""
+    model, _ = gqa_model
+    prompt = [5, 9, 9, 17, 5, 40, 9]  # repeated prompt tokens are not penalised
+    (out,) = jaxinfer.generate(model, [prompt], max_new_tokens=14, ignore_eos=True,
+                               presence_penalty=presence, frequency_penalty=frequency)
+    want: list[int] = []
+    for _ in range(14):
+        logits = jaxinfer.compute_logits(model, prompt + want)[-1]
+        c = np.bincount(np.asarray(want, int), minlength=len(logits))
+        want.append(int(np.argmax(logits - presence * (c > 0) - frequency * c)))
+    assert out.token_ids == want
+    if frequency > 0:  # a big penalty spreads the output over more distinct tokens
+        (plain,) = jaxinfer.generate(model, [prompt], max_new_tokens=14, ignore_eos=True)
+        assert len(set(out.token_ids)) > len(set(plain.token_ids))
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens(gqa_model):
+    model, _ = gqa_model
+    prompt = [3, 14, 15, 92]
+    outs = jaxinfer.generate(model, [prompt] * 2, sampling=[
+        SamplingParams(max_new_tokens=7, logprobs=True, top_logprobs=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=7, logprobs=True, top_logprobs=20, ignore_eos=True,
+                       temperature=1.0, seed=4, frequency_penalty=1.0)])
+    for out, k in zip(outs, (5, 20), strict=True):
+        assert len(out.top_logprobs) == len(out.token_ids) == 7
+        ref = _log_softmax(jaxinfer.compute_logits(model, prompt + out.token_ids))
+        for i, (tok, top) in enumerate(zip(out.token_ids, out.top_logprobs, strict=True)):
+            row = ref[len(prompt) - 1 + i]  # the raw distribution, before penalties/sampling
+            ids, values = list(top), np.array(list(top.values()))
+            assert len(set(ids)) == k and np.all(np.diff(values) <= 0)  # most likely first
+            np.testing.assert_allclose(values, row[ids], atol=1e-4)  # each token's logprob
+            np.testing.assert_allclose(values, np.sort(row)[::-1][:k], atol=1e-4)  # the top k
+            if out is outs[0]:  # greedy: the chosen token is the most likely one
+                assert next(iter(top)) == tok and top[tok] == pytest.approx(out.logprobs[i])
+    (plain,) = jaxinfer.generate(model, [prompt], max_new_tokens=3)
+    assert plain.top_logprobs is None

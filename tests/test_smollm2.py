@@ -107,6 +107,35 @@ def test_stop_strings_and_streaming(ours_f32):
 
 
 @slow
+def test_structured_outputs_parse_and_validate(ours_f32):
+    """JSON-schema, JSON-object and regex outputs (response_format) of the default model. A
+    small engine: the reference attention reads every page a sequence may have per token."""
+    import json
+    import re
+
+    import jsonschema
+
+    from jaxinfer.engine import Engine
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "country": {"type": "string", "maxLength": 12}},
+              "required": ["city", "country"], "additionalProperties": False}
+    pattern = r"(Paris|Lyon|Nice), population [0-9]{4,8}"
+    formats = [{"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+               {"type": "json_object"}, {"type": "regex", "pattern": pattern}]
+    engine = Engine(ours_f32, max_batch=4, max_seq_len=96, max_tokens_per_step=64,
+                    verbose=False)
+    ids = [engine.submit(CHATS[0], chat=True, max_new_tokens=30, response_format=f)
+           for f in formats]
+    engine.run_until_done()
+    outs = [engine.result(i) for i in ids]
+    assert all(o.finish_reason == "stop" for o in outs), outs
+    jsonschema.validate(json.loads(outs[0].text), schema)
+    assert isinstance(json.loads(outs[1].text), dict)
+    assert re.fullmatch(pattern, outs[2].text)
+
+
+@slow
 def test_cli_generate_answers_a_chat_question():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
