@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -64,7 +64,9 @@ MAX_CHOICES = 128
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop": "stop", "seed": "seed",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                  "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                 "ignore_eos": "ignore_eos"}
+                 "ignore_eos": "ignore_eos", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty", "top_logprobs": "top_logprobs",
+                 "response_format": "response_format"}
 
 
 # ---------------------------------------------------------------------------- errors
@@ -88,11 +90,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def input_error(e: InputError) -> APIError:
+def input_error(e: InputError, renames: dict[str, str] | None = None) -> APIError:
     """A 400 for the library's one-line ``InputError``, naming the OpenAI parameter when the
-    message names a sampling option (``max_new_tokens=-1 must be ...``)."""
-    names = (_OPENAI_NAMES.get(m) for m in re.findall(r"\b(\w+)=", str(e)))
-    return APIError(400, str(e), param=next((n for n in names if n), None))
+    message starts with or names a sampling option (``max_new_tokens=-1 must be ...``,
+    ``response_format type 'xml' is unknown``); ``renames`` maps options an endpoint spells
+    differently (``/v1/completions``: ``top_logprobs`` is ``logprobs``)."""
+    names = {**_OPENAI_NAMES, **(renames or {})}
+    message = str(e)
+    first = re.match(r"(\w+)", message)
+    found = [first.group(1)] if first else []
+    found += re.findall(r"\b(\w+)=", message)
+    return APIError(400, message, param=next((names[m] for m in found if m in names), None))
 
 
 class QueueFull(Exception):
@@ -133,19 +141,26 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # json_object / json_schema / regex / grammar (jaxinfer.structured; OpenAI's on chat,
+    # accepted on completions too, as vLLM does)
+    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the caller's logs; it changes nothing here
+
+    # SamplingParams options this endpoint names otherwise (for 400 answers).
+    renames: ClassVar[dict[str, str]] = {}
 
     def wants_logprobs(self) -> bool:
         """Whether the chosen tokens' log-probabilities are asked for."""
         raise NotImplementedError
 
+    def num_top_logprobs(self) -> int:
+        """How many most likely alternatives to report per token."""
+        raise NotImplementedError
+
     def unsupported(self) -> list[tuple[str, str]]:
         """``(parameter, why)`` for values this server does not implement."""
         out = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                out.append((name, f"{name} is not supported yet; leave it at 0"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported; leave it out"))
         return out
@@ -161,16 +176,19 @@ class CompletionBody(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    renames: ClassVar[dict[str, str]] = {"top_logprobs": "logprobs"}
+
     def wants_logprobs(self) -> bool:
-        """``logprobs=0``: the chosen tokens' log-probabilities."""
+        """``logprobs=k``: the chosen tokens' log-probabilities (and k alternatives)."""
         return self.logprobs is not None
+
+    def num_top_logprobs(self) -> int:
+        """``logprobs`` (OpenAI's legacy layout: k alternatives per token)."""
+        return self.logprobs or 0
 
     def unsupported(self) -> list[tuple[str, str]]:
         """``_Sampling.unsupported`` plus the completion-only parameters."""
         out = super().unsupported()
-        if self.logprobs is not None and self.logprobs != 0:
-            out.append(("logprobs", "only logprobs=0 (the chosen token's log-probability) is "
-                        "supported; top alternatives are not available yet"))
         if self.best_of not in (None, 1, self.n):
             out.append(("best_of", "best_of must equal n (or 1); ranking choices is not "
                         "supported"))
@@ -198,7 +216,6 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -206,15 +223,15 @@ class ChatBody(_Sampling):
         """``logprobs=true``."""
         return self.logprobs
 
+    def num_top_logprobs(self) -> int:
+        """``top_logprobs`` (with ``logprobs=true``)."""
+        return self.top_logprobs or 0
+
     def unsupported(self) -> list[tuple[str, str]]:
         """``_Sampling.unsupported`` plus the chat-only parameters."""
         out = super().unsupported()
-        if self.top_logprobs:
-            out.append(("top_logprobs", "top_logprobs is not supported yet; use logprobs=true "
-                        "for the chosen tokens' log-probabilities"))
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            out.append(("response_format", "only response_format {'type': 'text'} is "
-                        "supported yet"))
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.tools or self.tool_choice not in (None, "none"):
             out.append(("tools", "tool calls are not supported"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -657,7 +674,10 @@ class Server:
                        top_k=body.top_k or 0, min_p=body.min_p or 0.0,
                        repetition_penalty=(1.0 if body.repetition_penalty is None
                                            else body.repetition_penalty),
-                       logprobs=body.wants_logprobs())
+                       logprobs=body.wants_logprobs(), top_logprobs=body.num_top_logprobs(),
+                       presence_penalty=body.presence_penalty,
+                       frequency_penalty=body.frequency_penalty,
+                       response_format=body.response_format)
         return SamplingParams(**options)
 
     def generation_jobs(self, body: _Sampling, prompts: Sequence[Any], chat: bool,
@@ -683,7 +703,7 @@ class Server:
                     choices.append(Choice(len(choices), req, TextStream(self.model, sp.stop)))
                 ids_list.append(ids)
             except InputError as e:
-                err = input_error(e)
+                err = input_error(e, body.renames)
                 err.message = where + err.message
                 raise err from None
         return ids_list, choices
@@ -726,33 +746,38 @@ class Server:
             echo = results.get(("echo", i))
             echo_lps = [None] + (echo.token_logprobs if echo is not None else [])
             if body.max_tokens == 0:
-                out.append(self._text_choice(len(out), prompt_text, [], ids, echo_lps, "length",
-                                             body.wants_logprobs()))
+                out.append(self._text_choice(len(out), prompt_text, ids, echo_lps, None,
+                                             "length", body.wants_logprobs()))
                 continue
             for j in range(body.n):
                 c = results[i * body.n + j]
                 text = prompt_text + c.text
                 out.append(self._text_choice(
-                    len(out), text, c.token_ids, ids if body.echo else [],
-                    echo_lps if body.echo else [], c.finish_reason, body.wants_logprobs(),
-                    c.logprobs))
+                    len(out), text, ids if body.echo else [], echo_lps if body.echo else [], c,
+                    c.finish_reason, body.wants_logprobs()))
         generated = sum(len(c.token_ids) for c in results.values()
                         if isinstance(c, Completion))
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": self.name,
             "choices": out, "usage": _usage(sum(len(ids) for ids in ids_list), generated)})
 
-    def _text_choice(self, index: int, text: str, token_ids: list[int], prompt_ids: list[int],
-                     prompt_lps: list[float | None], finish_reason: str, with_logprobs: bool,
-                     logprobs: list[float] | None = None) -> dict[str, Any]:
-        """One ``/v1/completions`` choice; ``logprobs`` in OpenAI's legacy layout."""
+    def _text_choice(self, index: int, text: str, prompt_ids: list[int],
+                     prompt_lps: list[float | None], result: Completion | None,
+                     finish_reason: str, with_logprobs: bool) -> dict[str, Any]:
+        """One ``/v1/completions`` choice (echoed prompt tokens, then ``result``'s), its
+        ``logprobs`` in OpenAI's legacy layout: ``top_logprobs`` maps each generated token's
+        most likely tokens (as text) to their log-probabilities (None for prompt tokens, or
+        when no alternatives were asked for)."""
         lp = None
         if with_logprobs:
-            ids = list(prompt_ids) + list(token_ids)
-            values = list(prompt_lps) + list(logprobs or [])
             tok = self.model.tokenizer  # offsets count characters from the choice's start
+            ids = list(prompt_ids) + (result.token_ids if result is not None else [])
+            values = list(prompt_lps) + (result.logprobs or [] if result is not None else [])
+            top = None
+            if result is not None and result.top_logprobs is not None:
+                top = [None] * len(prompt_ids) + [self._by_text(d) for d in result.top_logprobs]
             lp = {"tokens": [tok.decode([t]) for t in ids], "token_logprobs": values,
-                  "top_logprobs": None,
+                  "top_logprobs": top,
                   "text_offset": [len(tok.decode(ids[:k])) for k in range(len(ids))]}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
@@ -784,12 +809,27 @@ class Server:
             "choices": out,
             "usage": _usage(len(ids), sum(len(r.token_ids) for r in results.values()))})
 
+    def _by_text(self, top: dict[int, float]) -> dict[str, float]:
+        """Alternatives keyed by their text (the legacy layout); tokens of the same text
+        (e.g. bytes of an incomplete character, all "\ufffd") keep the most likely one."""
+        out: dict[str, float] = {}
+        for t, v in top.items():  # most likely first
+            out.setdefault(self.model.tokenizer.decode([t]), v)
+        return out
+
     def _chat_logprobs(self, r: Completion) -> dict[str, Any]:
+        """``choices[i].logprobs`` of a chat completion: per token its text, bytes,
+        log-probability and ``top_logprobs`` alternatives (most likely first)."""
         tok = self.model.tokenizer
-        pieces = [tok.decode([t]) for t in r.token_ids]
-        return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
-                             "top_logprobs": []}
-                            for p, lp in zip(pieces, r.logprobs or [], strict=True)]}
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            piece = tok.decode([t])
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+
+        tops = r.top_logprobs or [{} for _ in r.token_ids]
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in d.items()]}
+                            for t, lp, d in zip(r.token_ids, r.logprobs or [], tops,
+                                                strict=True)]}
 
     def _stream(self, sub: Submission, choices: list[Choice], body: _Sampling, rid: str,
                 created: int, chat: bool, prompt_tokens: int) -> StreamingResponse:
@@ -851,8 +891,7 @@ class Server:
                     lps = None
                     if body.wants_logprobs():
                         lps = (self._chat_logprobs(payload) if chat else self._text_choice(
-                            c.index, payload.text, payload.token_ids, [], [], "", True,
-                            payload.logprobs)["logprobs"])
+                            c.index, payload.text, [], [], payload, "", True)["logprobs"])
                     yield chunk(c, text + c.text.add(None), payload.finish_reason, lps)
                 for key, text in pending.items():
                     if text:

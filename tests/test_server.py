@@ -177,6 +177,55 @@ def test_n_seed_and_stop(model, client):
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
 
 
+def test_top_logprobs_penalties_and_json_schema(model, client):
+    # Completions: logprobs=k gives k alternatives per token, as generate's top_logprobs.
+    (want,) = jaxinfer.generate(model, "The sea is", max_new_tokens=6, temperature=0.0,
+                                logprobs=True, top_logprobs=2)
+    r = client.completions.create(model="tiny", prompt="The sea is", max_tokens=6,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    tok = model.tokenizer
+    # Keyed by text: byte tokens that are not whole characters all read "\ufffd"; the most
+    # likely of them stays.
+    expected = [{} for _ in want.top_logprobs]
+    for e, d in zip(expected, want.top_logprobs, strict=True):
+        for t, v in d.items():
+            e.setdefault(tok.decode([t]), pytest.approx(v, abs=1e-5))
+    assert lp.top_logprobs == expected
+    # Greedy: the chosen token is the most likely one.
+    for d, chosen in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert max(d.values()) == pytest.approx(chosen, abs=1e-6)
+    # Chat: top_logprobs alternatives beside each chosen token (greedy: the chosen is first).
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    for entry in r.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+
+    # Presence and frequency penalties: the text generate gives with them.
+    (want,) = jaxinfer.generate(model, "abc", max_new_tokens=12, temperature=0.0,
+                                presence_penalty=1.5, frequency_penalty=0.5)
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0,
+                                  presence_penalty=1.5, frequency_penalty=0.5)
+    assert r.choices[0].text == want.text
+
+    # A JSON schema constrains the chat output: it parses and validates, streamed or not.
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=32,
+                                       temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    pieces = client.chat.completions.create(model="tiny", messages=messages, max_tokens=32,
+                                            temperature=0, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) \
+        == r.choices[0].message.content
+
+
 def test_echo_logprobs_score_the_prompt(model, served):
     url, _ = served
     ids = model.tokenizer.encode("The sea is blue")
@@ -240,8 +289,8 @@ def test_bad_requests_get_400(served):
         ("/v1/completions", {**ok, "n": 129}, "n"),
         ("/v1/completions", {**ok, "model": "gpt-4"}, "model"),
         ("/v1/completions", {**ok, "frobnicate": 1}, "frobnicate"),
-        ("/v1/completions", {**ok, "presence_penalty": 0.5}, "presence_penalty"),
-        ("/v1/completions", {**ok, "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {**ok, "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/completions", {**ok, "logprobs": 21}, "logprobs"),
         ("/v1/completions", {**ok, "echo": True, "stream": True}, "echo"),
         ("/v1/completions", {**ok, "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {**ok, "prompt": ""}, None),
@@ -255,9 +304,14 @@ def test_bad_requests_get_400(served):
         ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]},
          None),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user"}]}, "messages"),
-        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}},
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}},
+         "response_format"),
+        ("/v1/chat/completions", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
          "response_format"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21},
+         "top_logprobs"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {**chat, "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
