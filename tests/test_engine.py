@@ -468,7 +468,8 @@ def test_step_shape_buckets():
     assert runner.token_buckets(4096, 128) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                                                 3072, 4096)
     assert runner.token_buckets(300, 16, fine=False) == (16, 32, 64, 128, 256, 300)
-    assert runner.row_buckets(256) == (1, 8, 16, 32, 64, 128, 256)
+    assert runner.row_buckets(256) == (2, 8, 16, 32, 64, 128, 256)
+    assert runner.row_buckets(1) == (1,)
     assert [runner.bucket(n, (1, 8, 16)) for n in (1, 2, 8, 9, 16)] == [1, 8, 8, 16, 16]
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         runner.bucket(17, (1, 8, 16))
