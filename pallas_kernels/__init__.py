@@ -3,7 +3,7 @@ the batch-invariant matmul of deterministic mode and the int8 / int4 weight matm
 Triton), and the int8 / fp8 K/V page format the paged and ragged kernels read
 (``kv_quant``)."""
 
-from pallas_kernels._common import SUPPORTED_HEAD_DIMS
+from pallas_kernels._common import SUPPORTED_HEAD_DIMS, combine_splits, combine_splits_reference
 from pallas_kernels.decode_attention import (
     decode_attention,
     decode_attention_layer,
@@ -38,6 +38,8 @@ __all__ = [
     "SCALE_DTYPE",
     "INT4_GEMV_ROWS",
     "SUPPORTED_HEAD_DIMS",
+    "combine_splits",
+    "combine_splits_reference",
     "decode_attention",
     "decode_attention_layer",
     "decode_attention_layer_reference",

@@ -198,6 +198,9 @@ def _decode_gpu(q, k_cache, v_cache, lengths, layer=None, *, scale, block_k, num
     block_k = max(MIN_DOT, min(block_k, prev_pow2(max_len)))
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, max_len, block_k)
+    # combine_splits holds every split in one block: a power of two (Triton); the extra
+    # splits get no keys and drop out of the combine.
+    num_splits = next_pow2(num_splits)
     # Pad the q-head group to the minimum dot height; the padded rows are discarded.
     gp = max(MIN_DOT, next_pow2(group))
     qg = q.reshape(b, hkv, group, d)
@@ -240,8 +243,8 @@ def _decode_gpu(q, k_cache, v_cache, lengths, layer=None, *, scale, block_k, num
         interpret=interpret,
         name="jaxinfer_decode_layer_splitk" if layered else "jaxinfer_decode_splitk",
     )(*layer_in, lengths, qg, k_cache, v_cache)
-    out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group], axis=2)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    out = combine_splits(acc, m, l_sum, group, q.dtype, interpret)  # [b, hkv, group, d]
+    return out.reshape(b, hq, d)
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)

@@ -196,6 +196,9 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, pag
     n_blocks_max = cdiv(pps, pages_per_block)
     if num_splits is None:
         num_splits = max(1, min(next_pow2(cdiv(_TARGET_PROGRAMS, b * hkv)), n_blocks_max))
+    # combine_splits holds every split in one block: a power of two (Triton); the extra
+    # splits get no keys and drop out of the combine.
+    num_splits = next_pow2(num_splits)
     # Pad the table so every block's slice of it is in bounds (padding is masked by length).
     bt = jnp.pad(
         block_tables.astype(jnp.int32), ((0, 0), (0, n_blocks_max * pages_per_block - pps))
@@ -234,8 +237,8 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, pag
         interpret=interpret,
         name="jaxinfer_paged_decode",
     )(lengths, bt, qg, k_pages, v_pages, *scales)
-    out = combine_splits(acc[:, :, :, :group], m[:, :, :, :group], l_sum[:, :, :, :group], axis=2)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    out = combine_splits(acc, m, l_sum, group, q.dtype, interpret)  # [b, hkv, group, d]
+    return out.reshape(b, hq, d)
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
