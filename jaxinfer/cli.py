@@ -228,24 +228,21 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import jax
     import uvicorn
 
+    from jaxinfer.engine_process import EngineSpec
     from jaxinfer.errors import InputError
-    from jaxinfer.loading import load_model
-    from jaxinfer.replicas import engine_for
     from jaxinfer.server import create_app
 
     if args.max_queue < 0:
         raise InputError(f"--max-queue={args.max_queue} must be >= 0")
     if not 0 < args.port < 65536:
         raise InputError(f"--port={args.port} must be in [1, 65535]")
-    model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
-    engine = engine_for(model)
-    if not args.no_warmup and jax.default_backend() != "cpu":
-        engine.warmup(sampled=True)  # seconds per program there; minutes in all on a CPU
-    app = create_app(model, engine=engine, name=args.served_model_name or args.model,
+    # The model loads in the engine process (create_app starts it); this one serves HTTP.
+    spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
+                      kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
+                      warmup=not args.no_warmup)
+    app = create_app(spec, name=args.served_model_name or args.model,
                      max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)
     # uvicorn stops on SIGINT/SIGTERM: it closes the listening socket, lets open responses
     # finish for the grace period, then the app's shutdown cancels what is left.

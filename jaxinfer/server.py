@@ -1,17 +1,25 @@
 """An OpenAI-compatible HTTP server over the one engine (``jaxinfer serve``).
 
-One thread (``EngineWorker``) owns the engine: it takes new requests and cancellations from
-a thread-safe inbox between steps, runs ``engine.step()`` and hands each request's new tokens
-and result to the HTTP handler that submitted it. The handlers run on the asyncio loop of
-the ASGI server (FastAPI on uvicorn); they validate the body, turn it into engine
-``Request`` objects (``requests.make_requests``, the library's validation) and wait on an
-``asyncio.Queue`` fed by the worker. So requests of every HTTP client share the engine's
-continuous batch, and the engine is only touched from its own thread.
+Two processes, as in vLLM v1 (its API server and ``EngineCore``): this one runs the ASGI
+server (FastAPI on uvicorn) and the engine runs in a process of its own
+(``jaxinfer.engine_process``), which owns the devices and the model and steps the engine.
+Each has its own interpreter lock, so the HTTP work of many open streams (parsing, SSE
+encoding, detokenizing) runs beside the engine's host work instead of taking turns with it.
+
+The handlers run on the asyncio loop: they validate the body, turn it into engine
+``Request`` objects (``requests.make_requests``, the library's validation; prompt token ids,
+``SamplingParams`` and compiled grammars are plain data) and submit them as one ticket over
+a pipe; then they wait on an ``asyncio.Queue`` that ``Server.deliver`` fills with each
+engine step's new tokens and results (one pipe message per step for all requests). So
+requests of every HTTP client share the engine's continuous batch. Text is detokenized
+here, one SSE event per choice per engine step.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed over SSE
 with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus
 text). Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-a bad request, 429 with ``Retry-After`` when the queue is full, 503 while shutting down.
+a bad request, 429 with ``Retry-After`` when the queue is full, 503 while shutting down or
+once the engine process is gone (requests it was running fail with a 500 body, or an error
+chunk when streamed).
 """
 
 from __future__ import annotations
@@ -20,9 +28,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import queue
 import re
-import threading
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,9 +42,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxinfer.engine import EngineStats
+from jaxinfer.engine_process import EngineProcess, EngineSpec, Message, QueueFull, ShuttingDown
 from jaxinfer.errors import InputError
 from jaxinfer.generate import TextStream
-from jaxinfer.replicas import engine_for
 from jaxinfer.requests import (
     Completion,
     Model,
@@ -101,14 +109,6 @@ def input_error(e: InputError, renames: dict[str, str] | None = None) -> APIErro
     found = [first.group(1)] if first else []
     found += re.findall(r"\b(\w+)=", message)
     return APIError(400, message, param=next((names[m] for m in found if m in names), None))
-
-
-class QueueFull(Exception):
-    """The engine's queue holds ``max_queue`` waiting requests already."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining and takes no new requests."""
 
 
 # ---------------------------------------------------------------------------- request bodies
@@ -280,25 +280,25 @@ def parse_body(raw: bytes, kind: type[_Body]) -> Any:
     return body
 
 
-# ---------------------------------------------------------------------------- engine worker
-Message = tuple[str, Any, Any]  # (kind, key, payload): "accepted"/"rejected"/"tokens"/"done"
+# ---------------------------------------------------------------------------- engine replies
+Reply = tuple[str, Any, Any]  # (kind, key, payload): engine_process.Message without its ticket
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity
 class Ticket:
     """One HTTP request's engine requests, each under the key its handler chose, and where
-    the worker puts its messages: lists of them on ``queue``, through ``loop``."""
+    their replies go: lists of them on ``queue``, through ``loop``."""
 
     jobs: list[tuple[Any, EngineRequest]]
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[list[Message]]
+    queue: asyncio.Queue[list[Reply]]
     stream: bool  # send each step's new tokens (else only results)
-    rids: dict[int, Any] = dataclasses.field(default_factory=dict)  # engine id -> key
+    id: int = -1  # EngineProcess.submit's, for cancel
 
 
-def _put_all(items: list[tuple[asyncio.Queue[list[Message]], list[Message]]]) -> None:
-    for q, messages in items:
-        q.put_nowait(messages)
+def _put_all(items: list[tuple[asyncio.Queue[list[Reply]], list[Reply]]]) -> None:
+    for q, replies in items:
+        q.put_nowait(replies)
 
 
 class ServerMetrics:
@@ -330,6 +330,14 @@ class ServerMetrics:
         self.rejected = Counter("jaxinfer_requests_rejected", "HTTP requests answered 429 "
                                 "(queue full) or 503 (shutting down)", ["status"], registry=r)
 
+    def publish(self, s: EngineStats) -> None:
+        """Set the gauges from the engine's counters."""
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.pages.labels("used").set(s.pages_used)
+        self.pages.labels("cached").set(s.pages_cached)
+        self.pages.labels("free").set(s.pages_free)
+
     def observe(self, result: Completion | ScoreResult) -> None:
         """Count a finished engine request."""
         if isinstance(result, ScoreResult):
@@ -346,220 +354,19 @@ class ServerMetrics:
             self.tpot.observe(result.time_per_output_token)
 
 
-class EngineWorker:
-    """The thread that owns the engine: requests in through ``submit``/``cancel`` (from any
-    thread), tokens and results out to each ticket's queue, one wake-up of the handlers'
-    event loop per step with every ticket's messages of that step.
-
-    Args:
-      engine: an ``Engine`` or ``DataParallelEngine`` (nothing else may step it).
-      metrics: updated after every step.
-      max_queue: engine requests that may wait for a slot; ``submit`` raises ``QueueFull``
-        beyond ``engine.max_batch + max_queue`` unfinished ones.
-      max_decode_steps: tokens per sequence per decode call (``engine.step``); None keeps
-        the engine's own (about ``decode_call_seconds`` of device time), for throughput;
-        smaller values stream in smaller pieces and admit new requests sooner.
-    """
-
-    def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int = DEFAULT_MAX_QUEUE,
-                 max_decode_steps: int | None = None) -> None:
-        if max_queue < 0:
-            raise InputError(f"max_queue={max_queue} must be >= 0")
-        self.engine = engine
-        self.metrics = metrics
-        self.capacity = engine.max_batch + max_queue
-        self.max_decode_steps = max_decode_steps
-        self._inbox: queue.SimpleQueue[tuple[str, Ticket]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._outstanding = 0  # engine requests submitted and not finished or cancelled
-        self._closing = False
-        self._deadline: float | None = None  # stop(): cancel what is left at this time
-        self._tickets: dict[int, Ticket] = {}  # engine id -> ticket (worker thread only)
-        self._outbox: dict[Ticket, list[Message]] = {}  # sent at the end of each iteration
-        self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
-
-    def start(self) -> None:
-        """Start the engine thread."""
-        self._thread.start()
-
-    @property
-    def closing(self) -> bool:
-        """Whether ``stop`` was called (no new requests are taken)."""
-        return self._closing
-
-    @property
-    def outstanding(self) -> int:
-        """Engine requests submitted and not yet finished or cancelled."""
-        return self._outstanding
-
-    def submit(self, ticket: Ticket) -> None:
-        """Queue a ticket's requests; the worker answers ``("accepted", None, None)`` or
-        ``("rejected", None, message)`` (None: shutting down) before any tokens."""
-        if len(ticket.jobs) > self.capacity:
-            raise InputError(f"the request needs {len(ticket.jobs)} engine requests (prompts x "
-                             f"n, and prompt scoring for echo) but this server holds at most "
-                             f"{self.capacity} at once; split it")
-        with self._lock:
-            if self._closing:
-                raise ShuttingDown
-            if self._outstanding + len(ticket.jobs) > self.capacity:
-                raise QueueFull
-            self._outstanding += len(ticket.jobs)
-        self._inbox.put(("add", ticket))
-
-    def cancel(self, ticket: Ticket) -> None:
-        """Cancel a ticket's unfinished requests (its client went away); their pages free."""
-        self._inbox.put(("cancel", ticket))
-
-    def stop(self, grace_s: float) -> None:
-        """Take no new requests; let the running ones finish for up to ``grace_s`` seconds,
-        then cancel what is left (their handlers get ``("done", key, None)``); join.
-        ``submit`` raises ``ShuttingDown`` from now on."""
-        with self._lock:
-            self._closing = True
-        self._deadline = time.monotonic() + grace_s
-        self._inbox.put(("stop", None))  # wake an idle loop
-        self._thread.join()
-
-    # ------------------------------------------------------------------ the thread
-    def _run(self) -> None:
-        while True:
-            self._take(block=not self.engine.has_unfinished())
-            if self._deadline is not None and (time.monotonic() >= self._deadline
-                                               or not self.engine.has_unfinished()):
-                for ticket in set(self._tickets.values()):
-                    self._cancel(ticket)
-                self._take(block=False, refuse=True)  # submissions that raced with stop()
-                self._flush()
-                return
-            self._flush()  # acceptances and cancellations now, not after the step
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                events = self.engine.step(self.max_decode_steps)
-            except Exception as e:  # noqa: BLE001 - a bug must not leave clients hanging
-                self._fail_all(f"the engine step raised {type(e).__name__}: {e}")
-                self._flush()
-                continue
-            for rid, tokens, finished in events:
-                ticket = self._tickets.get(rid)
-                if ticket is None:
-                    continue
-                key = ticket.rids[rid]
-                if tokens and ticket.stream:
-                    self._send(ticket, ("tokens", key, tokens))
-                if finished:
-                    self._finish(rid, ticket, key)
-            self._publish()
-            self._flush()
-
-    def _send(self, ticket: Ticket, message: Message) -> None:
-        self._outbox.setdefault(ticket, []).append(message)
-
-    def _flush(self) -> None:
-        """Hand the iteration's messages to their event loops, one wake-up per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
-        for ticket, messages in self._outbox.items():
-            by_loop.setdefault(ticket.loop, []).append((ticket.queue, messages))
-        self._outbox = {}
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
-                loop.call_soon_threadsafe(_put_all, items)
-
-    def _take(self, block: bool, refuse: bool = False) -> None:
-        """Apply the inbox's commands; wait for one first when ``block``; ``refuse`` new
-        requests (the thread is ending)."""
-        try:
-            command, ticket = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if command == "add":
-                self._add(ticket, refuse)
-            elif command == "cancel":
-                self._cancel(ticket)
-            try:
-                command, ticket = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _add(self, ticket: Ticket, refuse: bool) -> None:
-        if refuse:
-            self._release(len(ticket.jobs))
-            self._send(ticket, ("rejected", None, None))
-            return
-        try:
-            for key, req in ticket.jobs:
-                ticket.rids[self.engine.add_request(req)] = key
-        except InputError as e:  # it does not fit this engine (max_seq_len)
-            for rid in ticket.rids:
-                self.engine.cancel(rid)
-                self.engine.forget(rid)
-            ticket.rids.clear()
-            self._release(len(ticket.jobs))
-            self._send(ticket, ("rejected", None, str(e)))
-            return
-        for rid in ticket.rids:
-            self._tickets[rid] = ticket
-        self._send(ticket, ("accepted", None, None))
-        self._publish()
-
-    def _cancel(self, ticket: Ticket) -> None:
-        for rid, key in list(ticket.rids.items()):
-            if self._tickets.pop(rid, None) is None:
-                continue  # finished already
-            self.engine.cancel(rid)
-            self.engine.forget(rid)
-            self.metrics.finished.labels("cancelled").inc()
-            self._release(1)
-            self._send(ticket, ("done", key, None))
-        self._publish()
-
-    def _finish(self, rid: int, ticket: Ticket, key: Any) -> None:
-        del self._tickets[rid]
-        result = self.engine.result(rid)
-        self.engine.forget(rid)
-        self._release(1)
-        self.metrics.observe(result)
-        self._send(ticket, ("done", key, result))
-
-    def _fail_all(self, why: str) -> None:
-        """End every live request with an error (the engine raised); keep serving."""
-        for rid, ticket in list(self._tickets.items()):
-            self.engine.cancel(rid)
-            self.engine.forget(rid)
-            del self._tickets[rid]
-            self._release(1)
-            self.metrics.finished.labels("error").inc()
-            self._send(ticket, ("failed", ticket.rids[rid], why))
-
-    def _release(self, n: int) -> None:
-        with self._lock:
-            self._outstanding -= n
-
-    def _publish(self) -> None:
-        s = self.engine.stats()
-        m = self.metrics
-        m.running.set(s.running)
-        m.waiting.set(s.waiting)
-        m.pages.labels("used").set(s.pages_used)
-        m.pages.labels("cached").set(s.pages_cached)
-        m.pages.labels("free").set(s.pages_free)
-
-
 # ---------------------------------------------------------------------------- one HTTP request
 class Submission:
-    """The asyncio side of a ticket: the worker's messages, in order, through ``messages``."""
+    """The asyncio side of a ticket: the engine's replies, in order, through ``messages``."""
 
     def __init__(self, server: Server, jobs: list[tuple[Any, EngineRequest]], stream: bool
                  ) -> None:
         self.server = server
         self.ticket = Ticket(jobs, asyncio.get_running_loop(), asyncio.Queue(), stream)
-        self._held: list[Message] = []  # what came with the acceptance
+        self._held: list[Reply] = []  # what came with the acceptance
         self.done = False
 
-    async def messages(self) -> list[Message]:
-        """The messages that arrived since the last call (waits for at least one)."""
+    async def messages(self) -> list[Reply]:
+        """The replies that arrived since the last call (waits for at least one)."""
         if self._held:
             out, self._held = self._held, []
             return out
@@ -572,7 +379,8 @@ class Submission:
     async def start(self) -> None:
         """Submit; return once the engine took the requests (raise ``APIError`` otherwise)."""
         try:
-            self.server.worker.submit(self.ticket)
+            self.ticket.id = self.server.engine.submit(self.ticket, self.ticket.jobs,
+                                                       self.ticket.stream)
         except InputError as e:
             raise APIError(400, str(e), param="n") from None
         except QueueFull:
@@ -580,10 +388,11 @@ class Submission:
             raise APIError(429, "the server's queue is full; retry later",
                            kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ShuttingDown:
+        except ShuttingDown as e:
             self.server.metrics.rejected.labels("503").inc()
-            raise APIError(503, "the server is shutting down", kind="server_error",
-                           code="shutting_down") from None
+            raise APIError(503, str(e), kind="server_error",
+                           code="engine_down" if self.server.engine.dead else "shutting_down"
+                           ) from None
         first, *self._held = await self.messages()
         kind, _, why = first
         if kind == "rejected":
@@ -597,7 +406,7 @@ class Submission:
         """Cancel what is still running (the client went away)."""
         if not self.done:
             self.done = True
-            self.server.worker.cancel(self.ticket)
+            self.server.engine.cancel(self.ticket.id)
 
 
 @dataclasses.dataclass
@@ -648,13 +457,46 @@ async def _disconnected(request: Request) -> None:
 
 # ---------------------------------------------------------------------------- the server
 class Server:
-    """The model, its engine worker and metrics behind one FastAPI app."""
+    """The engine process, the model's config and tokenizer, and the metrics behind one
+    FastAPI app.
 
-    def __init__(self, model: Model, engine: Any, name: str, worker: EngineWorker) -> None:
-        self.model, self.engine, self.name = model, engine, name
-        self.worker = worker
-        self.metrics = worker.metrics
+    Starting it starts the engine process (``EngineProcess.start``: the model loads there)
+    and waits until it is ready; ``model`` is the served model without its weights.
+    """
+
+    def __init__(self, spec: EngineSpec, name: str | None, max_queue: int,
+                 max_decode_steps: int | None) -> None:
+        self.metrics = ServerMetrics()
+        self.engine = EngineProcess(spec, self.deliver, max_queue, max_decode_steps)
+        info = self.engine.start()
+        self.model: Model = info.model()
+        self.name = name or info.name
+        self.max_seq_len = info.max_seq_len  # longest prompt + output the engine holds
+        self.metrics.publish(info.stats)
         self.created = int(time.time())
+
+    def deliver(self, messages: list[Message]) -> None:
+        """One engine iteration's messages (on ``EngineProcess``'s receiver thread): count
+        finished requests, set the gauges, and hand each ticket its replies, with one
+        wake-up per event loop."""
+        by_ticket: dict[Ticket, list[Reply]] = {}
+        for ticket, kind, key, payload in messages:
+            if kind == "done":
+                if payload is None:
+                    self.metrics.finished.labels("cancelled").inc()
+                else:
+                    self.metrics.observe(payload)
+            elif kind == "failed":
+                self.metrics.finished.labels("error").inc()
+            by_ticket.setdefault(ticket, []).append((kind, key, payload))
+        if self.engine.stats is not None:
+            self.metrics.publish(self.engine.stats)
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for ticket, replies in by_ticket.items():
+            by_loop.setdefault(ticket.loop, []).append((ticket.queue, replies))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(_put_all, items)
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, name: str) -> None:
@@ -665,7 +507,9 @@ class Server:
 
     def sampling(self, body: _Sampling, max_tokens: int, index: int) -> SamplingParams:
         """The ``SamplingParams`` of choice ``index`` (its seed is ``seed + index``)."""
-        seed = None if body.seed is None else body.seed + index
+        # Without a seed one is drawn here, not by make_requests: its multi-host broadcast
+        # would start a JAX backend in this process, which leaves the devices to the engine's.
+        seed = secrets.randbits(63) if body.seed is None else body.seed + index
         options = dict(max_new_tokens=max_tokens, seed=seed,
                        stop=() if body.stop is None else body.stop,
                        ignore_eos=body.ignore_eos,
@@ -707,12 +551,6 @@ class Server:
                 err.message = where + err.message
                 raise err from None
         return ids_list, choices
-
-    @property
-    def max_seq_len(self) -> int:
-        """Longest prompt + output the engine holds."""
-        engines = getattr(self.engine, "replicas", [self.engine])
-        return min(e.max_seq_len for e in engines)
 
     # ------------------------------------------------------------------ endpoints
     async def completions(self, request: Request) -> Response:
@@ -912,8 +750,12 @@ class Server:
                                             "max_model_len": self.max_seq_len}]}
 
     async def health(self) -> Response:
-        """``GET /health``: 200 while serving, 503 while shutting down."""
-        if self.worker.closing:
+        """``GET /health``: 200 while serving, 503 while shutting down or when the engine
+        process is gone."""
+        if self.engine.dead:
+            return JSONResponse({"status": "engine down", "message": self.engine.dead},
+                                status_code=503)
+        if self.engine.closing:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -932,34 +774,31 @@ def _usage(prompt: int, generated: int) -> dict[str, int]:
             "total_tokens": prompt + generated}
 
 
-def create_app(model: Model, *, engine: Any = None, name: str | None = None,
+def create_app(spec: EngineSpec, *, name: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_decode_steps: int | None = None,
                shutdown_grace_s: float = 30.0) -> FastAPI:
-    """The FastAPI app serving ``model`` (``uvicorn.run(create_app(model))``).
+    """The FastAPI app serving the model ``spec`` names (``uvicorn.run(create_app(spec))``).
+
+    Starts the engine process (the model loads and warms up there; ``InputError`` if it
+    cannot be loaded) and returns once it is ready. The app's shutdown (lifespan end) drains
+    and stops it.
 
     Args:
-      model: a loaded model with a tokenizer.
-      engine: the engine to serve from (default ``engine_for(model)``, the model's own);
-        only the server's thread steps it while the app runs.
-      name: the model id clients pass as ``"model"`` (default ``model.name``).
+      spec: what the engine process loads (``EngineSpec("path/to/model", dtype=...)``).
+      name: the model id clients pass as ``"model"`` (default: the loaded model's name).
       max_queue: requests that may wait for a slot before new ones get 429.
-      max_decode_steps: see ``EngineWorker``.
+      max_decode_steps: tokens per sequence per decode call; None keeps the engine's own
+        (about ``decode_call_seconds`` of device time), for throughput; smaller values
+        stream in smaller pieces and admit new requests sooner.
       shutdown_grace_s: at shutdown, running requests get this long to finish before they
         are cancelled.
-
-    The engine thread starts with the app (lifespan start) and stops with it.
     """
-    if model.tokenizer is None:
-        raise InputError("serving needs a model with a tokenizer (text in and out)")
-    engine = engine if engine is not None else engine_for(model)
-    server = Server(model, engine, name or model.name or "jaxinfer",
-                    EngineWorker(engine, ServerMetrics(), max_queue, max_decode_steps))
+    server = Server(spec, name, max_queue, max_decode_steps)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.worker.start()
         yield
-        await asyncio.to_thread(server.worker.stop, shutdown_grace_s)
+        await asyncio.to_thread(server.engine.stop, shutdown_grace_s)
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.server = server

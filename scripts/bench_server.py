@@ -1,15 +1,17 @@
 """Serving benchmark over HTTP: the OpenAI-compatible server against the offline engine.
 
 Runs ``scripts/bench_engine.py``'s offline workload (same presets, lengths and seed: prompts
-of random token ids, output lengths forced with ``max_tokens``, greedy) twice in one
-process, each on a fresh ``Engine`` of the same sizes:
+of random token ids, output lengths forced with ``max_tokens``, greedy) twice, each on a
+fresh ``Engine`` of the same sizes (``BenchSpec``), each in a process of its own:
 
-1. offline: every request submitted to the engine at once (``bench_engine.run_workload``);
-2. served: the server (``jaxinfer.server.create_app`` under uvicorn, in a thread of this
-   process, on 127.0.0.1) and, in a process of their own (``scripts/http_clients.py``),
-   one concurrent streaming HTTP client per request (or ``--clients N`` clients taking
-   requests from a shared queue), each posting ``/v1/completions`` with ``"stream": true``
-   and reading the SSE chunks.
+1. offline: every request submitted to the engine at once (``bench_engine.run_workload``),
+   in a spawned process that exits before the server starts (it frees the devices);
+2. served: the server as ``jaxinfer serve`` runs it: ``jaxinfer.server.create_app`` under
+   uvicorn in this process (the HTTP process: it never starts a JAX backend), its engine in
+   the engine process it spawns; and, in a process of their own
+   (``scripts/http_clients.py``), one concurrent streaming HTTP client per request (or
+   ``--clients N`` clients taking requests from a shared queue), each posting
+   ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
 
 It prints and records output tok/s of both, their ratio (the issue's target: >= 0.9), the
 fraction of the workload's device floor (``bench_engine.workload_floor``), and the clients'
@@ -30,8 +32,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import datetime
 import json
+import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -46,6 +52,7 @@ import jax.numpy as jnp
 
 import jaxinfer
 from jaxinfer.benchmark import device_name
+from jaxinfer.engine_process import EngineSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine  # noqa: E402 - the sibling script, importable once its folder is on the path
@@ -65,16 +72,52 @@ def numbered_tokenizer(cfg: jaxinfer.LlamaConfig) -> Any:
     return Tokenizer(backend, bos_id=cfg.bos_token_id, eos_ids=cfg.eos_token_ids)
 
 
-def load(args: argparse.Namespace) -> tuple[jaxinfer.Model, jaxinfer.LlamaConfig]:
-    """The model to serve: ``--model`` loaded, or the preset's random weights with a
-    numbered tokenizer."""
-    if args.model:
-        model = jaxinfer.load_model(args.model, backend=args.backend)
-        return model, model.config
-    cfg = bench_engine.PRESETS[args.preset]
-    model = bench_engine.build_model(cfg, args.preset, args.layout, args.backend, args.seed)
-    model.tokenizer = numbered_tokenizer(cfg)
-    return model, cfg
+@dataclasses.dataclass(frozen=True)
+class BenchSpec(EngineSpec):
+    """The benchmark's engine, for both runs: ``--model`` loaded, or the preset's random
+    weights with a numbered tokenizer; sized by the flags (``bench_engine.make_engine``) and
+    warmed up (every greedy step shape compiled) before it serves."""
+
+    args: argparse.Namespace | None = None
+
+    def load(self) -> jaxinfer.Model:
+        """The model to serve."""
+        args = self.args
+        if args.model:
+            return jaxinfer.load_model(args.model, backend=args.backend)
+        cfg = bench_engine.PRESETS[args.preset]
+        model = bench_engine.build_model(cfg, args.preset, args.layout, args.backend, args.seed)
+        model.tokenizer = numbered_tokenizer(cfg)
+        return model
+
+    def build(self) -> jaxinfer.Engine:
+        """The sized, warmed-up engine."""
+        engine = bench_engine.make_engine(self.load(), self.args)
+        bench_engine.warmup(engine)
+        return engine
+
+
+def run_offline(spec: BenchSpec) -> dict[str, Any]:
+    """In a process of its own: the workload straight through the engine; the device, the
+    workload and the run's figures."""
+    args = spec.args
+    t0 = time.perf_counter()
+    engine = spec.build()
+    startup_s = time.perf_counter() - t0
+    model, cfg = engine.model, engine.model.config
+    kind = jax.devices()[0].device_kind
+    flops, bandwidth, note = bench_engine.ceilings(kind, args.matmul_tflops, args.read_tbps)
+    w = bench_engine.make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
+                                   (args.output_min, args.output_max), 0.0, args.seed)
+    floor = bench_engine.workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
+                                        jnp.dtype(model.dtype).itemsize)
+    offline = dict(startup_s=startup_s, **bench_engine.run_workload(engine, w))
+    return dict(device=kind, device_name=device_name(), jax=jax.__version__,
+                layout=model.layout, dtype=str(jnp.dtype(model.dtype)),
+                ceilings=dict(matmul_flops_per_s=flops, read_bytes_per_s=bandwidth,
+                              source=note),
+                slots=engine.max_batch, max_tokens_per_step=engine.max_tokens,
+                workload=w, floor=floor, offline=offline)
 
 
 class ServerThread:
@@ -104,19 +147,17 @@ class ServerThread:
         self.thread.join()
 
 
-def run_served(model: jaxinfer.Model, args: argparse.Namespace, w: bench_engine.Workload
+def run_served(spec: BenchSpec, args: argparse.Namespace, w: bench_engine.Workload
                ) -> dict[str, Any]:
-    """The workload through the server on a fresh, warmed-up engine; the run's figures.
-
-    The clients run in a process of their own (``scripts/http_clients.py``), so their HTTP
-    and SSE work does not take this interpreter from the server and the engine thread.
-    """
+    """The workload through the server (its engine process fresh and warmed up); the run's
+    figures. Engine counters come from the engine process with each step's message."""
     from jaxinfer.server import create_app
 
-    engine = bench_engine.make_engine(model, args)
-    warmup_s = bench_engine.warmup(engine)
-    before = engine.stats()
-    app = create_app(model, engine=engine, name="bench", max_queue=len(w.prompts))
+    t0 = time.perf_counter()
+    app = create_app(spec, name="bench", max_queue=len(w.prompts))
+    startup_s = time.perf_counter() - t0
+    engine = app.state.server.engine
+    before = engine.stats
     with ServerThread(app) as srv:
         clients = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("http_clients.py")), srv.url, "bench",
@@ -127,10 +168,10 @@ def run_served(model: jaxinfer.Model, args: argparse.Namespace, w: bench_engine.
         raise RuntimeError(f"the HTTP clients failed:\n{clients.stderr}")
     result = json.loads(clients.stdout)
     per, elapsed = result["requests"], result["elapsed_s"]
-    s = engine.stats()
+    s = engine.stats  # after the engine process stopped: its last counters
     tokens = sum(r["tokens"] for r in per)
     return dict(
-        warmup_s=warmup_s, clients=args.clients or len(w.prompts), elapsed_s=elapsed,
+        startup_s=startup_s, clients=args.clients or len(w.prompts), elapsed_s=elapsed,
         output_tokens=tokens, planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=tokens / elapsed, req_per_s=len(per) / elapsed,
         ttft_ms=bench_engine.percentiles_ms([r["ttft_s"] for r in per]),
@@ -140,8 +181,7 @@ def run_served(model: jaxinfer.Model, args: argparse.Namespace, w: bench_engine.
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
         device_s=s.device_seconds - before.device_seconds,
         preemptions=s.num_preemptions - before.num_preemptions,
-        programs_compiled_in_run=s.num_programs - before.num_programs,
-        slots=engine.max_batch, max_tokens_per_step=engine.max_tokens)
+        programs_compiled_in_run=s.num_programs - before.num_programs)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -188,30 +228,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run both; return the JSON record (also written to ``--json``)."""
     args = parse_args(argv)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-    model, cfg = load(args)
-    kind = jax.devices()[0].device_kind
-    flops, bandwidth, note = bench_engine.ceilings(kind, args.matmul_tflops, args.read_tbps)
-    now = datetime.datetime.now(datetime.UTC)
+    if args.compile_cache:  # the engine processes inherit it
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = args.compile_cache
     label = args.preset if args.model is None else Path(args.model).name
-    w = bench_engine.make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
-                                   (args.output_min, args.output_max), 0.0, args.seed)
-    print(f"== {label} ({model.layout} layout) on {kind}: {args.requests} requests, prompts "
-          f"{args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-{args.output_max}",
-          flush=True)
-
-    engine = bench_engine.make_engine(model, args)
-    floor = bench_engine.workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
-                                        jnp.dtype(model.dtype).itemsize)
-    offline = dict(warmup_s=bench_engine.warmup(engine), **bench_engine.run_workload(engine, w))
-    del engine
-    print(f"-- offline engine: {offline['output_tokens']} tokens in {offline['elapsed_s']:.2f} s"
+    spec = BenchSpec(model=label, args=args)
+    now = datetime.datetime.now(datetime.UTC)
+    print(f"== {label}: {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max}, "
+          f"outputs {args.output_min}-{args.output_max}", flush=True)
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        run = pool.submit(run_offline, spec).result()
+    offline, floor, w = run["offline"], run["floor"], run["workload"]
+    print(f"-- offline engine ({run['layout']} layout, {run['device']}): "
+          f"{offline['output_tokens']} tokens in {offline['elapsed_s']:.2f} s"
           f" = {offline['output_tok_per_s']:.0f} output tok/s "
           f"({offline['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor "
           f"{floor['floor_output_tok_per_s']:.4g} tok/s)", flush=True)
 
-    served = run_served(model, args, w)
+    served = run_served(spec, args, w)
     ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
     print(f"-- served over HTTP ({served['clients']} streaming clients): "
           f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
@@ -219,16 +253,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{served['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor")
     print(f"   client TTFT ms {served['ttft_ms']}  TPOT ms {served['tpot_ms']}", flush=True)
     record = dict(
-        date=now.isoformat(timespec="seconds"), device=kind, jax=jax.__version__,
+        date=now.isoformat(timespec="seconds"), device=run["device"], jax=run["jax"],
         command=" ".join(["python", *(sys.argv if argv is None
                                       else ["scripts/bench_server.py", *argv])]),
-        model=label, layout=model.layout, dtype=str(jnp.dtype(model.dtype)),
-        args=vars(args), ceilings=dict(matmul_flops_per_s=flops, read_bytes_per_s=bandwidth,
-                                       source=note),
-        floor=floor, offline=offline, served=served, served_over_offline=ratio,
+        model=label, layout=run["layout"], dtype=run["dtype"], args=vars(args),
+        ceilings=run["ceilings"], floor=floor, slots=run["slots"],
+        max_tokens_per_step=run["max_tokens_per_step"], offline=offline, served=served,
+        served_over_offline=ratio,
         served_fraction_of_floor=served["output_tok_per_s"] / floor["floor_output_tok_per_s"])
     if args.json:
-        path = (REPO / "bench" / "results" / device_name() / "server_issue14"
+        path = (REPO / "bench" / "results" / run["device_name"] / "server_issue14"
                 / f"server_{label}_{now.strftime('%Y%m%d')}.json"
                 if args.json == "auto" else Path(args.json))
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,8 @@ PACKAGES = ("pallas_kernels", "jaxinfer", "sharding", "checkpoints")
 
 CORE = {"errors", "config", "params", "quantize", "tokenizer", "paged_cache", "attention",
         "sampling", "speculative", "presets", "roofline", "structured"}
-SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading", "server"}
+SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading", "server",
+           "engine_process"}
 TOOLS = {"cli", "perf_cli", "benchmark", "lm_eval_adapter"}
 
 

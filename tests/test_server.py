@@ -3,15 +3,17 @@ real clients on loopback sockets) and the lm-evaluation-harness model
 (``jaxinfer.lm_eval_adapter``, on tiny local tasks, offline).
 
 One tiny random model with a byte-level tokenizer and a chat template (float32, reference
-attention, so outputs are batch-invariant and equal ``jaxinfer.generate``'s). Every engine
-here has the same sizes, so all share one set of compiled step programs (one file: one
-process under ``pytest -n 2 --dist loadfile``).
+attention, so outputs are batch-invariant and equal ``jaxinfer.generate``'s). The servers'
+engines run in processes of their own (``jaxinfer.engine_process``), each compiling its
+step programs; tests share one server per module where they can, and the engine processes
+share JAX's persistent compilation cache (a folder of this module's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +30,7 @@ import pytest
 
 import jaxinfer
 from jaxinfer.engine import Engine
+from jaxinfer.engine_process import EngineSpec
 from jaxinfer.server import create_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,19 +69,39 @@ def serving(app, graceful_s: float | None = None) -> Iterator[tuple[str, object]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def folder(tmp_path_factory) -> Path:
+    """The tiny model, saved; engine processes load it from here."""
     from sharding.testing import write_tiny_model
 
-    folder = write_tiny_model(tmp_path_factory.mktemp("server") / "model")
+    return write_tiny_model(tmp_path_factory.mktemp("server") / "model")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory) -> Iterator[None]:
+    """Engine processes (spawned: they inherit the environment) share compiled programs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        yield
+
+
+def spec_of(folder: Path, kind: type[EngineSpec] = EngineSpec) -> EngineSpec:
+    """The tiny model with this module's engine sizes (a float32, reference-attention
+    engine: its outputs equal the ``model`` fixture's)."""
+    return kind(str(folder), dtype="float32", backend="reference", engine=SIZES)
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    """The tiny model in this process: the oracle."""
     m = jaxinfer.load_model(folder, dtype="float32", backend="reference")
-    m.engine = Engine(m, **SIZES)  # generate()'s engine: the server's sizes, shared programs
+    m.engine = Engine(m, **SIZES)  # generate()'s engine: the server's sizes
     return m
 
 
 @pytest.fixture(scope="module")
-def served(model):
-    engine = Engine(model, **SIZES)
-    app = create_app(model, engine=engine, name="tiny", max_decode_steps=8)
+def served(folder):
+    app = create_app(spec_of(folder), name="tiny", max_decode_steps=8)
     with serving(app) as (url, _):
         yield url, app.state.server
 
@@ -359,22 +382,31 @@ def test_models_health_and_metrics_move(served):
     assert total == SIZES["num_pages"]
 
 
+@dataclasses.dataclass(frozen=True)
+class SlowSpec(EngineSpec):
+    """An engine that sleeps 20 ms per step (pickled into the engine process, which imports
+    this module)."""
+
+    def build(self) -> Engine:
+        """``EngineSpec.build``'s engine, its ``step`` slowed down."""
+        engine = super().build()
+        step = engine.step
+
+        def slow_step(max_decode_steps=None):
+            time.sleep(0.02)
+            return step(max_decode_steps)
+
+        engine.step = slow_step
+        return engine
+
+
 @pytest.fixture
-def slow(model):
+def slow(folder):
     """A server whose engine sleeps 20 ms per step and decodes one token per step, with no
     room to queue beyond its 8 slots: requests stay in flight long enough to disconnect,
     overflow the queue and shut down under them."""
-    engine = Engine(model, **SIZES)
-    step = engine.step
-
-    def slow_step(max_decode_steps=None):
-        time.sleep(0.02)
-        return step(max_decode_steps)
-
-    engine.step = slow_step
-    app = create_app(model, engine=engine, name="tiny", max_queue=0, max_decode_steps=1,
-                     shutdown_grace_s=0.0)
-    return app, engine
+    return create_app(spec_of(folder, SlowSpec), name="tiny", max_queue=0, max_decode_steps=1,
+                      shutdown_grace_s=0.0)
 
 
 LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 400, "temperature": 0,
@@ -382,7 +414,7 @@ LONG = {"model": "tiny", "prompt": "go on", "max_tokens": 400, "temperature": 0,
 
 
 def test_full_queue_429_and_disconnects_free_pages(slow):
-    app, engine = slow
+    app = slow
     with serving(app) as (url, _), httpx.Client(timeout=60) as http:
         streams = [http.stream("POST", url + "/v1/completions", json={**LONG, "stream": True})
                    for _ in range(SIZES["max_batch"])]
@@ -411,13 +443,13 @@ def test_full_queue_429_and_disconnects_free_pages(slow):
             httpx.post(url + "/v1/completions", json=LONG, timeout=0.5)
         m = wait_idle(url)
         assert m[cancelled] == SIZES["max_batch"] + 1
-        assert app.state.server.worker.outstanding == 0
-    assert engine.stats().pages_used == 0 and not engine.has_unfinished()
-    engine.blocks.check_all_free()
+        assert app.state.server.engine.outstanding == 0
+    s = app.state.server.engine.stats  # the engine's counters after its last step
+    assert s.pages_used == s.running == s.waiting == 0
 
 
 def test_shutdown_drains_short_requests_and_cancels_the_rest(slow):
-    app, engine = slow
+    app = slow
     with serving(app, graceful_s=1.0) as (url, server), httpx.Client(timeout=60) as http:
         short = http.stream("POST", url + "/v1/completions",
                             json={**LONG, "max_tokens": 5, "stream": True})
@@ -431,10 +463,47 @@ def test_shutdown_drains_short_requests_and_cancels_the_rest(slow):
             assert "data: [DONE]" not in list(lines_l)  # cut at the grace period's end
         short.__exit__(None, None, None)
         long.__exit__(None, None, None)
-    assert not app.state.server.worker.outstanding
-    assert engine.stats().pages_used == 0 and not engine.has_unfinished()
+    assert not app.state.server.engine.outstanding
+    s = app.state.server.engine.stats
+    assert s.pages_used == s.running == s.waiting == 0
+    assert not app.state.server.engine.dead  # stopped, not crashed
     with pytest.raises(httpx.ConnectError):  # nothing listens any more
         httpx.get(url + "/health")
+
+
+def http_process_checks(folder: str) -> None:
+    """Run by the test below in a process of its own (its JAX untouched by an oracle): the
+    HTTP process serves without starting a JAX backend; when the engine process dies, the
+    request it ran fails with an error chunk and new ones get 503, not a hang."""
+    from jax._src import xla_bridge
+
+    app = create_app(spec_of(Path(folder)), name="tiny", max_decode_steps=1)
+    with serving(app) as (url, _), httpx.Client(timeout=60) as http:
+        ok = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        assert http.post(url + "/v1/completions", json=ok).status_code == 200
+        assert not xla_bridge.backends_are_initialized()
+
+        with http.stream("POST", url + "/v1/completions",
+                         json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)  # the request runs
+            os.kill(app.state.server.engine.pid, signal.SIGKILL)
+            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert "engine process exited" in rest[-1]["error"]["message"], rest[-1]
+        health = http.get(url + "/health")
+        assert health.status_code == 503 and "exited" in health.json()["message"]
+        r = http.post(url + "/v1/completions", json=ok)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+        assert app.state.server.engine.outstanding == 0
+
+
+def test_http_process_has_no_jax_backend_and_survives_engine_death(folder):
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
+    done = subprocess.run(
+        [sys.executable, "-c",
+         f"import test_server; test_server.http_process_checks({str(folder)!r})"],
+        env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_serve_rejects_bad_flags_before_loading(capsys):

@@ -1,0 +1,496 @@
+"""The engine in a process of its own, for the HTTP server (``jaxinfer serve``).
+
+The server's HTTP process parses requests, tokenizes, detokenizes and writes SSE events; the
+engine process owns the devices and the model and runs the step loop. Each has its own
+interpreter lock, so HTTP work for many open streams does not delay the engine's host work
+between steps (H100 r36, one process: 1B shapes served at 38% of the offline rate).
+
+What crosses the two pipes (pickled ``multiprocessing.Connection`` messages):
+
+- HTTP -> engine, in batches: ``("add", ticket, (jobs, stream))`` with ``jobs`` a list of
+  ``(key, requests.Request)`` (prompt token ids, ``SamplingParams``, compiled grammar: plain
+  data), ``("cancel", ticket, None)`` (the client went away; the engine frees its pages) and
+  ``("stop", None, grace_s)``.
+- engine -> HTTP: ``("ready", EngineInfo)`` once the model is loaded (or ``("error", message,
+  is_input_error)``), then one ``(messages, EngineStats)`` per loop iteration: every ticket's
+  ``(ticket, kind, key, payload)`` of that step — ``"accepted"``, ``"rejected"`` (payload:
+  why, None when shutting down), ``"tokens"`` (the new token ids of a streamed request),
+  ``"done"`` (its ``Completion`` / ``ScoreResult``; None when cancelled) and ``"failed"``
+  (why) — and the engine's counters after it. So the per-token cost of the pipe is a few
+  bytes; per step it is one write and one read.
+
+``EngineSpec`` says what the engine process loads (it is pickled into the spawned process:
+JAX is not fork-safe); ``EngineProcess`` is the HTTP process's handle on it. The HTTP process
+never initialises a JAX backend: it gets the model's config and tokenizer from the engine
+process (``EngineInfo``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from jaxinfer.engine import Engine, EngineStats
+from jaxinfer.errors import InputError
+from jaxinfer.requests import Model, Request
+
+Message = tuple[Any, str, Any, Any]
+"""``(ticket, kind, key, payload)``: kind ``"accepted"``, ``"rejected"``, ``"tokens"``,
+``"done"`` or ``"failed"`` (see the module docstring)."""
+
+STOP_TIMEOUT_S = 60.0
+"""At shutdown, how long the engine process gets beyond the grace period before it is killed
+(it finishes the step it is in, which may be compiling)."""
+
+
+class QueueFull(Exception):
+    """The engine holds ``max_batch + max_queue`` unfinished requests already."""
+
+
+class ShuttingDown(Exception):
+    """The engine takes no new requests: it is stopping, or its process exited (the message
+    says which)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process loads and how it sizes its engine; picklable.
+
+    ``jaxinfer serve`` fills it from its flags. ``load`` and ``build`` run in the engine
+    process; a subclass may override them (a benchmark's random weights, a test's engine)
+    and stays picklable if it is defined at a module's top level.
+
+    Args:
+      model: ``load_model``'s name or path.
+      dtype, backend, quantize, kv_cache_dtype: ``load_model``'s.
+      tp, dp: tensor-parallel devices per replica and data-parallel replicas
+        (``sharding.make_mesh(data=dp, model=tp)``); 1 and 1: one device.
+      engine: ``jaxinfer.Engine`` keyword arguments (sizes: ``max_batch``, ``num_pages``,
+        ...); empty: the model's own engine (``engine_for``) with its default sizes.
+      warmup: on an accelerator, compile the step programs (greedy and sampled) before
+        serving; on CPU they compile on first use (minutes in all otherwise).
+    """
+
+    model: str
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    quantize: str | None = None
+    kv_cache_dtype: str | None = None
+    tp: int = 1
+    dp: int = 1
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    warmup: bool = True
+
+    def load(self) -> Model:
+        """The model (``load_model``), on the mesh ``tp`` and ``dp`` name."""
+        from jaxinfer.loading import load_model
+
+        mesh = None
+        if (self.tp, self.dp) != (1, 1):
+            from sharding import make_mesh
+
+            mesh = make_mesh(data=self.dp, model=self.tp)
+        return load_model(self.model, dtype=self.dtype, backend=self.backend,
+                          quantize=self.quantize, kv_cache_dtype=self.kv_cache_dtype, mesh=mesh)
+
+    def build(self) -> Any:
+        """The engine to serve (an ``Engine`` or ``DataParallelEngine`` whose ``model`` has a
+        tokenizer), warmed up as ``warmup`` says."""
+        import jax
+
+        from jaxinfer.replicas import DataParallelEngine, engine_for
+
+        model = self.load()
+        if self.engine:
+            kind = DataParallelEngine if self.dp > 1 else Engine
+            engine = kind(model, **{"verbose": False, **self.engine})
+        else:
+            engine = engine_for(model)
+        if self.warmup and jax.default_backend() != "cpu":
+            engine.warmup(sampled=True)  # seconds per program there
+        return engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP process knows of the served model, sent by the engine process when it
+    is ready: enough to tokenize, validate and detokenize without the weights."""
+
+    config: Any  # LlamaConfig
+    tokenizer: Any  # jaxinfer.tokenizer.Tokenizer
+    name: str
+    max_batch: int  # sequences the engine runs at once (all replicas)
+    max_seq_len: int  # longest prompt + output it holds
+    stats: EngineStats  # its counters at start (after the warm-up)
+
+    def model(self) -> Model:
+        """A ``Model`` without weights, for ``requests.make_requests``, ``encode`` and
+        ``TextStream`` in the HTTP process."""
+        return Model(config=self.config, params={}, tokenizer=self.tokenizer, name=self.name)
+
+
+# ---------------------------------------------------------------------------- engine process
+class EngineLoop:
+    """The engine process's loop: commands in from the HTTP process, between steps; every
+    ticket's messages of an iteration and the engine's counters out, as one pipe message.
+
+    Args:
+      engine: an ``Engine`` or ``DataParallelEngine`` (stepped only here).
+      out: the pipe to the HTTP process.
+      max_decode_steps: tokens per sequence per decode call (``engine.step``); None keeps
+        the engine's own (about ``decode_call_seconds`` of device time), for throughput.
+    """
+
+    def __init__(self, engine: Any, out: Connection, max_decode_steps: int | None) -> None:
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._out = out
+        self._max_decode_steps = max_decode_steps
+        self._jobs: dict[int, tuple[int, Any]] = {}  # engine id -> (ticket, key), unfinished
+        self._by_ticket: dict[int, list[int]] = {}  # ticket -> its engine ids
+        self._stream: dict[int, bool] = {}  # ticket -> whether its tokens are sent
+        self._outbox: list[Message] = []
+        self._deadline: float | None = None  # stop: cancel what is left at this time
+
+    def run(self) -> None:
+        """Serve until a ``stop`` command's grace period ends or nothing is left to run."""
+        while True:
+            self._take(block=not self.engine.has_unfinished())
+            if self._deadline is not None and (time.monotonic() >= self._deadline
+                                               or not self.engine.has_unfinished()):
+                for ticket in list(self._by_ticket):
+                    self._cancel(ticket)
+                self._take(block=False, refuse=True)  # submissions that raced with stop
+                self._flush()
+                return
+            self._flush()  # acceptances and cancellations now, not after the step
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                events = self.engine.step(self._max_decode_steps)
+            except Exception as e:  # noqa: BLE001 - a bug must not leave clients hanging
+                self._fail_all(f"the engine step raised {type(e).__name__}: {e}")
+                self._flush()
+                continue
+            for rid, tokens, finished in events:
+                job = self._jobs.get(rid)
+                if job is None:
+                    continue
+                ticket, key = job
+                if tokens and self._stream[ticket]:
+                    self._outbox.append((ticket, "tokens", key, tokens))
+                if finished:
+                    self._forget(rid)
+                    self._outbox.append((ticket, "done", key, self.engine.result(rid)))
+                    self.engine.forget(rid)
+            self._flush(force=True)
+
+    def _flush(self, force: bool = False) -> None:
+        """Send the iteration's messages and the counters (``force``: even with none)."""
+        if self._outbox or force:
+            self._out.send((self._outbox, self.engine.stats()))
+            self._outbox = []
+
+    def _take(self, block: bool, refuse: bool = False) -> None:
+        """Apply the inbox's commands; wait for one first when ``block``; ``refuse`` new
+        requests (the loop is ending)."""
+        try:
+            command = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, ticket, payload = command
+            if kind == "add":
+                self._add(ticket, *payload, refuse=refuse)
+            elif kind == "cancel":
+                self._cancel(ticket)
+            else:  # stop
+                deadline = time.monotonic() + payload
+                self._deadline = min(deadline, self._deadline or deadline)
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, ticket: int, jobs: list[tuple[Any, Request]], stream: bool,
+             refuse: bool) -> None:
+        if refuse or self._deadline is not None:
+            self._outbox.append((ticket, "rejected", None, None))
+            return
+        rids: list[int] = []
+        try:
+            for _, req in jobs:
+                rids.append(self.engine.add_request(req))
+        except InputError as e:  # it does not fit this engine (max_seq_len)
+            for rid in rids:
+                self.engine.cancel(rid)
+                self.engine.forget(rid)
+            self._outbox.append((ticket, "rejected", None, str(e)))
+            return
+        for rid, (key, _) in zip(rids, jobs, strict=True):
+            self._jobs[rid] = (ticket, key)
+        self._by_ticket[ticket] = rids
+        self._stream[ticket] = stream
+        self._outbox.append((ticket, "accepted", None, None))
+
+    def _cancel(self, ticket: int) -> None:
+        for rid in self._by_ticket.get(ticket, []):
+            if rid not in self._jobs:
+                continue  # finished already
+            key = self._jobs[rid][1]
+            self._forget(rid)
+            self.engine.cancel(rid)
+            self.engine.forget(rid)
+            self._outbox.append((ticket, "done", key, None))
+
+    def _fail_all(self, why: str) -> None:
+        """End every live request with an error (the engine raised); keep serving."""
+        for rid, (ticket, key) in list(self._jobs.items()):
+            self._forget(rid)
+            self.engine.cancel(rid)
+            self.engine.forget(rid)
+            self._outbox.append((ticket, "failed", key, why))
+
+    def _forget(self, rid: int) -> None:
+        ticket, _ = self._jobs.pop(rid)
+        if all(r not in self._jobs for r in self._by_ticket[ticket]):
+            del self._by_ticket[ticket], self._stream[ticket]
+
+
+def _read_commands(conn: Connection, inbox: queue.SimpleQueue[tuple[str, Any, Any]]) -> None:
+    """The engine process's reader thread: commands into ``inbox`` as they arrive, so the
+    pipe never fills while a step runs. If the HTTP process goes away, stop at once."""
+    try:
+        while True:
+            for command in conn.recv():
+                inbox.put(command)
+    except (EOFError, OSError):
+        inbox.put(("stop", None, 0.0))
+
+
+def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
+                max_decode_steps: int | None) -> None:
+    """The engine process: build the engine, report ``ready`` (or the error), serve."""
+    # Ctrl-C in a terminal reaches the whole process group; the HTTP process decides when
+    # to stop (draining first) and tells this one over the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = spec.build()
+        model = engine.model
+        if model.tokenizer is None:
+            raise InputError("serving needs a model with a tokenizer (text in and out)")
+        engines = getattr(engine, "replicas", [engine])
+        info = EngineInfo(config=model.config, tokenizer=model.tokenizer,
+                          name=model.name or "jaxinfer", max_batch=engine.max_batch,
+                          max_seq_len=min(e.max_seq_len for e in engines),
+                          stats=engine.stats())
+    except Exception as e:  # noqa: BLE001 - reported to the HTTP process, which raises it
+        if not isinstance(e, InputError):
+            traceback.print_exc()
+        out.send(("error", str(e) if isinstance(e, InputError) else f"{type(e).__name__}: {e}",
+                  isinstance(e, InputError)))
+        return
+    loop = EngineLoop(engine, out, max_decode_steps)
+    threading.Thread(target=_read_commands, args=(commands, loop.inbox), daemon=True,
+                     name="jaxinfer-commands").start()
+    out.send(("ready", info))
+    loop.run()
+
+
+# ---------------------------------------------------------------------------- HTTP process
+class EngineProcess:
+    """The HTTP process's handle on the engine process: start it, submit and cancel
+    tickets, stop it. Nothing here touches JAX.
+
+    A ticket is one HTTP request's engine requests (``jobs``: ``(key, Request)`` pairs).
+    ``on_messages`` gets, on this object's receiver thread, the messages of each engine
+    iteration as ``(ticket, kind, key, payload)`` with ``ticket`` the object passed to
+    ``submit``; every job ends with one ``"done"`` or ``"failed"`` message, or the whole
+    ticket with ``"rejected"``. If the engine process dies, every unfinished job gets
+    ``"failed"`` with ``dead`` as the reason, and ``submit`` raises ``ShuttingDown``.
+
+    Args:
+      spec: what the engine process loads.
+      on_messages: called with each iteration's messages (on the receiver thread).
+      max_queue: requests that may wait for a slot; ``submit`` raises ``QueueFull`` beyond
+        ``max_batch + max_queue`` unfinished ones.
+      max_decode_steps: see ``EngineLoop``.
+    """
+
+    def __init__(self, spec: EngineSpec, on_messages: Callable[[list[Message]], None],
+                 max_queue: int, max_decode_steps: int | None = None) -> None:
+        if max_queue < 0:
+            raise InputError(f"max_queue={max_queue} must be >= 0")
+        self.spec = spec
+        self.max_queue = max_queue
+        self.max_decode_steps = max_decode_steps
+        self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None  # the engine's counters after its last step
+        self.dead: str | None = None  # why the engine process is gone, when it is
+        self._on_messages = on_messages
+        self._lock = threading.Lock()
+        self._closing = False
+        self._ids = itertools.count()
+        self._tickets: dict[int, tuple[Any, set[Any]]] = {}  # id -> (ticket, unfinished keys)
+        self._outstanding = 0  # engine requests submitted and not finished
+        self._sendq: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
+        self._process: multiprocessing.process.BaseProcess | None = None
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``stop`` was called or the engine process died (no new requests)."""
+        return self._closing or self.dead is not None
+
+    @property
+    def outstanding(self) -> int:
+        """Engine requests submitted and not yet finished or cancelled."""
+        return self._outstanding
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before ``start``)."""
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> EngineInfo:
+        """Spawn the engine process and wait until its model is loaded (warm-up included);
+        raise its error (``InputError`` for a user's mistake) if it fails."""
+        ctx = multiprocessing.get_context("spawn")  # JAX is not fork-safe
+        commands_in, commands_out = ctx.Pipe(duplex=False)
+        results_in, results_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=engine_main, name="jaxinfer-engine", daemon=True,
+            args=(self.spec, commands_in, results_out, self.max_decode_steps))
+        self._process.start()
+        commands_in.close()  # the child's ends: our copies must go for EOF to be seen
+        results_out.close()
+        self._commands, self._results = commands_out, results_in
+        try:
+            first = results_in.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine process exited (code {self._process.exitcode}) "
+                               "before it was ready; see its output above") from None
+        if first[0] == "error":
+            self._process.join()
+            raise (InputError if first[2] else RuntimeError)(first[1])
+        self.info = first[1]
+        self.stats = self.info.stats
+        self._receiver = threading.Thread(target=self._receive, daemon=True,
+                                          name="jaxinfer-engine-results")
+        self._receiver.start()
+        self._sender = threading.Thread(target=self._send, name="jaxinfer-engine-commands",
+                                        daemon=True)
+        self._sender.start()
+        return self.info
+
+    def submit(self, ticket: Any, jobs: list[tuple[Any, Request]], stream: bool) -> int:
+        """Send a ticket's jobs (``stream``: with each step's new tokens); return its id for
+        ``cancel``. The engine answers ``"accepted"`` or ``"rejected"`` before any tokens.
+
+        Raises ``InputError`` (more jobs than the engine ever holds), ``QueueFull`` or
+        ``ShuttingDown``.
+        """
+        capacity = self.info.max_batch + self.max_queue
+        if len(jobs) > capacity:
+            raise InputError(f"the request needs {len(jobs)} engine requests (prompts x "
+                             f"n, and prompt scoring for echo) but this server holds at most "
+                             f"{capacity} at once; split it")
+        with self._lock:
+            if self.closing:
+                raise ShuttingDown(self.dead or "the server is shutting down")
+            if self._outstanding + len(jobs) > capacity:
+                raise QueueFull
+            self._outstanding += len(jobs)
+            tid = next(self._ids)
+            self._tickets[tid] = (ticket, {key for key, _ in jobs})
+        self._sendq.put(("add", tid, (jobs, stream)))
+        return tid
+
+    def cancel(self, tid: int) -> None:
+        """Cancel a ticket's unfinished jobs (its client went away); their pages free."""
+        self._sendq.put(("cancel", tid, None))
+
+    def stop(self, grace_s: float) -> None:
+        """Take no new requests; let the running ones finish for up to ``grace_s`` seconds,
+        then cancel what is left (``"done"`` with None); wait for the engine process."""
+        with self._lock:
+            self._closing = True
+        if self._process is None:
+            return
+        self._sendq.put(("stop", None, grace_s))
+        self._sendq.put(None)
+        self._process.join(grace_s + STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._sender.join()
+        self._receiver.join()  # the last messages (cancellations) are delivered
+
+    # ------------------------------------------------------------------ threads
+    def _send(self) -> None:
+        """Commands to the engine process, batched (one pickle and write per wake-up), so
+        the event loop never waits on the pipe."""
+        while True:
+            command = self._sendq.get()
+            batch = []
+            while command is not None:
+                batch.append(command)
+                try:
+                    command = self._sendq.get_nowait()
+                except queue.Empty:
+                    break
+            with contextlib.suppress(OSError):  # the engine process is gone: _receive says
+                if batch:
+                    self._commands.send(batch)
+            if command is None:  # stop sent; the pipe stays open (its end stops the engine)
+                return
+
+    def _receive(self) -> None:
+        """Each engine iteration's messages to ``on_messages``; when the pipe ends, fail
+        what is left."""
+        try:
+            while True:
+                messages, stats = self._results.recv()
+                self.stats = stats
+                self._on_messages(self._resolve(messages))
+        except (EOFError, OSError):
+            pass
+        self._process.join()
+        with self._lock:
+            why = (f"the engine process exited (code {self._process.exitcode}); restart the "
+                   "server")
+            if not self._closing:
+                self.dead = why
+            left = [(ticket, "failed", key, why)
+                    for ticket, keys in self._tickets.values() for key in keys]
+            self._tickets.clear()
+            self._outstanding = 0
+        if left:
+            self._on_messages(left)
+
+    def _resolve(self, messages: list[Message]) -> list[Message]:
+        """Ticket ids -> the tickets; count finished jobs."""
+        out = []
+        with self._lock:
+            for tid, kind, key, payload in messages:
+                ticket, keys = self._tickets[tid]
+                out.append((ticket, kind, key, payload))
+                if kind == "rejected":
+                    self._outstanding -= len(keys)
+                    keys.clear()
+                elif kind in ("done", "failed"):
+                    keys.discard(key)
+                    self._outstanding -= 1
+                if not keys:
+                    del self._tickets[tid]
+        return out
