@@ -1,4 +1,4 @@
-"""Soak: 2,000 random requests through one engine on CPU, with random sampling options, stop
+"""Soak: 1,000 random requests through one engine on CPU, with random sampling options, stop
 strings, stop ids, arrivals and cancellations, in a pool small enough to preempt. Nothing is
 lost, every result equals the same request run alone, and no page leaks."""
 
@@ -15,7 +15,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
 from tests.conftest import LetterTokenizer, tiny_engine_model
 
-N = 2000
+N = 1000
 pytestmark = pytest.mark.slow
 
 
@@ -45,7 +45,7 @@ def _jobs(seed: int) -> list[_Job]:
         if rng.random() < 0.2:
             options["stop_token_ids"] = rng.integers(3, 128, int(rng.integers(1, 3))).tolist()
         jobs.append(_Job(prompt=rng.integers(3, 128, int(rng.integers(1, 25))).tolist(),
-                         options=options, arrival=int(rng.integers(0, 600)),
+                         options=options, arrival=int(rng.integers(0, 300)),
                          cancel_after=int(rng.integers(0, 8)) if rng.random() < 0.08 else None))
     return jobs
 
@@ -92,13 +92,13 @@ def model():
     return dataclasses.replace(tiny_engine_model(context=64), tokenizer=LetterTokenizer())
 
 
-def test_soak_2000_random_requests(model):
+def test_soak_1000_random_requests(model):
     jobs = _jobs(0)
     engine = Engine(model, num_pages=40, page_size=4, max_batch=16, max_tokens_per_step=32,
                     max_seq_len=40, decode_steps=4, verbose=False)
     got = _serve(engine, jobs, cancels=True)
     n_cancelled = sum(j.cancel_after is not None for j in jobs)
-    assert len(got) == N - n_cancelled and n_cancelled > 100
+    assert len(got) == N - n_cancelled and n_cancelled > 50
     s = engine.stats()
     assert s.num_preemptions > 0 and s.running == s.waiting == 0 and s.pages_used == 0
     engine.blocks.check_all_free()
