@@ -98,6 +98,9 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
 
 def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
+    if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
+        x = jnp.take(x, w.perm, axis=-1)
+        w = dataclasses.replace(w, perm=None)
     rows = math.prod(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = None
