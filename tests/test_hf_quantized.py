@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -154,22 +155,22 @@ def test_packed_folders_load_as_the_weights_they_encode(case, tmp_path):
     # and dequantizes to s * (q - z) up to the float16 rounding of its zero -s * z: at most
     # half a float16 ulp of s * z <= 16 * 0.03 (2**-13). The oracle then takes the loaded
     # weights, so (b) compares the forward passes alone.
-    pairs = [(layers[key], i, f"model.layers.{i}.{module}")
-             for key, module in zip(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
-                                    LINEARS, strict=True)
-             for i in range(HF_CONFIG["num_hidden_layers"])]
+    weights = {f"model.layers.{{}}.{module}": layers[key]
+               for key, module in zip(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
+                                      LINEARS, strict=True)}
     if head:
-        pairs.append((model.params["lm_head"], None, "lm_head"))
-    for qw, i, name in pairs:
+        weights["lm_head"] = jax.tree.map(lambda a: a[None], model.params["lm_head"])
+    for name, qw in weights.items():
         assert (qw.kind, qw.group, qw.q.dtype.name, qw.scale.dtype.name) == (
             "int4", group, "uint8", "float16")
         assert (qw.perm is not None) == act_order
-        got = np.asarray(qw.dequantize() if i is None else qw.dequantize()[i])
-        linear = oracle.get_submodule(name)
-        want = linear.weight.detach().numpy().T
-        assert np.abs(got - want).max() <= 2.0 ** -13, name
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(got.T))
+        stacked = np.array(qw.dequantize())  # [L, in, out]
+        for i, got in enumerate(stacked):
+            linear = oracle.get_submodule(name.format(i))
+            want = linear.weight.detach().numpy().T
+            assert np.abs(got - want).max() <= 2.0 ** -13, name.format(i)
+            with torch.no_grad():
+                linear.weight.copy_(torch.from_numpy(got.T))
     # The bytes on the device: half a byte a weight, a float16 scale and zero per group and
     # column (and an int32 row order per input row), besides two float32 norms per layer.
     shapes = [oracle.get_submodule(f"model.layers.0.{m}").weight.shape for m in LINEARS]
@@ -181,10 +182,16 @@ def test_packed_folders_load_as_the_weights_they_encode(case, tmp_path):
     # (b) the logits of the HF float32 model holding the weights the packer encoded.
     want = _torch_logits(oracle, PROMPT)
     np.testing.assert_allclose(jaxinfer.compute_logits(model, PROMPT), want, atol=1e-4)
-    if act_order:  # (c) the fused, per-layer layout gathers the input once per fused weight
+    if act_order:  # (c) the fused, per-layer layout too, and greedy decoding by the engine
         fast = jaxinfer.load_model(tmp_path, dtype="float32", backend="reference",
                                    layout="fast")
         np.testing.assert_allclose(jaxinfer.compute_logits(fast, PROMPT), want, atol=1e-4)
+        ids = list(PROMPT)
+        for _ in range(6):
+            ids.append(int(_torch_logits(oracle, ids)[-1].argmax()))
+        [got] = jaxinfer.generate(fast, [PROMPT], max_new_tokens=6, ignore_eos=True,
+                                     temperature=0.0)
+        assert got.token_ids == ids[len(PROMPT):]
 
 
 def test_act_order_weights_that_share_an_input_must_share_their_order(tmp_path):
@@ -193,22 +200,6 @@ def test_act_order_weights_that_share_an_input_must_share_their_order(tmp_path):
     write_packed_folder(tmp_path, "gptq", 32, act_order=True, shared_orders=False)
     with pytest.raises(CheckpointError, match="wq, wk, wv order their input rows differently"):
         jaxinfer.load_model(tmp_path)
-
-
-def test_act_order_model_runs_through_the_engine_like_its_dequantized_weights(tmp_path):
-    import dataclasses
-
-    import jax
-
-    write_packed_folder(tmp_path, "gptq", 32, act_order=True)
-    model = jaxinfer.load_model(tmp_path, dtype="float32", backend="reference")
-    plain = dataclasses.replace(model, params=jax.tree.map(
-        lambda w: w.dequantize() if isinstance(w, QuantizedWeight) else w, model.params,
-        is_leaf=lambda w: isinstance(w, QuantizedWeight)))
-    prompts = [list(range(3, 3 + n)) for n in (4, 9)]
-    got = jaxinfer.generate(model, prompts, max_new_tokens=6, ignore_eos=True)
-    want = jaxinfer.generate(plain, prompts, max_new_tokens=6, ignore_eos=True)
-    assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
 BAD = [  # (quantization_config changes, error)

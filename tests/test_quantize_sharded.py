@@ -1,6 +1,7 @@
 """Quantized weights on a tensor-parallel mesh: each device quantizes its shard of a weight
 (packed int4 values, scales and zeros split alongside), and the logits equal the
-single-device quantized model's (fused "fast" layout: column- and row-split weights).
+single-device quantized model's (fused "fast" layout: column- and row-split weights). An
+act-order GPTQ folder (int4 as stored, rows in group order) splits the same way.
 
 Two forced CPU devices in a subprocess (``tests/test_sharding.py`` explains why).
 """
@@ -14,10 +15,13 @@ import pytest
 
 
 @pytest.mark.slow
-def test_int4_on_a_model_split_mesh_equals_one_device():
+def test_int4_on_a_model_split_mesh_equals_one_device(tmp_path):
+    from test_hf_quantized import write_packed_folder
     from test_sharding import run_with_devices
 
-    res = run_with_devices([__file__, "worker"], n=2)
+    write_packed_folder(tmp_path / "g32", "gptq", 32, act_order=True)
+    write_packed_folder(tmp_path / "g64", "gptq", 64)
+    res = run_with_devices([__file__, "worker", str(tmp_path)], n=2)
     assert res["max_err"] < 1e-4, res
     # wo [in, out] is split on its input rows: each device holds half the packed bytes and
     # half the groups' scales.
@@ -25,9 +29,13 @@ def test_int4_on_a_model_split_mesh_equals_one_device():
     # Fused per shard: [in / 2 bytes, 1 of 2 shards, (64 + 16 + 16) / 2 columns].
     assert res["wqkv_q_shard"] == [32, 1, 48]
     assert "cannot split wo" in res["int8_error"]
+    # GPTQ: wo's 64 input rows, 32 a device, its row order replicated.
+    assert res["gptq_max_err"] < 1e-4, res
+    assert res["gptq_wo_q_shard"] == [16, 64] and res["gptq_wo_perm_shard"] == [64]
+    assert "groups of 64 input rows, but split over model=2" in res["gptq_g64_error"]
 
 
-def _worker() -> None:
+def _worker(folders: str) -> None:
     import tempfile
     from pathlib import Path
 
@@ -59,9 +67,24 @@ def _worker() -> None:
         out["int8_error"] = ""
     except InputError as e:
         out["int8_error"] = str(e)
+    gptq = Path(folders) / "g32"
+    one = jaxinfer.load_model(gptq, dtype="float32", backend="reference", layout="fast")
+    split = jaxinfer.load_model(gptq, dtype="float32", backend="reference", layout="fast",
+                                mesh=make_mesh(data=1, model=2))
+    want = np.asarray(jaxinfer.compute_logits(one, prompt))
+    out["gptq_max_err"] = float(np.abs(np.asarray(jaxinfer.compute_logits(split, prompt))
+                                       - want).max())
+    wo = split.params["layers"][0]["wo"]
+    out["gptq_wo_q_shard"] = list(wo.q.addressable_shards[0].data.shape)
+    out["gptq_wo_perm_shard"] = list(wo.perm.addressable_shards[0].data.shape)
+    try:
+        jaxinfer.load_model(Path(folders) / "g64", mesh=make_mesh(data=1, model=2))
+        out["gptq_g64_error"] = ""
+    except InputError as e:
+        out["gptq_g64_error"] = str(e)
     assert jax.device_count() == 2
     print(json.dumps(out))
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
-    _worker()
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _worker(sys.argv[2])
