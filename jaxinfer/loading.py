@@ -148,10 +148,13 @@ def load_model(
         ``"fp8"``: float8_e4m3fn with a scale per output column. ``"native"`` (a ``.gguf``
         file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
         as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
-        tensors are dequantized. ``Model.param_bytes`` reports the result. On a
-        tensor-parallel mesh each device quantizes its own shard (scales split alongside; the
-        int8 / int4 kernels are not used there yet, each step dequantizes); ``"native"`` and
-        ``deterministic`` do not run with quantization yet.
+        tensors are dequantized. An AWQ / GPTQ 4-bit HF folder runs its packed weights as
+        int4 without ``quantize=`` (``checkpoints.hf_quantized``; ``"native"`` means the
+        same, other methods are refused: it is quantized already). ``Model.param_bytes``
+        reports the result. On a tensor-parallel mesh each device quantizes its own shard
+        (scales split alongside; the int8 / int4 kernels are not used there yet, each step
+        dequantizes), or receives its shard of an AWQ / GPTQ folder's int4 weights; a GGUF's
+        ``"native"`` weights and ``deterministic`` do not run with quantization yet.
       kv_cache_dtype: how the engine's page pool stores K/V: None (default) in ``dtype``;
         ``"int8"`` (symmetric, amax / 127) or ``"fp8"`` (float8 e4m3, amax / 448), each with
         one bfloat16 scale per token and K/V head (``pallas_kernels.kv_quant``). K/V are
