@@ -14,6 +14,26 @@ import sys
 import pytest
 
 
+def test_repeated_kv_heads_of_an_int4_weight_are_its_heads_repeated():
+    # What a model split wider than its K/V heads does to a stored int4 wk / wv (AWQ / GPTQ).
+    import numpy as np
+
+    from jaxinfer.quantize import quantize_params
+    from sharding.rules import expand_kv_heads
+    from sharding.testing import tiny_config, tiny_params
+
+    cfg = tiny_config(num_heads=8, num_kv_heads=2)
+    layers = tiny_params(cfg)["layers"]
+    params = quantize_params({"layers": {k: layers[k] for k in ("wk", "wv")}}, "int4")
+    cfg4, rep = expand_kv_heads(cfg, params, 4)
+    plain = {"layers": {k: params["layers"][k].dequantize() for k in ("wk", "wv")}}
+    _, want = expand_kv_heads(cfg, plain, 4)
+    assert cfg4.num_kv_heads == 8
+    for k in ("wk", "wv"):
+        assert rep["layers"][k].shape == (2, 64, 8 * 8)
+        np.testing.assert_array_equal(rep["layers"][k].dequantize(), want["layers"][k])
+
+
 @pytest.mark.slow
 def test_int4_on_a_model_split_mesh_equals_one_device(tmp_path):
     from test_hf_quantized import write_packed_folder
