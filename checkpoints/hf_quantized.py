@@ -31,7 +31,8 @@ alike from their shared input, must agree, since the fast layout fuses them.
 
 ``InputError`` here, before any tensor is read: other methods, bits other than 4, group sizes
 other than 32/64/128 (``-1`` included), AWQ versions other than GEMM, GPTQ formats other than
-v1/v2. Modules left unquantized (``modules_to_not_convert``, a float lm_head) load as floats.
+v1/v2 or words other than int32 (GPTQModel's ``pack_dtype``). Modules left unquantized
+(``modules_to_not_convert``, a float lm_head) load as floats; a quantized lm_head as int4.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ def packed_format(folder: str | Path) -> PackedFormat | None:
     if fmt not in ("gptq", "gptq_v2"):
         raise InputError(f"{path}: GPTQ checkpoint_format={fmt!r} packs weights for its own "
                          "kernels; jaxinfer loads 'gptq' (v1) and 'gptq_v2' folders")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise InputError(f"{path}: GPTQ pack_dtype={qc['pack_dtype']!r} is not supported; "
+                         "jaxinfer reads values packed in int32 words (the default)")
     return PackedFormat("gptq", group, zero_offset=1 if fmt == "gptq" else 0)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from jaxinfer.quantize import (
     quantize_params,
 )
 from jaxinfer.requests import Model
+
+if TYPE_CHECKING:
+    from checkpoints.hf_quantized import PackedFormat
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
@@ -242,7 +245,7 @@ def _check_quantize(quantize: str, name_or_path: str | os.PathLike[str], packed:
                          "pass one, or quantize with int8 / int4 / fp8")
 
 
-def _packed_format(name_or_path: str | os.PathLike[str]) -> Any:
+def _packed_format(name_or_path: str | os.PathLike[str]) -> PackedFormat | None:
     """The ``checkpoints.hf_quantized.PackedFormat`` of an AWQ / GPTQ HF folder, else None
     (read from config.json alone; an unsupported variant raises ``InputError`` here)."""
     from checkpoints.hf_quantized import packed_format

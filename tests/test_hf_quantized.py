@@ -214,6 +214,7 @@ BAD = [  # (quantization_config changes, error)
     ({"group_size": -1}, "group_size=-1 is not supported"),
     ({"group_size": 256}, "groups of 32, 64 or 128"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+    ({"pack_dtype": "int8"}, "pack_dtype='int8' is not supported"),
     ({"quant_method": "awq", "version": "gemv"}, "AWQ version='gemv'"),
     ({"quant_method": "awq", "version": "exllama"}, "AWQ version='exllama'"),
     ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
