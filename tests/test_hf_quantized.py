@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -28,6 +27,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i <- column order[i] of 8
 PROMPT = [5, 9, 2, 77, 31, 8, 100, 64, 3]
 SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # ours, in LINEARS' order
 
 
 def _words(nibbles: np.ndarray) -> np.ndarray:
@@ -98,22 +98,20 @@ def write_packed_folder(path: Path, method: str, group: int = 32, act_order: boo
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     names = [f"model.layers.{i}.{m}" for i in range(HF_CONFIG["num_hidden_layers"])
              for m in LINEARS] + (["lm_head"] if quantized_head else [])
-    orders: dict[str, np.ndarray] = {}
+    orders: dict[str, np.ndarray] = {}  # act-order g_idx by the layer whose input it orders
     for name in names:
-        out, n_in = state[f"{name}.weight"].shape
+        out, n_in = state.pop(f"{name}.weight").shape
         g_idx = np.arange(n_in) // group
         if act_order:
             parent, _, module = name.rpartition(".")
-            source = parent + SHARED_INPUT.get(module, module) if shared_orders else name
-            g_idx = orders.setdefault(source, _act_order_groups(rng, n_in, group))
+            source = f"{parent}.{SHARED_INPUT.get(module, module)}" if shared_orders else name
+            if source not in orders:
+                orders[source] = _act_order_groups(rng, n_in, group)
+            g_idx = orders[source]
         tensors, w = _quantized_linear(rng, out, n_in, group, method, g_idx, v1)
-        del state[f"{name}.weight"]
         state.update({f"{name}.{k}": v for k, v in tensors.items()})
-        state[f"{name}.weight_oracle"] = w.astype(np.float32)
-    with torch.no_grad():
-        for name in names:
-            model.get_submodule(name).weight.copy_(
-                torch.from_numpy(state.pop(f"{name}.weight_oracle")))
+        with torch.no_grad():
+            model.get_submodule(name).weight.copy_(torch.from_numpy(w.astype(np.float32)))
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"))
     if method == "awq":
@@ -127,7 +125,18 @@ def write_packed_folder(path: Path, method: str, group: int = 32, act_order: boo
     return model
 
 
-def _torch_logits(model, ids: list[int]) -> np.ndarray:
+def loaded_linears(params: dict) -> dict[str, np.ndarray]:
+    """The int4 weights of loaded params, dequantized, by HF module name (``[out, in]``)."""
+    out = {}
+    for key, module in zip(KEYS, LINEARS, strict=True):
+        for i, w in enumerate(np.asarray(params["layers"][key].dequantize())):
+            out[f"model.layers.{i}.{module}"] = np.array(w.T)
+    if isinstance(params.get("lm_head"), QuantizedWeight):
+        out["lm_head"] = np.array(np.asarray(params["lm_head"].dequantize()).T)
+    return out
+
+
+def torch_logits(model, ids: list[int]) -> np.ndarray:
     import torch
 
     with torch.no_grad():
@@ -146,55 +155,55 @@ CASES = {  # name: (method, group, act_order, v1, quantized lm_head)
 def test_packed_folders_load_as_the_weights_they_encode(case, tmp_path):
     import torch
 
+    from checkpoints.hf import load_hf_checkpoint
+    from checkpoints.orbax_io import restore_params, save_params
+
     method, group, act_order, v1, head = CASES[case]
     oracle = write_packed_folder(tmp_path, method, group, act_order, v1, head)
-    model = jaxinfer.load_model(tmp_path, dtype="float32", backend="reference",
-                                layout="stacked")
-    layers = model.params["layers"]
+    _, params = load_hf_checkpoint(tmp_path)  # what load_model places
+    layers = params["layers"]  # [L, ...] weights
     # (a) every weight is int4 with the checkpoint's group, 4-bit values and float16 scales,
     # and dequantizes to s * (q - z) up to the float16 rounding of its zero -s * z: at most
     # half a float16 ulp of s * z <= 16 * 0.03 (2**-13). The oracle then takes the loaded
     # weights, so (b) compares the forward passes alone.
-    weights = {f"model.layers.{{}}.{module}": layers[key]
-               for key, module in zip(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"),
-                                      LINEARS, strict=True)}
-    if head:
-        weights["lm_head"] = jax.tree.map(lambda a: a[None], model.params["lm_head"])
-    for name, qw in weights.items():
+    for qw in [layers[k] for k in KEYS] + ([params["lm_head"]] if head else []):
         assert (qw.kind, qw.group, qw.q.dtype.name, qw.scale.dtype.name) == (
             "int4", group, "uint8", "float16")
         assert (qw.perm is not None) == act_order
-        stacked = np.array(qw.dequantize())  # [L, in, out]
-        for i, got in enumerate(stacked):
-            linear = oracle.get_submodule(name.format(i))
-            want = linear.weight.detach().numpy().T
-            assert np.abs(got - want).max() <= 2.0 ** -13, name.format(i)
-            with torch.no_grad():
-                linear.weight.copy_(torch.from_numpy(got.T))
-    # The bytes on the device: half a byte a weight, a float16 scale and zero per group and
-    # column (and an int32 row order per input row), besides two float32 norms per layer.
+    loaded = loaded_linears(params)
+    assert len(loaded) == len(LINEARS) * HF_CONFIG["num_hidden_layers"] + head
+    for name, got in loaded.items():
+        linear = oracle.get_submodule(name)
+        assert np.abs(got - linear.weight.detach().numpy()).max() <= 2.0 ** -13, name
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(got))
+    # The bytes: half a byte a weight, a float16 scale and zero per group and column (and an
+    # int32 row order per input row), besides two float32 norms per layer.
     shapes = [oracle.get_submodule(f"model.layers.0.{m}").weight.shape for m in LINEARS]
     per_layer = sum(o * i // 2 + 2 * 2 * (i // group) * o + 4 * i * act_order
                     for o, i in shapes) + 2 * 4 * 64
     assert param_bytes(layers) == HF_CONFIG["num_hidden_layers"] * per_layer
-    assert model.param_bytes == param_bytes(model.params)
+    # (b) the logits of the HF float32 model holding those weights; act-order (c) in the
+    # fused, per-layer layout (one row order per fused weight), and greedy decoding by the
+    # engine gives HF's tokens and log-probabilities.
+    model = jaxinfer.load_model(tmp_path, dtype="float32", backend="reference",
+                                layout="fast" if act_order else "stacked")
     assert isinstance(model.params.get("lm_head"), QuantizedWeight) == head
-    # (b) the logits of the HF float32 model holding the weights the packer encoded.
-    want = _torch_logits(oracle, PROMPT)
+    if not act_order:
+        assert model.param_bytes == param_bytes(params)
+    want = torch_logits(oracle, PROMPT)
     np.testing.assert_allclose(jaxinfer.compute_logits(model, PROMPT), want, atol=1e-4)
-    if act_order:  # (c) the fused, per-layer layout too, and greedy decoding by the engine
-        fast = jaxinfer.load_model(tmp_path, dtype="float32", backend="reference",
-                                   layout="fast")
-        np.testing.assert_allclose(jaxinfer.compute_logits(fast, PROMPT), want, atol=1e-4)
-        ids = list(PROMPT)
-        for _ in range(6):
-            ids.append(int(_torch_logits(oracle, ids)[-1].argmax()))
-        [got] = jaxinfer.generate(fast, [PROMPT], max_new_tokens=6, ignore_eos=True,
-                                     temperature=0.0)
+    if act_order:
+        ids, logprobs = list(PROMPT), []
+        for _ in range(4):
+            logits = torch_logits(oracle, ids)[-1].astype(np.float64)
+            ids.append(int(logits.argmax()))
+            logprobs.append(-np.log(np.exp(logits - logits.max()).sum()))  # the argmax's
+        [got] = jaxinfer.generate(model, [PROMPT], max_new_tokens=4, ignore_eos=True,
+                                  temperature=0.0, logprobs=True)
         assert got.token_ids == ids[len(PROMPT):]
+        np.testing.assert_allclose(got.logprobs, logprobs, atol=1e-4)
         # jaxinfer convert saves the row order with the packed arrays.
-        from checkpoints.orbax_io import restore_params, save_params
-
         save_params(tmp_path / "saved", {"wq": layers["wq"]})
         saved = restore_params(tmp_path / "saved")["wq"]
         np.testing.assert_array_equal(saved.perm, layers["wq"].perm)

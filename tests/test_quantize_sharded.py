@@ -36,10 +36,19 @@ def test_repeated_kv_heads_of_an_int4_weight_are_its_heads_repeated():
 
 @pytest.mark.slow
 def test_int4_on_a_model_split_mesh_equals_one_device(tmp_path):
-    from test_hf_quantized import write_packed_folder
+    import numpy as np
+    import torch
+    from test_hf_quantized import PROMPT, loaded_linears, torch_logits, write_packed_folder
     from test_sharding import run_with_devices
 
-    write_packed_folder(tmp_path / "g32", "gptq", 32, act_order=True)
+    from checkpoints.hf import load_hf_checkpoint
+
+    # The act-order GPTQ model's logits: HF transformers' float32 model of its loaded weights.
+    oracle = write_packed_folder(tmp_path / "g32", "gptq", 32, act_order=True)
+    with torch.no_grad():
+        for name, w in loaded_linears(load_hf_checkpoint(tmp_path / "g32")[1]).items():
+            oracle.get_submodule(name).weight.copy_(torch.from_numpy(w))
+    np.save(tmp_path / "want.npy", torch_logits(oracle, PROMPT))
     write_packed_folder(tmp_path / "g64", "gptq", 64)
     res = run_with_devices([__file__, "worker", str(tmp_path)], n=2)
     assert res["max_err"] < 1e-4, res
@@ -49,7 +58,7 @@ def test_int4_on_a_model_split_mesh_equals_one_device(tmp_path):
     # Fused per shard: [in / 2 bytes, 1 of 2 shards, (64 + 16 + 16) / 2 columns].
     assert res["wqkv_q_shard"] == [32, 1, 48]
     assert "cannot split wo" in res["int8_error"]
-    # GPTQ: wo's 64 input rows, 32 a device, its row order replicated.
+    # Act-order GPTQ: HF's logits; wo's 64 input rows, 32 a device, its row order replicated.
     assert res["gptq_max_err"] < 1e-4, res
     assert res["gptq_wo_q_shard"] == [16, 64] and res["gptq_wo_perm_shard"] == [64]
     assert "groups of 64 input rows, but split over model=2" in res["gptq_g64_error"]
@@ -87,12 +96,12 @@ def _worker(folders: str) -> None:
         out["int8_error"] = ""
     except InputError as e:
         out["int8_error"] = str(e)
-    gptq = Path(folders) / "g32"
-    one = jaxinfer.load_model(gptq, dtype="float32", backend="reference", layout="fast")
-    split = jaxinfer.load_model(gptq, dtype="float32", backend="reference", layout="fast",
-                                mesh=make_mesh(data=1, model=2))
-    want = np.asarray(jaxinfer.compute_logits(one, prompt))
-    out["gptq_max_err"] = float(np.abs(np.asarray(jaxinfer.compute_logits(split, prompt))
+    from test_hf_quantized import PROMPT
+
+    split = jaxinfer.load_model(Path(folders) / "g32", dtype="float32", backend="reference",
+                                layout="fast", mesh=make_mesh(data=1, model=2))
+    want = np.load(Path(folders) / "want.npy")
+    out["gptq_max_err"] = float(np.abs(np.asarray(jaxinfer.compute_logits(split, PROMPT))
                                        - want).max())
     wo = split.params["layers"][0]["wo"]
     out["gptq_wo_q_shard"] = list(wo.q.addressable_shards[0].data.shape)
