@@ -11,6 +11,9 @@ The params pytree (the contract with ``jaxinfer.model``) is a nested dict of arr
                 "w_down": [L, inter, hidden]},
      "final_norm": [hidden],
      "lm_head": [hidden, vocab]}   # absent when config.tie_word_embeddings
+
+An AWQ or GPTQ 4-bit folder (``quantization_config`` in config.json) loads its quantized
+linear layers as int4 ``QuantizedWeight`` without a float copy (``checkpoints.hf_quantized``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from checkpoints.hf_quantized import (
+    PackedFormat,
+    check_fused_orders,
+    packed_format,
+    packed_layers,
+)
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.params import param_shapes
@@ -172,17 +182,34 @@ def _open_checkpoint(folder: Path) -> dict[str, _SafetensorsFile]:
     return where
 
 
-def _checked(where: dict[str, _SafetensorsFile], name: str, config: LlamaConfig,
-             cast: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def _read(where: dict[str, _SafetensorsFile], name: str, expected: tuple[int, ...]
+          ) -> np.ndarray:
+    """Tensor ``name``, which the config requires with shape ``expected``."""
     if name not in where:
         raise CheckpointError(f"checkpoint is missing tensor {name!r} that the config requires; "
                               "the checkpoint is incomplete or not a Llama model")
-    expected = hf_tensor_shape(name, config)
     got = where[name].shape(name)
     if got != expected:
         raise CheckpointError(f"tensor {name!r} has shape {list(got)} but config.json implies "
                               f"{list(expected)}; the config does not match these weights")
-    return cast(where[name].read(name))
+    return where[name].read(name)
+
+
+def _checked(where: dict[str, _SafetensorsFile], name: str, config: LlamaConfig,
+             cast: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    return cast(_read(where, name, hf_tensor_shape(name, config)))
+
+
+def _packed(where: dict[str, _SafetensorsFile], names: list[str], config: LlamaConfig,
+            fmt: PackedFormat | None) -> Any:
+    """The linear weights ``names`` (one per layer, ``...weight``) of an AWQ/GPTQ folder
+    stacked as one int4 ``QuantizedWeight``; None for a float folder or float weights."""
+    if fmt is None:
+        return None
+    prefixes = [n.removesuffix(".weight") for n in names]
+    return packed_layers(lambda name, shape: _read(where, name, shape),
+                         lambda name: name in where, prefixes,
+                         hf_tensor_shape(names[0], config), fmt)
 
 
 def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig, dict[str, Any]]:
@@ -196,11 +223,14 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
 
     Returns:
       ``(config, params)``: params is the pytree described in this module's docstring, holding
-      host numpy arrays (per-layer tensors stacked into ``[num_layers, ...]``).
+      host numpy arrays (per-layer tensors stacked into ``[num_layers, ...]``); an AWQ/GPTQ
+      folder's quantized linear weights are int4 ``QuantizedWeight`` of numpy arrays
+      (``checkpoints.hf_quantized``), which ``dtype`` leaves as they are.
 
     Raises:
       CheckpointError: missing/corrupt/truncated files, missing tensors, or shape mismatches.
       ConfigError: unsupported config fields.
+      InputError: a ``quantization_config`` jaxinfer does not run (before any tensor is read).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -208,6 +238,7 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder} has no config.json; pass an HF checkpoint folder")
     config = LlamaConfig.from_json_file(folder / "config.json")
+    fmt = packed_format(folder)
     target = _parse_dtype(dtype)
 
     def cast(a: np.ndarray) -> np.ndarray:
@@ -218,20 +249,29 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
         "embed": _checked(where, "model.embed_tokens.weight", config, cast),
         "final_norm": _checked(where, "model.norm.weight", config, cast),
     }
-    layers: dict[str, np.ndarray] = {}
-    for i in range(config.num_layers):
-        for suffix, (key, transposed) in _LAYER_TENSORS.items():
-            a = _checked(where, f"model.layers.{i}.{suffix}", config, cast)
+    layers: dict[str, Any] = {}
+    for suffix, (key, transposed) in _LAYER_TENSORS.items():
+        names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
+        packed = _packed(where, names, config, fmt) if transposed else None
+        if packed is not None:
+            layers[key] = packed
+            continue
+        for i, name in enumerate(names):
+            a = _checked(where, name, config, cast)
             if transposed:
                 a = a.T
             if key not in layers:
                 # Preallocate the stacked array so peak host memory stays ~1x the checkpoint.
                 layers[key] = np.empty((config.num_layers, *a.shape), dtype=a.dtype)
             layers[key][i] = a
+    if fmt is not None:
+        check_fused_orders(layers)
     params["layers"] = layers
     if not config.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(
-            _checked(where, "lm_head.weight", config, cast).T)
+        head = _packed(where, ["lm_head.weight"], config, fmt)
+        params["lm_head"] = (np.ascontiguousarray(
+            _checked(where, "lm_head.weight", config, cast).T) if head is None
+            else jax.tree.map(lambda a: a[0], head))
     extra_layers = [n for n in where if n.startswith("model.layers.")
                     and int(n.split(".")[2]) >= config.num_layers]
     if extra_layers:

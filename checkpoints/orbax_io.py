@@ -13,9 +13,9 @@ metadata API changed shape across orbax releases; the manifest lets us build the
 (``jax.ShapeDtypeStruct`` with a sharding) the same way on every version.
 
 Quantized weights (``jaxinfer.quantize.QuantizedWeight``, ``jaxinfer convert --quantize``) are
-saved as their arrays (``layers/wq/q``, ``layers/wq/scale``, ``layers/wq/zero``) and a
-manifest entry ``layers/wq`` with their kind, group and output axes; restoring rebuilds them,
-each array in the weight's sharding.
+saved as their arrays (``layers/wq/q``, ``layers/wq/scale``, ``layers/wq/zero``, a row order
+``layers/wq/perm``) and a manifest entry ``layers/wq`` with their kind, group and output axes;
+restoring rebuilds them, each array in the weight's sharding.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def save_params(path: str | Path, params: dict[str, Any], overwrite: bool = Fals
         if isinstance(a, QuantizedWeight):
             manifest[name] = {"quantized": {"kind": a.kind, "group": a.group,
                                             "out_axes": a.out_axes}}
-            parts = {"q": a.q, "scale": a.scale, **({} if a.zero is None else {"zero": a.zero})}
+            parts = {k: x for k, x in (("q", a.q), ("scale", a.scale), ("zero", a.zero),
+                                       ("perm", a.perm)) if x is not None}
             for part, x in parts.items():
                 manifest[f"{name}/{part}"] = {"shape": list(np.shape(x)), "dtype": str(x.dtype)}
                 _set_leaf(arrays, f"{name}/{part}", x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from jaxinfer.quantize import (
     quantize_params,
 )
 from jaxinfer.requests import Model
+
+if TYPE_CHECKING:
+    from checkpoints.hf_quantized import PackedFormat
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
@@ -148,10 +151,13 @@ def load_model(
         ``"fp8"``: float8_e4m3fn with a scale per output column. ``"native"`` (a ``.gguf``
         file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
         as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
-        tensors are dequantized. ``Model.param_bytes`` reports the result. On a
-        tensor-parallel mesh each device quantizes its own shard (scales split alongside; the
-        int8 / int4 kernels are not used there yet, each step dequantizes); ``"native"`` and
-        ``deterministic`` do not run with quantization yet.
+        tensors are dequantized. An AWQ / GPTQ 4-bit HF folder runs its packed weights as
+        int4 without ``quantize=`` (``checkpoints.hf_quantized``; ``"native"`` means the
+        same, other methods are refused: it is quantized already). ``Model.param_bytes``
+        reports the result. On a tensor-parallel mesh each device quantizes its own shard
+        (scales split alongside; the int8 / int4 kernels are not used there yet, each step
+        dequantizes), or receives its shard of an AWQ / GPTQ folder's int4 weights; a GGUF's
+        ``"native"`` weights and ``deterministic`` do not run with quantization yet.
       kv_cache_dtype: how the engine's page pool stores K/V: None (default) in ``dtype``;
         ``"int8"`` (symmetric, amax / 127) or ``"fp8"`` (float8 e4m3, amax / 448), each with
         one bfloat16 scale per token and K/V head (``pallas_kernels.kv_quant``). K/V are
@@ -165,9 +171,13 @@ def load_model(
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
+    packed = _packed_format(name_or_path)  # an AWQ / GPTQ folder: runs as it is stored
+    if packed is not None and deterministic:
+        raise InputError(f"{name_or_path} is a {packed.method.upper()} checkpoint, whose int4 "
+                         "weights do not run with deterministic=True yet; load without it")
     if quantize is not None:
-        _check_quantize(quantize, name_or_path)
-        if deterministic or (split and quantize == "native"):
+        _check_quantize(quantize, name_or_path, packed is not None)
+        if deterministic or (split and quantize == "native" and packed is None):
             raise InputError(f"quantize={quantize!r} does not run with "
                              f"{'a tensor-parallel mesh' if split else 'deterministic=True'}"
                              " yet; load without one of them")
@@ -180,7 +190,8 @@ def load_model(
         shardings = lambda cfg: stored_shardings(cfg, mesh)
     native = quantize == "native"
     config, params, tokenizer = _load_raw(name_or_path, shardings, native=native)
-    if is_quantized(params) and (split or deterministic or quantize not in (None, "native")):
+    if packed is None and is_quantized(params) and (
+            split or deterministic or quantize not in (None, "native")):
         # Saved quantized (convert --quantize): restored as they are, on one device.
         raise InputError(f"{name_or_path} holds quantized weights (jaxinfer convert --quantize)"
                          f"; load it without quantize=, "
@@ -214,17 +225,36 @@ def load_model(
                  deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
 
 
-def _check_quantize(quantize: str, name_or_path: str | os.PathLike[str]) -> None:
-    """``InputError`` for an unknown method, or ``"native"`` for a model that is not a GGUF."""
+def _check_quantize(quantize: str, name_or_path: str | os.PathLike[str], packed: bool
+                    ) -> None:
+    """``InputError`` for an unknown method, ``"native"`` for a model that is not a GGUF or
+    an AWQ / GPTQ folder (``packed``), or another method for such a folder (stored
+    quantized already)."""
+    name = str(name_or_path)
     if quantize != "native":
         if quantize not in QUANTIZATIONS:
             raise InputError(f"quantize={quantize!r} must be one of "
                              f"{', '.join(QUANTIZATIONS)}, native or None")
+        if packed:
+            raise InputError(f"{name} is an AWQ/GPTQ checkpoint, quantized already; load it "
+                             f"without quantize={quantize!r} (it runs as int4 as it is)")
         return
-    name = str(name_or_path)
-    if name.lower() != DEFAULT_MODEL and Path(name).expanduser().suffix != ".gguf":
-        raise InputError(f"quantize='native' keeps a GGUF file's quantized blocks, but {name} "
-                         "is not a .gguf file; pass one, or quantize with int8 / int4 / fp8")
+    if not packed and name.lower() != DEFAULT_MODEL and Path(name).expanduser().suffix != ".gguf":
+        raise InputError(f"quantize='native' keeps the quantized weights of a GGUF file or an "
+                         f"AWQ/GPTQ folder, but {name} is not a .gguf file nor such a folder; "
+                         "pass one, or quantize with int8 / int4 / fp8")
+
+
+def _packed_format(name_or_path: str | os.PathLike[str]) -> PackedFormat | None:
+    """The ``checkpoints.hf_quantized.PackedFormat`` of an AWQ / GPTQ HF folder, else None
+    (read from config.json alone; an unsupported variant raises ``InputError`` here)."""
+    from checkpoints.hf_quantized import packed_format
+    from checkpoints.orbax_io import is_converted_dir
+
+    path = Path(str(name_or_path)).expanduser()
+    if not (path / "config.json").is_file() or is_converted_dir(path):
+        return None
+    return packed_format(path)
 
 
 def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None,
@@ -306,7 +336,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], overwrite:
     from checkpoints.orbax_io import MARKER, save_converted
 
     if quantize is not None:
-        _check_quantize(quantize, src)
+        _check_quantize(quantize, src, _packed_format(src) is not None)
     dst = Path(dst).expanduser().resolve()
     if dst.exists() and not dst.is_dir():
         raise InputError(f"convert destination {dst} is a file; choose a new folder")

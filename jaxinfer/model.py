@@ -98,6 +98,9 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
 
 def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
+    if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
+        x = jnp.take(x, w.perm, axis=-1)
+        w = dataclasses.replace(w, perm=None)
     rows = math.prod(x.shape[:-1])
     x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = None
@@ -151,8 +154,10 @@ def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bo
     if isinstance(w, QuantizedWeight) and w.q.shape[-2] == 1:
         return _dense(x, w.first_shard())[..., None, :]
     if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
+        if w.perm is not None:  # stored rows in another order: gather x, not the weight
+            x = jnp.take(x, w.perm, axis=-1)
         x, q = jax.lax.optimization_barrier((x, w.q))
-        w = dataclasses.replace(w, q=q).dequantize(x.dtype)
+        w = dataclasses.replace(w, q=q, perm=None).dequantize(x.dtype)
     if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
         return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))

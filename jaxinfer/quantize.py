@@ -17,6 +17,12 @@ layout):
 * ``"fp8"``: ``q`` float8_e4m3fn ``[..., in, *out]``, ``scale`` float32 ``[..., 1, *out]``
   (one scale per output column: ``group`` is the whole input size).
 
+``perm`` (int32 ``[..., in]``, any kind; None for nearly every weight) says that the stored
+input rows are the weight's rows in another order: stored row ``r`` is row ``perm[r]``, so
+``x @ w`` is ``x[..., perm]`` times the stored weight. Act-order GPTQ checkpoints need it
+(``checkpoints.hf_quantized``): their groups are scattered over the input rows, and sorting
+the rows by group makes them the contiguous groups above.
+
 ``model._dense`` multiplies decode rows by an int8 or int4 weight with a Pallas kernel on a
 GPU (``pallas_kernels.int8_matmul`` / ``int4_matmul``), which reads only the packed bytes
 and scales; larger steps, and other backends, multiply by the weight dequantized in the
@@ -27,6 +33,7 @@ column: the default model's perplexity rises 3.0% with per-column int8 scales an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -66,12 +73,13 @@ class QuantizedWeight:
     """A quantized weight (see the module docstring for each ``kind``'s arrays).
 
     ``out_axes`` counts the output axes: 2 for a fused ``[in, shards, out / shards]`` weight.
-    ``zero`` is None except for int4.
+    ``zero`` is None except for int4; ``perm`` is None unless the stored rows are permuted.
     """
 
     q: jax.Array
     scale: jax.Array
     zero: jax.Array | None = None
+    perm: jax.Array | None = None
     out_axes: int = struct.field(pytree_node=False, default=1)
     group: int = struct.field(pytree_node=False, default=GROUP)
     kind: str = struct.field(pytree_node=False, default="int8")
@@ -90,7 +98,13 @@ class QuantizedWeight:
         return tuple(shape)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        """The weight, computed in float32 and returned in ``dtype``."""
+        """The weight, computed in float32 and returned in ``dtype`` (with ``perm``, its
+        rows put back in the weight's order)."""
+        if self.perm is not None:
+            stored = dataclasses.replace(self, perm=None).dequantize(dtype)
+            inverse = jnp.argsort(jnp.asarray(self.perm), axis=-1)  # [..., in]
+            inverse = inverse.reshape(*inverse.shape, *(1,) * self.out_axes)
+            return jnp.take_along_axis(stored, inverse, axis=self.in_axis)
         a = self.in_axis
         shape = self.q.shape
         if self.kind == "int4":
@@ -108,18 +122,22 @@ class QuantizedWeight:
         """A fused ``[in, 1, out]`` weight as the plain ``[in, out]`` one (one device)."""
         return QuantizedWeight(q=self.q[:, 0], scale=self.scale[:, 0],
                                zero=None if self.zero is None else self.zero[:, 0],
-                               out_axes=1, group=self.group, kind=self.kind)
+                               perm=self.perm, out_axes=1, group=self.group, kind=self.kind)
 
 
 def fuse_quantized(parts: list[QuantizedWeight], fuse: Any) -> QuantizedWeight:
     """Quantized weights fused along their output axis: ``fuse`` (``model.fuse_columns``
-    with its shard count) applied to each array kind; the parts share kind and group."""
+    with its shard count) applied to each array kind; the parts share kind and group, and
+    their row order: the first part's ``perm`` serves them all (one input feeds them; loaders
+    check that the parts of a fused weight agree, ``checkpoints.hf_quantized``)."""
     first = parts[0]
-    if any((p.kind, p.group, p.out_axes) != (first.kind, first.group, 1) for p in parts):
-        raise ValueError("fused weights need one kind and group and plain [in, out] parts")
+    if any((p.kind, p.group, p.out_axes, p.perm is None)
+           != (first.kind, first.group, 1, first.perm is None) for p in parts):
+        raise ValueError("fused weights need one kind, group and row order and plain [in, out] "
+                         "parts")
     return QuantizedWeight(q=fuse([p.q for p in parts]), scale=fuse([p.scale for p in parts]),
                            zero=None if first.zero is None else fuse([p.zero for p in parts]),
-                           out_axes=2, group=first.group, kind=first.kind)
+                           perm=first.perm, out_axes=2, group=first.group, kind=first.kind)
 
 
 def pack_int4(v: Any, group: int, axis: int) -> Any:

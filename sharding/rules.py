@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import InputError
+from jaxinfer.quantize import QuantizedWeight
 from sharding.mesh import MODEL, mesh_sizes
 
 log = logging.getLogger("jaxinfer.sharding")
@@ -89,10 +90,16 @@ def expand_kv_heads(config: LlamaConfig, params: Params, repeat: int
         return config, params
     kv, hd = config.num_kv_heads, config.head_dim
 
-    def rep(w: Any) -> Any:
+    def rep_array(w: Any) -> Any:
         xp = jnp if isinstance(w, jax.Array) else np
         n, d, _ = w.shape
         return xp.repeat(w.reshape(n, d, kv, hd), repeat, axis=2).reshape(n, d, kv * repeat * hd)
+
+    def rep(w: Any) -> Any:
+        if isinstance(w, QuantizedWeight):  # values, scales, zeros: columns on the last axis
+            return dataclasses.replace(w, q=rep_array(w.q), scale=rep_array(w.scale),
+                                       zero=None if w.zero is None else rep_array(w.zero))
+        return rep_array(w)
 
     layers = dict(params["layers"], wk=rep(params["layers"]["wk"]),
                   wv=rep(params["layers"]["wv"]))
@@ -160,10 +167,16 @@ def shard_params(config: LlamaConfig, params: Params, mesh: Mesh, dtype: Any
 
     Host (numpy) leaves are cast and sliced in host memory and each device receives only its
     own shard, so the whole model never sits on one device. ``jax.Array`` leaves (e.g. restored
-    with ``stored_shardings``) are converted by a jitted reshard.
+    with ``stored_shardings``) are converted by a jitted reshard. A quantized weight
+    (``QuantizedWeight``, e.g. an AWQ / GPTQ checkpoint's) keeps its dtypes: its values,
+    scales and zeros are split like the weight (their axes are its axes, the input axis
+    counted in bytes or groups) and a row order (``perm``) is replicated.
 
     Returns ``(config, params)``; the config differs from the input only in ``num_kv_heads``
     when K/V heads were repeated.
+
+    Raises ``InputError`` before placing anything when a quantized weight split on its input
+    rows would not give every device whole groups.
     """
     _, model_size = mesh_sizes(mesh)
     repeat = kv_repeat_factor(config, model_size)
@@ -172,17 +185,41 @@ def shard_params(config: LlamaConfig, params: Params, mesh: Mesh, dtype: Any
                     "every shard holds whole heads (KV cache grows %dx)",
                     config.num_kv_heads, model_size, repeat, repeat)
     dt = jnp.dtype(dtype)
-    host = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else np.asarray(a).astype(dt),
-                        params)
+    host = jax.tree.map(lambda a: a if isinstance(a, jax.Array | QuantizedWeight)
+                        else np.asarray(a).astype(dt), params,
+                        is_leaf=lambda a: isinstance(a, QuantizedWeight))
     new_config, host = expand_kv_heads(config, host, repeat)
     shardings = param_shardings(new_config, mesh)
+    # ``host`` has the shardings' structure down to each weight (a QuantizedWeight included).
+    jax.tree_util.tree_map_with_path(
+        lambda path, sharding, a: _check_whole_groups(jax.tree_util.keystr(path), a, sharding,
+                                                      model_size), shardings, host)
 
-    def place(a: Any, sharding: NamedSharding) -> jax.Array:
+    def place(sharding: NamedSharding, a: Any) -> Any:
+        if isinstance(a, QuantizedWeight):
+            whole = NamedSharding(mesh, P())
+            return dataclasses.replace(
+                a, q=jax.device_put(a.q, sharding), scale=jax.device_put(a.scale, sharding),
+                zero=None if a.zero is None else jax.device_put(a.zero, sharding),
+                perm=None if a.perm is None else jax.device_put(a.perm, whole))
         if isinstance(a, jax.Array):
             return jax.jit(lambda x: x.astype(dt), out_shardings=sharding)(a)
         return jax.device_put(a, sharding)
 
-    return new_config, jax.tree.map(place, host, shardings)
+    return new_config, jax.tree.map(place, shardings, host)
+
+
+def _check_whole_groups(name: str, w: Any, sharding: NamedSharding, model_size: int) -> None:
+    """``InputError`` when ``w`` is a ``QuantizedWeight`` whose input rows, split as
+    ``sharding`` says, do not give each device whole groups (its scales split by group)."""
+    if not isinstance(w, QuantizedWeight):
+        return
+    spec = tuple(sharding.spec) + (None,) * (w.q.ndim - len(sharding.spec))
+    rows = w.shape[w.in_axis]
+    if spec[w.in_axis] == MODEL and (rows // model_size) % w.group:
+        raise InputError(f"{name} is quantized in groups of {w.group} input rows, but split over "
+                         f"model={model_size} devices each gets {rows // model_size} rows, not "
+                         "whole groups; use fewer model devices")
 
 
 def engine_pool_spec(stacked: bool) -> P:
