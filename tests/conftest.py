@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Every process of a test run (both xdist workers, and the subprocesses that CLI, notebook,
+# multi-device and server tests start; they inherit the environment) shares XLA's compiled
+# programs through JAX's persistent cache: most of the suite's CPU time is compilation, and
+# many processes compile the same default-model and tiny-model programs. Entries are keyed
+# by the program's HLO and the compiler's version and flags, so a changed kernel or model
+# compiles afresh; the folder is capped and evicts the least recently used entries.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(Path(tempfile.gettempdir()) / "jaxinfer-tests-xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 TINY_CONFIGS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),

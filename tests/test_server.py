@@ -5,8 +5,8 @@ real clients on loopback sockets) and the lm-evaluation-harness model
 One tiny random model with a byte-level tokenizer and a chat template (float32, reference
 attention, so outputs are batch-invariant and equal ``jaxinfer.generate``'s). The servers'
 engines run in processes of their own (``jaxinfer.engine_process``), each compiling its
-step programs; tests share one server per module where they can, and the engine processes
-share JAX's persistent compilation cache (a folder of this module's).
+step programs; tests share one server per module where they can, and every process shares
+JAX's persistent compilation cache (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -74,15 +74,6 @@ def folder(tmp_path_factory) -> Path:
     from sharding.testing import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("server") / "model")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory) -> Iterator[None]:
-    """Engine processes (spawned: they inherit the environment) share compiled programs."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        yield
 
 
 def spec_of(folder: Path, kind: type[EngineSpec] = EngineSpec) -> EngineSpec:
