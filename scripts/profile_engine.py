@@ -10,6 +10,11 @@ its defaults, a log-uniform workload (prompts 32-1,024 tokens, outputs 16-512, a
 ``jax.profiler.ProfileData`` and prints: the wall time of each traced step and its kind
 (mixed step with its token bucket, or decode call with its rows and iterations), the summed
 kernel time, and the kernels that take the most time. A record for bench/NOTES.md, not a test.
+
+``--batch1 N`` profiles single-request decode instead: one 128-token prompt, its N new
+tokens traced after the prompt step, every kernel reported per generated token (count and
+microseconds), with the kernel-time and first-to-last-kernel span per token (bench/NOTES.md
+r37).
 """
 
 from __future__ import annotations
@@ -41,6 +46,44 @@ def device_events(trace_dir: Path) -> list[tuple[str, float, float]]:
             if "stream" in line.name.lower() for e in line.events]
 
 
+def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str) -> None:
+    """Trace one request's decode calls; print and record its kernels per generated token."""
+    prompt = list(range(100, 228))
+    engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    engine.run_until_done()  # the decode call lengths settle on measured times
+    engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    engine.step()  # the prompt
+    tokens = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            while engine.has_unfinished():
+                tokens += sum(len(new) for _, new, _ in engine.step())
+        events = device_events(Path(tmp))
+    if not events:
+        raise SystemExit("profile_engine: the trace holds no accelerator kernels (a CPU run?)")
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, _, d in events:
+        by_name[name].append(d)
+    kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
+    span_ms = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / tokens
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]
+    record = {
+        "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens": tokens,
+        "kernel_ms_per_token": kernel_ms, "span_ms_per_token": span_ms,
+        "kernels_per_token": len(events) / tokens,
+        "top_kernels": [{"name": n[:100], "per_token": len(ds) / tokens,
+                         "us_per_token": sum(ds) / 1e3 / tokens,
+                         "mean_us": sum(ds) / len(ds) / 1e3} for n, ds in top],
+    }
+    print(f"{tokens} tokens: {kernel_ms:.3f} ms of kernels per token, first-to-last span "
+          f"{span_ms:.3f} ms, {record['kernels_per_token']:.1f} kernels per token")
+    for k in record["top_kernels"]:
+        print(f"{k['us_per_token']:9.1f} us/token {k['per_token']:6.1f}/token "
+              f"{k['mean_us']:8.2f} us  {k['name']}")
+    Path(out).write_text(json.dumps(record, indent=1))
+
+
 def main() -> None:
     """Run the workload, trace some steps, print and record the kernel summary."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,6 +92,8 @@ def main() -> None:
     ap.add_argument("--skip-steps", type=int, default=20)
     ap.add_argument("--trace-steps", type=int, default=12)
     ap.add_argument("--score", action="store_true", help="scoring requests (8-token tails)")
+    ap.add_argument("--batch1", type=int, default=0, metavar="N",
+                    help="profile one request's N decode tokens instead of the workload")
     ap.add_argument("--out", default="profile_engine.json")
     args = ap.parse_args()
 
@@ -59,6 +104,9 @@ def main() -> None:
     model = Model(cfg, params, None, jnp.bfloat16, name=args.model)
     engine = jaxinfer.Engine(model)
     engine.warmup(generate=not args.score, score=args.score)
+    if args.batch1:
+        profile_batch1(engine, model, args.batch1, args.out)
+        return
     rng = np.random.default_rng(0)
     lens = np.exp(rng.uniform(np.log(32), np.log(1025), args.requests)).astype(int)
     outs = np.exp(rng.uniform(np.log(16), np.log(513), args.requests)).astype(int)

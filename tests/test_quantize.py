@@ -53,17 +53,19 @@ def test_int8_weights_bound_their_error_and_halve_the_bytes(layout):
     assert after < 0.6 * before
 
 
-@pytest.mark.parametrize("layout", ["stacked", "fast"])
-def test_int8_model_equals_its_dequantized_weights_through_the_engine(layout):
+@pytest.mark.parametrize("method, layout", [("int8", "stacked"), ("int8", "fast"),
+                                            ("int4", "fast")])
+def test_quantized_model_equals_its_dequantized_weights_through_the_engine(method, layout):
+    # fast: fused QKV / gate|up per layer; fp8 quality: the default model's perplexity below
     params = apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32), layout)
-    q = quantize_params(params, "int8")
-    int8 = jaxinfer.Model(CFG, q, None, jnp.float32, backend="reference")
+    q = quantize_params(params, method)
+    quant = jaxinfer.Model(CFG, q, None, jnp.float32, backend="reference")
     plain = jaxinfer.Model(CFG, _dequantized(q), None, jnp.float32, backend="reference")
     prompt = list(range(5, 30))
-    np.testing.assert_allclose(jaxinfer.compute_logits(int8, prompt),
+    np.testing.assert_allclose(jaxinfer.compute_logits(quant, prompt),
                                jaxinfer.compute_logits(plain, prompt), atol=2e-4, rtol=1e-4)
     prompts = [list(range(3, 3 + n)) for n in (4, 9, 17)]
-    got = jaxinfer.generate(int8, prompts, max_new_tokens=8, ignore_eos=True)
+    got = jaxinfer.generate(quant, prompts, max_new_tokens=8, ignore_eos=True)
     want = jaxinfer.generate(plain, prompts, max_new_tokens=8, ignore_eos=True)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
@@ -94,17 +96,6 @@ def test_int4_packing_keeps_every_value_in_its_row():
     qw = QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(ones), zero=jnp.asarray(0 * ones),
                          group=64, kind="int4")
     np.testing.assert_array_equal(qw.dequantize(), v)
-
-
-def test_int4_model_equals_its_dequantized_weights():
-    # fused QKV / gate|up per layer; fp8 quality: the default model's perplexity below
-    params = apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32), "fast")
-    q = quantize_params(params, "int4")
-    quant = jaxinfer.Model(CFG, q, None, jnp.float32, backend="reference")
-    plain = jaxinfer.Model(CFG, _dequantized(q), None, jnp.float32, backend="reference")
-    prompt = list(range(5, 30))
-    np.testing.assert_allclose(jaxinfer.compute_logits(quant, prompt),
-                               jaxinfer.compute_logits(plain, prompt), atol=2e-4, rtol=1e-4)
 
 
 def test_fp8_gemm_path_is_close_to_the_dequantized_matmul():
