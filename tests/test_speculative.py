@@ -264,3 +264,16 @@ def test_a_draft_shares_the_pool_budget_and_attaches_to_an_idle_engine():
     other = dataclasses.replace(model)
     with pytest.raises(InputError, match="attaches a new draft model only while idle"):
         e.submit([5, 6, 7], speculative=Speculative(method="draft", draft=other))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-model M"),
+    (["--draft-model", "smollm2-135m-instruct"], "--speculative draft needs --draft-model M"),
+    (["--speculative", "ngram", "--draft-quantize", "int4"], "--draft-quantize needs"),
+])
+def test_cli_draft_flags_are_checked_before_loading(capsys, flags, message):
+    from jaxinfer import cli
+
+    assert cli.main(["generate", "--prompt", "hi", "--model", "no-such-model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer: error: ") and message in err and err.count("\n") == 1
