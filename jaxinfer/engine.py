@@ -661,7 +661,8 @@ class Engine(StepLoop):
         sample with a temperature above 0; ``constrained``: also the mixed steps that apply
         token masks (``response_format``); ``speculative``: the verify step of each row
         bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens`` (with a draft model: attached
-        here, and its proposing and catching-up steps of those buckets). Runs them on all-padding
+        here, its proposing step of those row buckets and its catching-up step of each token
+        bucket). Runs them on all-padding
         inputs, which write no page and sample for no slot, so the engine's state is
         unchanged. Benchmarks and ``batch_eval`` call this before timing.
         """
@@ -677,8 +678,8 @@ class Engine(StepLoop):
         drafts = speculative is not None and speculative.draft is not None
         if drafts:
             self._use_draft(speculative.draft)
-        n = (len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
-             + len(verify) * (len(samplers) + 2 * drafts))
+        n = (len(self.token_buckets) * (len(mixed) + drafts) + len(self.row_buckets)
+             * len(decode) + len(verify) * (len(samplers) + drafts))
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
@@ -693,10 +694,12 @@ class Engine(StepLoop):
         for b in self.row_buckets:
             for st in decode:
                 to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
+        for t in self.token_buckets if drafts else ():  # the draft catching up
+            to_host(self._dispatch_draft([], self.max_batch, t, 0))
         for b in verify:
             k = speculative.num_tokens
-            for steps in (0, k) if drafts else ():  # catching up, proposing
-                to_host(self._dispatch_draft([], b, self._verify_tokens(b, k), steps))
+            if drafts:  # proposing
+                to_host(self._dispatch_draft([], b, b * (k + 1), k))
             for st in samplers:
                 to_host(self._dispatch_verify([], b, speculative.num_tokens, st))
         self._quiet_compiles = False
@@ -1341,27 +1344,20 @@ class Engine(StepLoop):
     def _propose_draft(self, rows: list[tuple[_Seq, int]], b: int) -> dict[int, list[int]]:
         """The draft model's greedy proposals, ``k`` tokens for each ``(sequence, k)`` row.
 
-        The draft first reads the tokens it has not seen (the whole prompt after a prefill,
-        one or two after a verify step, more after a decode call), in catching-up steps of
-        the proposing step's size while they do not fit one, then proposes in one program
-        (``runner.draft_step``). Afterwards its K/V cover the sequence's tokens and its
-        first ``k - 1`` proposals; verification keeps those that were accepted.
+        The draft reads the tokens it has not seen (one or two after a verify step) and
+        proposes in one program over the ``b`` row bucket (``runner.draft_step``), whose
+        ``b * (width + 1)`` packed tokens hold up to ``width + 1`` per row. A row with more
+        unseen tokens (the prompt after a prefill, the tokens of a decode call) first has
+        all but its newest read by catching-up steps, packed like mixed steps. Afterwards
+        the draft's K/V cover the sequence's tokens and its first ``k - 1`` proposals;
+        verification keeps those that were accepted.
         """
         width = max(s.req.sampling.speculative.num_tokens for s, _ in rows)
-        t = self._verify_tokens(b, width)
         launched = time.perf_counter()
         compiled = False
-        while sum(len(s.tokens) - s.draft_computed for s, _ in rows) > t:
-            plan, room = [], t  # every row keeps its newest token for the proposing step
-            for s, _ in rows:
-                n = min(len(s.tokens) - s.draft_computed - 1, room)
-                if n > 0:
-                    plan.append((s, n, 0))
-                    room -= n
-            compiled |= self._program_key(self._draft_program(b, t, 0)) not in _ANNOUNCED
-            self._dispatch_draft(plan, b, t, 0)
-            for s, n, _ in plan:
-                s.draft_computed += n
+        if any(len(s.tokens) - s.draft_computed > width + 1 for s, _ in rows):
+            compiled = self._draft_catch_up([s for s, _ in rows])
+        t = b * (width + 1)
         compiled |= self._program_key(self._draft_program(b, t, width)) not in _ANNOUNCED
         out = to_host(self._dispatch_draft(
             [(s, len(s.tokens) - s.draft_computed, k) for s, k in rows], b, t, width))
@@ -1373,6 +1369,27 @@ class Engine(StepLoop):
         for s, k in rows:
             s.draft_computed = len(s.tokens) + k - 1
         return {s.rid: out[s.slot, :k].tolist() for s, k in rows}
+
+    def _draft_catch_up(self, seqs: list[_Seq]) -> bool:
+        """Run the draft over all but the newest token of each of ``seqs`` that it has not
+        seen, in steps of at most the token budget over every slot, padded to a token
+        bucket (the programs ``warmup`` compiles); return whether one was compiled."""
+        compiled = False
+        while True:
+            plan, room = [], self.max_tokens
+            for s in seqs:
+                n = min(len(s.tokens) - 1 - s.draft_computed, room)
+                if n > 0:
+                    plan.append((s, n, 0))
+                    room -= n
+            if not plan:
+                return compiled
+            t = bucket(self.max_tokens - room, self.token_buckets)
+            compiled |= (self._program_key(self._draft_program(self.max_batch, t, 0))
+                         not in _ANNOUNCED)
+            self._dispatch_draft(plan, self.max_batch, t, 0)
+            for s, n, _ in plan:
+                s.draft_computed += n
 
     def _draft_program(self, b: int, t: int, num_steps: int) -> tuple[Any, ...]:
         return ("draft", b, t, num_steps, *self._draft_key)
@@ -1395,8 +1412,9 @@ class Engine(StepLoop):
             wanted[q.slot] = k
         self._draft_pool, out = draft_step(
             d.params, self._draft_pool, self._put(inp), self._put(wanted), config=d.config,
-            backend=self._draft_backend, dtype=d.dtype, max_q_len=t, num_steps=num_steps,
-            deterministic=d.deterministic)
+            backend=self._draft_backend, dtype=d.dtype,
+            max_q_len=num_steps + 1 if num_steps else t,  # proposing: up to k + 1 per row
+            num_steps=num_steps, deterministic=d.deterministic)
         return out
 
     def _verify_pays(self, b: int, proposed: list[int], drafting: bool = False) -> bool:
