@@ -1329,11 +1329,11 @@ class Engine(StepLoop):
         """Before the draft runs: whether the verify step it feeds is expected to pay and
         fits the step's token budget and the free pages; if so, reserve the pages of the
         drafted rows' verification (which the draft writes into first)."""
-        spoken = [k for k in rooms.values() if k]
+        wanted = [k for k in rooms.values() if k]  # at most, per speculating row
         width = max(s.req.sampling.speculative.num_tokens for s, _ in drafted)
         ends = [(s, s.num_computed + 1 + k) for s, k in drafted]
-        if (not self._verify_pays(b, spoken, drafting=True)
-                or sum(1 + k for k in spoken) > self._verify_tokens(b, width)
+        if (not self._verify_pays(b, wanted, drafting=True)
+                or sum(1 + k for k in wanted) > self._verify_tokens(b, width)
                 or sum(self.blocks.pages_needed(s.rid, s.num_computed, e) for s, e in ends)
                 > self.blocks.num_free):
             return False
@@ -1461,10 +1461,11 @@ class Engine(StepLoop):
         ends = [s.num_computed + 1 + len(p) for s, p in proposals]
         width = max(s.req.sampling.speculative.num_tokens for s, p in proposals if p)
         if (sum(e - s.num_computed for (s, _), e in zip(proposals, ends, strict=True))
-                > self._verify_tokens(b, width)):
-            return self._launch_decode(max_steps)  # more tokens than the step's budget
-        if sum(bm.pages_needed(s.rid, s.num_computed, e)
-               for (s, _), e in zip(proposals, ends, strict=True)) > bm.num_free:
+                > self._verify_tokens(b, width)  # more tokens than the step's budget
+                or sum(bm.pages_needed(s.rid, s.num_computed, e)
+                       for (s, _), e in zip(proposals, ends, strict=True)) > bm.num_free):
+            for s, _ in drafted:  # the draft's K/V of unverified proposals are not kept
+                s.draft_computed = min(s.draft_computed, len(s.tokens))
             return self._launch_decode(max_steps)  # its planning preempts as needed
         for (s, _), e in zip(proposals, ends, strict=True):
             self._reserve(s, e)

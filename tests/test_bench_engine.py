@@ -137,7 +137,7 @@ def test_speculative_run_counts_its_proposals_and_compiles_nothing_in_the_run(be
 def test_draft_model_run_compares_batch1_with_plain(bench):
     """--speculative draft --draft-preset self: every greedy proposal of the target itself is
     accepted; the batch-1 request runs plain and speculative and the record compares them."""
-    argv = ["--preset", "tiny", "--requests", "4", "--max-batch", "4", "--token-budget", "16",
+    argv = ["--preset", "tiny", "--requests", "3", "--max-batch", "1", "--token-budget", "16",
             "--batch1-tokens", "12", "--speculative", "draft", "--draft-preset", "self",
             "--always-speculate"]
     record = bench.main(argv)
