@@ -22,22 +22,57 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--speculative", choices=METHODS, default=None,
-                        help="speculative decoding: ngram = prompt lookup (same output)")
+                        help="speculative decoding (same output): ngram = prompt lookup, "
+                        "draft = a smaller model's proposals (--draft-model)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="tokens proposed per verification (with --speculative)")
+    parser.add_argument("--draft-model", default=None,
+                        help="with --speculative draft: the draft model (a name or path, "
+                        "loaded like --model; same tokenizer)")
+    parser.add_argument("--draft-quantize", default=None,
+                        help="quantize the draft's weights (e.g. int4: --draft-model set to "
+                        "the --model itself drafts with its int4 copy)")
 
 
-def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The ``generate`` keyword arguments named by ``add_sampling_args`` flags."""
+def sampling_kwargs(args: argparse.Namespace, draft: Any = None) -> dict[str, object]:
+    """The ``generate`` keyword arguments named by ``add_sampling_args`` flags.
+
+    ``draft`` is the loaded ``--draft-model`` (``load_draft``); ``--speculative draft``
+    without it leaves ``speculative`` None, so the other flags can be checked before
+    anything is loaded. Draft flags without ``--speculative draft`` are one-line errors.
+    """
+    from jaxinfer.errors import InputError
+
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise InputError("--speculative draft needs --draft-model M, and --draft-model is "
+                         "only for --speculative draft")
+    if args.draft_quantize is not None and args.draft_model is None:
+        raise InputError("--draft-quantize needs --speculative draft --draft-model M")
+    speculative = None
+    if args.speculative and (args.speculative != "draft" or draft is not None):
+        speculative = Speculative(method=args.speculative,
+                                  num_tokens=args.num_speculative_tokens, draft=draft)
     return {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty, "seed": args.seed,
         "stop": tuple(args.stop),
-        "speculative": (Speculative(method=args.speculative,
-                                    num_tokens=args.num_speculative_tokens)
-                        if args.speculative else None),
+        "speculative": speculative,
     }
+
+
+def load_draft(args: argparse.Namespace) -> Any:
+    """The ``--draft-model`` of ``--speculative draft``, loaded like the target (``--dtype``,
+    ``--backend``, ``--kv-cache-dtype``) and quantized with ``--draft-quantize``; None
+    without one. Load it before the target's engine sizes its page pool (first use)."""
+    if args.draft_model is None:
+        return None
+    from jaxinfer.loading import load_model
+
+    print(f"jaxinfer: loading the draft model {args.draft_model} …", file=sys.stderr,
+          flush=True)
+    return load_model(args.draft_model, dtype=args.dtype, backend=args.backend,
+                      quantize=args.draft_quantize, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
@@ -125,8 +160,8 @@ def _generate(args: argparse.Namespace) -> None:
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import SamplingParams
 
-    options = sampling_kwargs(args)
-    SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
+    SamplingParams.from_kwargs(**sampling_kwargs(args))  # bad values: before loading
+    options = sampling_kwargs(args, load_draft(args))
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
                        mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
     for piece in stream(model, args.prompt, chat=args.chat, **options):
@@ -208,8 +243,8 @@ def _chat(args: argparse.Namespace) -> None:
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import SamplingParams
 
-    options = sampling_kwargs(args)
-    SamplingParams.from_kwargs(**options)  # reject bad values before loading the model
+    SamplingParams.from_kwargs(**sampling_kwargs(args))  # bad values: before loading
+    options = sampling_kwargs(args, load_draft(args))
     print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
                        mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)

@@ -19,9 +19,10 @@ the one place stop rules live):
    (``structured.fill_masks``) and the device applies them, one token per round trip.
 3. **Verify step** instead of a decode call when running requests ask for speculative
    decoding (``SamplingParams.speculative``) and it pays: each proposes up to ``k`` tokens
-   (``speculative.propose_ngram``), one forward pass checks them all, and each row emits the
-   accepted proposals plus one sampled token, exactly what plain decoding would emit. The
-   engine measures both step kinds per row bucket and verifies only while that is faster
+   (``speculative.propose_ngram``, or a draft model's ``runner.draft_step`` on the device),
+   one forward pass checks them all, and each row emits the accepted proposals plus one
+   sampled token, exactly what plain decoding would emit. The engine measures both step
+   kinds (and the draft's proposals) per row bucket and verifies only while that is faster
    (``Speculative.adaptive``).
 
 When the pool cannot hold the planned tokens, the youngest running sequence is preempted:
@@ -62,6 +63,7 @@ from jaxinfer.requests import (
     Request,
     ScoreResult,
     add_tokens,
+    check_draft,
     completion,
     make_requests,
     score_result,
@@ -72,6 +74,7 @@ from jaxinfer.runner import (
     MixedInputs,
     bucket,
     decode_steps,
+    draft_step,
     load_counts,
     mixed_step,
     new_counts,
@@ -164,6 +167,7 @@ class EngineStats:
     verified_rows: int = 0  # sequences advanced by them (one per row and step)
     draft_tokens: int = 0  # tokens proposed
     accepted_tokens: int = 0  # of those, accepted
+    draft_seconds: float = 0.0  # of device_seconds: in draft-model proposals
 
     @property
     def acceptance_rate(self) -> float:
@@ -187,6 +191,7 @@ class _Seq:
     tokens: list[int]  # prompt + generated: what the cache is built from
     progress: Progress = dataclasses.field(default_factory=Progress)
     num_computed: int = 0  # positions whose K/V are in the pool
+    draft_computed: int = 0  # positions whose draft-model K/V are in the draft's pool
     slot: int = -1
     arrival: float = 0.0
     admitted: float | None = None
@@ -315,6 +320,15 @@ class Engine(StepLoop):
       prefix_caching: share and cache full pages of equal prefixes.
       verbose: print the pool size on stderr.
 
+    Speculation with a draft model (``Speculative(method="draft", draft=...)``): the first
+    such request (or ``warmup``) attaches the draft to the idle engine. The draft's K/V live
+    in a second page pool with the target's page count and page size, addressed by the
+    target's block tables, so one allocator serves both. When the pool was sized from a byte
+    budget (``num_pages`` not given), the two pools share it: the page count becomes
+    ``budget / (target + draft bytes per page)``; a quantized copy of the target as draft
+    halves the tokens the pool holds, a draft of 1B shapes beside 8B costs a fifth. The
+    draft's weights are not in the budget (load the draft before the engine sizes its pool).
+
     On a mesh (``load_model(mesh=...)``) each layer's pool ``[kv_heads, pages, page_size,
     D]`` is split by K/V heads on ``model`` and replicated over ``data``; the step inputs are
     replicated and the ragged attention runs per shard in ``shard_map``. Outputs equal the
@@ -371,6 +385,7 @@ class Engine(StepLoop):
                      key=lambda d: d.id)
         self._placement = (jax.sharding.SingleDeviceSharding(device) if self.mesh is None
                            else NamedSharding(self.mesh, PartitionSpec()))
+        sized = num_pages is None  # from a byte budget: a draft's pool shares it
         if num_pages is None:
             if kv_cache_bytes is None and not (device.memory_stats() or {}):
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
@@ -415,6 +430,14 @@ class Engine(StepLoop):
                                            fine=accelerator)
         self.row_buckets = row_buckets(slots)
         self.prefix_caching = prefix_caching
+        self._pool_budget = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
+                                                                 model.kv_cache_dtype)
+                             if sized else None)
+        self._draft: Model | None = None  # the draft model of Speculative(method="draft")
+        self._draft_key: tuple[Any, ...] = ()  # what identifies its compiled programs
+        self._draft_backend = ""
+        self._draft_pool: PagePool | None = None
+        self._draft_s: dict[int, float] = {}  # row bucket -> measured s per draft proposal
         self._new_device_state()
         self._inflight: tuple[str, list[_Seq]] = ("", [])  # the step last launched, its requests
         if verbose:
@@ -459,6 +482,7 @@ class Engine(StepLoop):
         self._preemptions = 0
         self._verify_steps = self._verified_rows = 0
         self._draft_tokens = self._accepted_tokens = 0
+        self._draft_time = 0.0
         self._programs: set[tuple[Any, ...]] = set()
         self._quiet_compiles = False
 
@@ -479,6 +503,9 @@ class Engine(StepLoop):
         if req.sampling.seed is None:
             raise InputError("requests reach the engine with a resolved seed; build them with "
                              "requests.make_requests")
+        spec = req.sampling.speculative
+        if spec is not None and spec.draft is not None:
+            self._use_draft(spec.draft)
         key = prng_key_data(req.sampling.seed)
         rid = self._next_id
         self._next_id += 1
@@ -621,7 +648,7 @@ class Engine(StepLoop):
             cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
             num_programs=len(self._programs), verify_steps=self._verify_steps,
             verified_rows=self._verified_rows, draft_tokens=self._draft_tokens,
-            accepted_tokens=self._accepted_tokens)
+            accepted_tokens=self._accepted_tokens, draft_seconds=self._draft_time)
 
     def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
                constrained: bool = False, speculative: Speculative | None = None
@@ -633,7 +660,9 @@ class Engine(StepLoop):
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
         sample with a temperature above 0; ``constrained``: also the mixed steps that apply
         token masks (``response_format``); ``speculative``: the verify step of each row
-        bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens``. Runs them on all-padding
+        bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens`` (with a draft model: attached
+        here, its proposing step of those row buckets and its catching-up step of each token
+        bucket). Runs them on all-padding
         inputs, which write no page and sample for no slot, so the engine's state is
         unchanged. Benchmarks and ``batch_eval`` call this before timing.
         """
@@ -646,8 +675,11 @@ class Engine(StepLoop):
         mixed += [(False, st, True) for st in samplers if generate and constrained]
         decode = samplers if generate else ()
         verify = [b for b in self.row_buckets if b <= VERIFY_MAX_ROWS] if speculative else []
-        n = (len(self.token_buckets) * len(mixed) + len(self.row_buckets) * len(decode)
-             + len(verify) * len(samplers))
+        drafts = speculative is not None and speculative.draft is not None
+        if drafts:
+            self._use_draft(speculative.draft)
+        n = (len(self.token_buckets) * (len(mixed) + drafts) + len(self.row_buckets)
+             * len(decode) + len(verify) * (len(samplers) + drafts))
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
@@ -662,7 +694,12 @@ class Engine(StepLoop):
         for b in self.row_buckets:
             for st in decode:
                 to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
+        for t in self.token_buckets if drafts else ():  # the draft catching up
+            to_host(self._dispatch_draft([], self.max_batch, t, 0))
         for b in verify:
+            k = speculative.num_tokens
+            if drafts:  # proposing
+                to_host(self._dispatch_draft([], b, b * (k + 1), k))
             for st in samplers:
                 to_host(self._dispatch_verify([], b, speculative.num_tokens, st))
         self._quiet_compiles = False
@@ -829,6 +866,36 @@ class Engine(StepLoop):
         self.pool = PagePool.create(cfg, num_pages, self.page_size, dtype, sharding=sharding,
                                     stacked=stacked, kv_cache_dtype=self.model.kv_cache_dtype)
         self._counts = self._put(new_counts(self.max_batch, cfg.vocab_size))
+        if self._draft is not None:
+            d = self._draft
+            self._draft_pool = PagePool.create(
+                d.config, num_pages, self.page_size, d.dtype, sharding=self._placement,
+                stacked=pool_is_stacked(d.params, self._draft_backend),
+                kv_cache_dtype=d.kv_cache_dtype)
+
+    def _use_draft(self, draft: Model) -> None:
+        """Propose with ``draft`` from now on (``Speculative(method="draft")``): make its page
+        pool, first splitting the pool budget between the two pools (class docstring). The
+        pools are made anew, so a new draft is attached only to an idle engine."""
+        if draft is self._draft:
+            return
+        check_draft(self.model, draft)
+        if self.has_unfinished():
+            raise InputError("this engine is running requests with another draft model (or "
+                             "none); it attaches a new draft model only while idle, so submit "
+                             "this request after those finish")
+        if self._pool_budget is not None:
+            self.num_pages = max(1, self._pool_budget // sum(
+                PagePool.bytes_per_page(m.config, self.page_size, m.dtype, m.kv_cache_dtype)
+                for m in (self.model, draft)))
+            self.max_seq_len = min(self.max_seq_len, self.num_pages * self.page_size)
+        self._draft = draft
+        self._draft_backend = resolve_backend(draft.backend, draft.config.head_dim,
+                                              draft.deterministic)
+        self._draft_key = (draft.config, str(draft.dtype), draft.layout, draft.kv_cache_dtype,
+                           draft.param_bytes, self._draft_backend)
+        self._draft_s.clear()
+        self._new_device_state()
 
     def _out_of_memory(self, e: Exception) -> list[Event]:
         """The device ran out of memory in the step just launched: its requests end with an
@@ -844,7 +911,8 @@ class Engine(StepLoop):
             self._fail(s, why)
         print(f"jaxinfer: {why}; requests {[s.rid for s in failed]} ended with this error",
               file=sys.stderr, flush=True)
-        if any(x.is_deleted() for x in jax.tree.leaves((self.pool, self._counts))):
+        if any(x.is_deleted() for x in jax.tree.leaves((self.pool, self._counts,
+                                                         self._draft_pool))):
             for s in list(reversed(self._running)):
                 self._preempt(s)
             self._new_device_state()
@@ -885,7 +953,7 @@ class Engine(StepLoop):
         self._running.remove(s)
         self.blocks.free(s.rid)
         heapq.heappush(self._free_slots, s.slot)
-        s.slot, s.num_computed = -1, 0
+        s.slot, s.num_computed, s.draft_computed = -1, 0, 0
         s.preemptions += 1
         self._preemptions += 1
         self._waiting.appendleft(s)
@@ -1229,38 +1297,146 @@ class Engine(StepLoop):
         return events
 
     # ------------------------------------------------------------------ verify steps
-    def _propose(self) -> list[tuple[_Seq, list[int]]]:
-        """Proposals of every running sequence (empty for those without speculation, or
-        with no room for another token beyond the one verification always yields)."""
+    def _proposal_room(self, s: _Seq) -> int:
+        """Tokens ``s`` may have proposed now: its ``num_tokens``, within the tokens it may
+        still generate less the one verification always yields (0: it does not speculate)."""
+        spec = s.req.sampling.speculative
+        if spec is None:
+            return 0
+        room = min(s.req.sampling.max_new_tokens - len(s.progress.tokens),
+                   self.max_seq_len - len(s.tokens)) - 1
+        return max(0, min(spec.num_tokens, room))
+
+    def _propose(self, rooms: dict[int, int], drafted: list[tuple[_Seq, int]], b: int
+                 ) -> list[tuple[_Seq, list[int]]]:
+        """Proposals of every running sequence: up to ``rooms[rid]`` tokens, from an n-gram
+        lookup on the host or, for the ``drafted`` rows, from one draft-model program over
+        the ``b`` row bucket (empty for rows without speculation or room)."""
+        from_draft = self._propose_draft(drafted, b) if drafted else {}
         out = []
         for s in self._running:
-            spec = s.req.sampling.speculative
-            room = min(s.req.sampling.max_new_tokens - len(s.progress.tokens),
-                       self.max_seq_len - len(s.tokens)) - 1
-            if spec is None or room < 1:
+            spec, k = s.req.sampling.speculative, rooms[s.rid]
+            if k == 0:
                 out.append((s, []))
-                continue
-            out.append((s, propose_ngram(s.tokens, min(spec.num_tokens, room), spec.ngram_max,
-                                         spec.ngram_min)))
+            elif spec.method == "draft":
+                out.append((s, from_draft[s.rid]))
+            else:
+                out.append((s, propose_ngram(s.tokens, k, spec.ngram_max, spec.ngram_min)))
         return out
 
-    def _verify_pays(self, b: int, proposed: list[int]) -> bool:
-        """Whether a verify step with ``proposed`` tokens per row is expected to yield more
-        tokens per second than a decode call over the same ``b`` rows (measured per row
-        bucket; each kind is tried once, the verify step first)."""
+    def _draft_ready(self, b: int, rooms: dict[int, int], drafted: list[tuple[_Seq, int]]
+                     ) -> bool:
+        """Before the draft runs: whether the verify step it feeds is expected to pay and
+        fits the step's token budget and the free pages; if so, reserve the pages of the
+        drafted rows' verification (which the draft writes into first)."""
+        wanted = [k for k in rooms.values() if k]  # at most, per speculating row
+        width = max(s.req.sampling.speculative.num_tokens for s, _ in drafted)
+        ends = [(s, s.num_computed + 1 + k) for s, k in drafted]
+        if (not self._verify_pays(b, wanted, drafting=True)
+                or sum(1 + k for k in wanted) > self._verify_tokens(b, width)
+                or sum(self.blocks.pages_needed(s.rid, s.num_computed, e) for s, e in ends)
+                > self.blocks.num_free):
+            return False
+        for s, e in ends:
+            self._reserve(s, e)
+        return True
+
+    def _propose_draft(self, rows: list[tuple[_Seq, int]], b: int) -> dict[int, list[int]]:
+        """The draft model's greedy proposals, ``k`` tokens for each ``(sequence, k)`` row.
+
+        The draft reads the tokens it has not seen (one or two after a verify step) and
+        proposes in one program over the ``b`` row bucket (``runner.draft_step``), whose
+        ``b * (width + 1)`` packed tokens hold up to ``width + 1`` per row. A row with more
+        unseen tokens (the prompt after a prefill, the tokens of a decode call) first has
+        all but its newest read by catching-up steps, packed like mixed steps. Afterwards
+        the draft's K/V cover the sequence's tokens and its first ``k - 1`` proposals;
+        verification keeps those that were accepted.
+        """
+        width = max(s.req.sampling.speculative.num_tokens for s, _ in rows)
+        launched = time.perf_counter()
+        compiled = False
+        if any(len(s.tokens) - s.draft_computed > width + 1 for s, _ in rows):
+            compiled = self._draft_catch_up([s for s, _ in rows])
+        t = b * (width + 1)
+        compiled |= self._program_key(self._draft_program(b, t, width)) not in _ANNOUNCED
+        out = to_host(self._dispatch_draft(
+            [(s, len(s.tokens) - s.draft_computed, k) for s, k in rows], b, t, width))
+        seconds = time.perf_counter() - launched
+        self._device_time += seconds
+        self._draft_time += seconds
+        if not compiled:
+            self._draft_s[b] = 0.5 * (self._draft_s.get(b, seconds) + seconds)
+        for s, k in rows:
+            s.draft_computed = len(s.tokens) + k - 1
+        return {s.rid: out[s.slot, :k].tolist() for s, k in rows}
+
+    def _draft_catch_up(self, seqs: list[_Seq]) -> bool:
+        """Run the draft over all but the newest token of each of ``seqs`` that it has not
+        seen, in steps of at most the token budget over every slot, padded to a token
+        bucket (the programs ``warmup`` compiles); return whether one was compiled."""
+        compiled = False
+        while True:
+            plan, room = [], self.max_tokens
+            for s in seqs:
+                n = min(len(s.tokens) - 1 - s.draft_computed, room)
+                if n > 0:
+                    plan.append((s, n, 0))
+                    room -= n
+            if not plan:
+                return compiled
+            t = bucket(self.max_tokens - room, self.token_buckets)
+            compiled |= (self._program_key(self._draft_program(self.max_batch, t, 0))
+                         not in _ANNOUNCED)
+            self._dispatch_draft(plan, self.max_batch, t, 0)
+            for s, n, _ in plan:
+                s.draft_computed += n
+
+    def _draft_program(self, b: int, t: int, num_steps: int) -> tuple[Any, ...]:
+        return ("draft", b, t, num_steps, *self._draft_key)
+
+    def _dispatch_draft(self, plan: list[tuple[_Seq, int, int]], b: int, t: int,
+                        num_steps: int) -> jax.Array:
+        """Launch one draft-model step (asynchronously) over ``(sequence, tokens to read,
+        proposals wanted)`` entries; the draft's pool advances. Returns the proposals
+        ``[b, num_steps]`` (device)."""
+        d = self._draft
+        self._announce(self._draft_program(b, t, num_steps),
+                       f"draft model's step for {b} rows x {t} tokens"
+                       + (f", {num_steps} proposals" if num_steps else ""))
+        self._inflight = (f"draft model's step of {b} rows x {t} tokens", [q for q, *_ in plan])
+        inp = self._packed_inputs(
+            [(q, q.draft_computed, q.tokens[q.draft_computed: q.draft_computed + n])
+             for q, n, _ in plan], b, t)
+        wanted = np.zeros(b, np.int32)
+        for q, _, k in plan:
+            wanted[q.slot] = k
+        self._draft_pool, out = draft_step(
+            d.params, self._draft_pool, self._put(inp), self._put(wanted), config=d.config,
+            backend=self._draft_backend, dtype=d.dtype,
+            max_q_len=num_steps + 1 if num_steps else t,  # proposing: up to k + 1 per row
+            num_steps=num_steps, deterministic=d.deterministic)
+        return out
+
+    def _verify_pays(self, b: int, proposed: list[int], drafting: bool = False) -> bool:
+        """Whether a verify step with ``proposed`` tokens per row (after draft-model
+        proposals if ``drafting``) is expected to yield more tokens per second than a decode
+        call over the same ``b`` rows (measured per row bucket; each kind is tried once, the
+        verify step first)."""
         if not all(s.req.sampling.speculative.adaptive
                    for s in self._running if s.req.sampling.speculative):
             return True
         if b not in self._verify_s or b not in self._iteration_s:
             return b not in self._verify_s
         gain = sum(1 + self._acceptance * n for n in proposed)
-        return gain / self._verify_s[b] > len(proposed) / self._iteration_s[b]
+        cost = self._verify_s[b] + (self._draft_s.get(b, 0.0) if drafting else 0.0)
+        return gain / cost > len(proposed) / self._iteration_s[b]
 
     def _launch_decode_step(self, max_steps: int | None) -> _Call | None:
         """The step after a mixed one: a verify step when running sequences speculate, their
-        row bucket is small enough, the pages fit and it is expected to be faster; a decode
-        call otherwise, a short one while speculation pays but nothing can be proposed yet
-        (new tokens may start to repeat earlier ones)."""
+        row bucket is small enough, the pages fit and it is expected to be faster (judged
+        before a draft model runs, so a loss costs no draft work); a decode call otherwise,
+        a short one while speculation pays but nothing can be proposed yet (new tokens may
+        start to repeat earlier ones)."""
         specs = [s.req.sampling.speculative for s in self._running
                  if s.req.sampling.speculative]
         if not specs:
@@ -1268,22 +1444,28 @@ class Engine(StepLoop):
         b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
         if b > VERIFY_MAX_ROWS:
             return self._launch_decode(max_steps)
-        proposals = self._propose()
+        rooms = {s.rid: self._proposal_room(s) for s in self._running}
+        drafted = [(s, rooms[s.rid]) for s in self._running
+                   if rooms[s.rid] and s.req.sampling.speculative.method == "draft"]
+        if drafted and not self._draft_ready(b, rooms, drafted):
+            return self._launch_decode(max_steps)
+        proposals = self._propose(rooms, drafted, b)
         if not any(p for _, p in proposals):
             if not self._verify_pays(b, [sp.num_tokens for sp in specs]):
                 return self._launch_decode(max_steps)
             short = max(sp.num_tokens for sp in specs) + 1
             return self._launch_decode(short if max_steps is None else min(max_steps, short))
-        if not self._verify_pays(b, [len(p) for _, p in proposals]):
+        if not drafted and not self._verify_pays(b, [len(p) for _, p in proposals]):
             return self._launch_decode(max_steps)
         bm = self.blocks
         ends = [s.num_computed + 1 + len(p) for s, p in proposals]
         width = max(s.req.sampling.speculative.num_tokens for s, p in proposals if p)
         if (sum(e - s.num_computed for (s, _), e in zip(proposals, ends, strict=True))
-                > self._verify_tokens(b, width)):
-            return self._launch_decode(max_steps)  # more tokens than the step's budget
-        if sum(bm.pages_needed(s.rid, s.num_computed, e)
-               for (s, _), e in zip(proposals, ends, strict=True)) > bm.num_free:
+                > self._verify_tokens(b, width)  # more tokens than the step's budget
+                or sum(bm.pages_needed(s.rid, s.num_computed, e)
+                       for (s, _), e in zip(proposals, ends, strict=True)) > bm.num_free):
+            for s, _ in drafted:  # the draft's K/V of unverified proposals are not kept
+                s.draft_computed = min(s.draft_computed, len(s.tokens))
             return self._launch_decode(max_steps)  # its planning preempts as needed
         for (s, _), e in zip(proposals, ends, strict=True):
             self._reserve(s, e)
@@ -1327,39 +1509,48 @@ class Engine(StepLoop):
                        width: int) -> tuple[MixedInputs, np.ndarray, np.ndarray]:
         """Packed inputs of a verify step over slots ``[0, b)``: each row's last token, then
         its proposals; and the proposals ``[b, width]`` and their counts ``[b]``."""
-        ps, n_pages = self.page_size, self.blocks.num_pages
         drafts = np.zeros((b, width), np.int32)
         counts = np.zeros(b, np.int32)
+        for s, p in proposals:
+            drafts[s.slot, : len(p)] = p
+            counts[s.slot] = len(p)
+        inp = self._packed_inputs([(s, s.num_computed, [s.tokens[-1], *p])
+                                   for s, p in proposals], b, t)
+        return inp, drafts, counts
+
+    def _packed_inputs(self, rows: list[tuple[_Seq, int, Sequence[int]]], b: int, t: int
+                       ) -> MixedInputs:
+        """Packed inputs over slots ``[0, b)`` (``t`` tokens): each ``(sequence, start,
+        tokens)`` row feeds ``tokens`` at positions from ``start``, writes their K/V and
+        samples (``samples``, ``last_index``) after the last; other slots feed nothing."""
+        ps, n_pages = self.page_size, self.blocks.num_pages
         q_lens = np.zeros(b, np.int32)
         kv_lens = np.zeros(b, np.int32)
         gen = np.zeros(b, np.int32)
         samples = np.zeros(b, bool)
-        for s, p in proposals:
-            drafts[s.slot, : len(p)] = p
-            counts[s.slot] = len(p)
-            q_lens[s.slot] = 1 + len(p)
-            kv_lens[s.slot] = s.num_computed + 1 + len(p)
+        for s, start, toks in rows:
+            q_lens[s.slot] = len(toks)
+            kv_lens[s.slot] = start + len(toks)
             gen[s.slot] = len(s.progress.tokens)
             samples[s.slot] = True
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        last = np.maximum(cu[1:] - 1, 0).astype(np.int32)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         write_pages = np.full(t, n_pages, np.int32)
         write_offsets = np.zeros(t, np.int32)
-        for s, p in proposals:
-            o, n = cu[s.slot], 1 + len(p)
-            pos = np.arange(s.num_computed, s.num_computed + n, dtype=np.int32)
-            tokens[o: o + n] = [s.tokens[-1], *p]
+        for s, start, toks in rows:
+            o, n = cu[s.slot], len(toks)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            tokens[o: o + n] = toks
             positions[o: o + n] = pos
             write_pages[o: o + n] = self._tables[s.slot, pos // ps]
             write_offsets[o: o + n] = pos % ps
-        inp = MixedInputs(
+        return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
             write_offsets=write_offsets, targets=np.full(t, -1, np.int32),
-            block_tables=self._tables[:b], kv_lens=kv_lens, cu_q_lens=cu,
-            last_index=np.zeros(b, np.int32), gen_index=gen, samples=samples,
-            sampling=self._sampling(b))
-        return inp, drafts, counts
+            block_tables=self._tables[:b], kv_lens=kv_lens, cu_q_lens=cu, last_index=last,
+            gen_index=gen, samples=samples, sampling=self._sampling(b))
 
     def _collect_verify(self, call: _Call) -> list[Event]:
         out, seconds = self._results_of(call)
@@ -1378,6 +1569,7 @@ class Engine(StepLoop):
             s.progress.accepted_tokens += a
             start = s.num_computed
             s.num_computed += 1 + a
+            s.draft_computed = min(s.draft_computed, s.num_computed)  # its accepted inputs
             self._computed += 1 + len(p)
             top = None
             if s.req.sampling.top_logprobs:

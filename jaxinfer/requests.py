@@ -300,12 +300,34 @@ def make_requests(
         if sp.stop and model.tokenizer is None:
             raise InputError("stop strings need a tokenizer; use stop_token_ids instead")
         stops = tuple(dict.fromkeys((() if sp.ignore_eos else eos) + sp.stop_token_ids))
+        if sp.speculative is not None and sp.speculative.draft is not None:
+            check_draft(model, sp.speculative.draft, len(ids) + sp.max_new_tokens)
         fmt = sp.response_format
         if fmt is not None and fmt not in grammars:
             grammars[fmt] = compile_format(fmt, model.tokenizer, model.config.vocab_size)
         requests.append(Request(tuple(ids), resolve_seed(sp), stops,
                                 grammar=None if fmt is None else grammars[fmt]))
     return requests
+
+
+def check_draft(model: Model, draft: Any, length: int = 0) -> None:
+    """One-line errors, before any device work, when ``draft`` cannot propose tokens for
+    ``model``'s requests (``Speculative(method="draft")``) of up to ``length`` tokens (0:
+    any length)."""
+    if not isinstance(draft, Model):
+        raise InputError(f"speculative draft must be a jaxinfer.Model (load_model), not a "
+                         f"{type(draft).__name__}")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise InputError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens "
+                         f"but the target's has {model.config.vocab_size}; a draft must use "
+                         "the target's tokenizer")
+    if model.mesh is not None or draft.mesh is not None:
+        raise InputError("speculation with a draft model runs on one device; load the target "
+                         "and the draft without a mesh, or use method='ngram'")
+    if length > draft.config.max_position_embeddings:
+        raise InputError(f"prompt + max_new_tokens = {length} tokens exceeds the draft model's "
+                         f"context of {draft.config.max_position_embeddings}; lower "
+                         "max_new_tokens or use a draft with a longer context")
 
 
 ScorePair = tuple[str | Sequence[int], str | Sequence[int]]

@@ -1,6 +1,7 @@
 """The engine's device side: jitted steps over the page pool, in a few fixed shapes.
 
-Three step functions, all pure (params, pool, ``counts``, plain inputs) -> new state:
+Four step functions, all pure (params, pool, ``counts`` where they sample, plain inputs)
+-> new state:
 
 * ``mixed_step``: one forward pass over a packed mix of prefill chunks and decode tokens
   (``model.forward_ragged``), then one sampled token per slot that finished its input.
@@ -15,6 +16,7 @@ Three step functions, all pure (params, pool, ``counts``, plain inputs) -> new s
 * ``verify_step``: speculative decoding: each row feeds its last token and up to ``K``
   proposed tokens in one forward pass, samples all ``K + 1`` positions as plain decoding
   would, and accepts the proposals that equal those samples (``jaxinfer.speculative``).
+* ``draft_step``: a draft model's greedy proposals for the verify step, on its own pool.
 
 XLA:GPU evaluates a data-dependent ``while_loop`` condition or ``cond`` predicate on the host:
 it copies the predicate back and waits for the stream. So the steps avoid them where they can:
@@ -270,14 +272,9 @@ def decode_steps(
     num_pages = pool.num_pages
     rows = jnp.arange(b)
 
-    quantized = is_quantized(params)
-
     def iteration(_: Any, carry: tuple) -> tuple:
         step, pool_k, pool_v, counts_b, active, tokens, pos, remaining, gen, out = carry
-        # The weights are loop-invariant, so XLA would hoist an int8 weight's dequantization
-        # (the XLA path of ``model._dense``) out of the loop and keep a bf16 copy of the
-        # model; the barrier keeps it inside.
-        p = jax.lax.optimization_barrier(params) if quantized else params
+        p = _in_loop(params)
         page = inp.block_tables[rows, jnp.minimum(pos // page_size,
                                                    inp.block_tables.shape[1] - 1)]
         write_pages = jnp.where(active, page, num_pages)  # inactive rows write nothing
@@ -322,6 +319,77 @@ def decode_steps(
     if not num_top:
         del out["top_ids"], out["top_logprobs"]
     return PagePool(k=k, v=v), counts, out
+
+
+def _in_loop(params: Params) -> Params:
+    """``params`` for use inside a loop body. The weights are loop-invariant, so XLA would
+    hoist a quantized weight's dequantization (the XLA path of ``model._dense``) out of the
+    loop and keep a bf16 copy of the model; an optimization barrier keeps it inside."""
+    return jax.lax.optimization_barrier(params) if is_quantized(params) else params
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len",
+                                            "num_steps", "deterministic"),
+                   donate_argnums=(1,))
+def draft_step(
+    params: Params,
+    pool: PagePool,
+    inp: MixedInputs,
+    num_proposed: jax.Array,
+    *,
+    config: LlamaConfig,
+    backend: Backend,
+    dtype: Any,
+    max_q_len: int,
+    num_steps: int,
+    deterministic: bool = False,
+) -> tuple[PagePool, jax.Array]:
+    """A draft model's proposals: one forward pass over packed tokens, then greedy decoding.
+
+    Rows are slots ``[0, S)`` of the draft's pool (addressed by the target's block tables).
+    The packed tokens are those each row's draft has not seen yet, up to its last token;
+    then the rows propose ``num_steps`` (static) tokens: the argmax after their last token,
+    then ``num_steps - 1`` single-token iterations on the device, each feeding the previous
+    proposal and writing its K/V at the next position while the row wants another of its
+    ``num_proposed [S]`` proposals (so nothing is written past the pages the host
+    reserved). With ``num_steps`` 0 the step only catches the draft up (a prompt too long
+    for one step). Returns ``(pool, proposals [S, num_steps])``; a row's proposals past its
+    ``num_proposed`` are garbage.
+    Greedy whatever the request's sampling: verification accepts a proposal only where the
+    target's own sample equals it (``verify_step``), so the draft's choice affects the
+    acceptance rate, never the output.
+    """
+    h, pool_k, pool_v = forward_ragged(
+        params, config, inp.tokens, inp.positions, pool.k, pool.v, inp.write_pages,
+        inp.write_offsets, inp.block_tables, inp.kv_lens, inp.cu_q_lens, max_q_len=max_q_len,
+        backend=backend, dtype=dtype, deterministic=deterministic)
+    b = inp.kv_lens.shape[0]
+    if num_steps == 0:
+        return PagePool(k=pool_k, v=pool_v), jnp.zeros((b, 0), jnp.int32)
+    first = jnp.argmax(lm_head(params, h[inp.last_index], deterministic), axis=-1)  # [S]
+    rows = jnp.arange(b)
+    num_pages, page_size = pool.num_pages, pool.page_size
+
+    def iteration(j: jax.Array, carry: tuple) -> tuple:
+        pool_k, pool_v, tokens, pos, out = carry
+        p = _in_loop(params)
+        active = j + 1 < num_proposed  # [S]: proposal j + 1 is wanted
+        page = inp.block_tables[rows, jnp.minimum(pos // page_size,
+                                                   inp.block_tables.shape[1] - 1)]
+        h, pool_k, pool_v = forward_ragged(
+            p, config, tokens, pos, pool_k, pool_v,
+            jnp.where(active, page, num_pages), pos % page_size, inp.block_tables,
+            jnp.where(active, pos + 1, 0), jnp.arange(b + 1, dtype=jnp.int32),
+            max_q_len=1, backend=backend, dtype=dtype, deterministic=deterministic)
+        new = jnp.argmax(lm_head(p, h, deterministic), axis=-1).astype(jnp.int32)
+        return pool_k, pool_v, new, pos + 1, out.at[:, j + 1].set(new)
+
+    out = jnp.zeros((b, num_steps), jnp.int32).at[:, 0].set(first)
+    # The first proposal takes position kv_lens (the keys after the packed tokens).
+    pool_k, pool_v, _, _, out = jax.lax.fori_loop(
+        0, num_steps - 1, iteration, (pool_k, pool_v, first.astype(jnp.int32), inp.kv_lens,
+                                      out))
+    return PagePool(k=pool_k, v=pool_v), out
 
 
 def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax.Array

@@ -13,23 +13,37 @@ Proposals here are deterministic (a point mass ``q``). For a point mass the reje
 sampling rule of Leviathan et al. ("accept ``x`` with probability ``min(1, p(x) / q(x))``,
 else draw from ``norm(max(0, p - q))``") accepts with probability ``p(x)`` and otherwise
 draws from ``p`` without ``x``: exactly what comparing ``x`` with a draw from ``p`` does.
+A draft model's proposals are its greedy tokens, so the same holds for them. The trade-off:
+when sampling, a proposal is accepted with probability ``p(x)``, whereas the rule applied to
+a *sampled* draft (``q`` the draft's distribution) accepts with ``sum min(p, q)``, which is
+higher when the two models agree on a flat distribution. The rule here buys outputs that are
+token for token those of plain decoding with the same seed (not only equal in distribution),
+and greedy requests, the usual case for speculation, lose nothing.
 
 ``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier occurrence of
 the sequence's last ``n`` tokens, for the largest ``n`` in ``[ngram_min, ngram_max]`` that
 occurs; it needs no second model and pays off when outputs repeat their input (summaries,
 edits, extraction, code).
+
+``draft`` proposes the greedy continuation of a second, cheaper model with the target's
+vocabulary (a smaller model of the same family, or a quantized copy of the target:
+``load_model(path, quantize="int4")``). The engine keeps the draft's K/V in a page pool of
+its own, addressed by the target's page tables (``Engine`` says how it is sized), and runs
+the draft over the tokens it has not seen and then ``k - 1`` more tokens in one device
+program before each verify step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from jaxinfer.errors import InputError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 """Proposal methods ``Speculative(method=...)`` accepts."""
 
 MAX_TOKENS = 16
@@ -41,12 +55,22 @@ class Speculative:
     """Speculative decoding settings of a request (``generate(..., speculative=...)``).
 
     Args:
-      method: ``"ngram"``: prompt-lookup proposals from the request's own tokens.
+      method: ``"ngram"``: prompt-lookup proposals from the request's own tokens;
+        ``"draft"``: the greedy tokens of the ``draft`` model.
       num_tokens: tokens proposed per verification (``k``), 1 to ``MAX_TOKENS``.
-      ngram_max, ngram_min: lengths of the suffix looked up, longest first.
-      adaptive: let the engine verify only when it measures speculation to be faster than
-        plain multi-token decode calls for the running batch (large batches, low
-        acceptance); False speculates whenever a proposal exists (tests, measurements).
+      ngram_max, ngram_min: lengths of the suffix looked up, longest first (``"ngram"``).
+      adaptive: let the engine verify only when it measures speculation (the draft's
+        proposals included) to be faster than plain multi-token decode calls for the running
+        batch (large batches, low acceptance); False speculates whenever a proposal exists
+        (tests, measurements).
+      draft: with ``method="draft"``, a ``jaxinfer.Model`` with the target's vocabulary on
+        the target's device (checked when a request is made). An engine serves one draft
+        model at a time; it attaches a new one while idle. Settings compare equal whatever
+        their draft (a model is not comparable).
+
+    Whatever the method, outputs are those of plain decoding (module docstring: when
+    sampling, a proposal is accepted with the target's probability of it, a lower rate than
+    the draft-distribution rejection rule, in exchange for seed-exact outputs).
     """
 
     method: str = "ngram"
@@ -54,6 +78,7 @@ class Speculative:
     ngram_max: int = 3
     ngram_min: int = 1
     adaptive: bool = True
+    draft: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -70,6 +95,11 @@ class Speculative:
                              f"{self.ngram_max}")
         if not isinstance(self.adaptive, bool):
             raise InputError(f"speculative adaptive={self.adaptive!r} must be True or False")
+        if (self.method == "draft") != (self.draft is not None):
+            raise InputError(f"speculative method={self.method!r} "
+                             + ("needs a draft model: Speculative(method='draft', draft=model)"
+                                if self.draft is None else
+                                "takes no draft model; use method='draft' to draft with one"))
 
 
 def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, ngram_max: int,

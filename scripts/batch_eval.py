@@ -49,6 +49,7 @@ from jaxinfer.cli import (  # noqa: E402
     add_kv_cache_arg,
     add_mesh_args,
     add_sampling_args,
+    load_draft,
     mesh_from_args,
     sampling_kwargs,
 )
@@ -281,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the step shapes
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
 
+    draft = load_draft(args)
+    if draft is not None:
+        options = {k: v for k, v in sampling_kwargs(args, draft).items() if k != "seed"}
     model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
                                 max_batch=args.batch_size, mesh=mesh_from_args(args),
                                 kv_cache_dtype=args.kv_cache_dtype)
@@ -293,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     engine = engine_for(model)
     # Compile (or load) every step program up front, so the timed run is the steady state.
     sampled = any(r.sampling.temperature > 0 for r in reqs.values())
-    warm_s = (engine.warmup(generate=not args.score, score=args.score, sampled=sampled)
+    warm_s = (engine.warmup(generate=not args.score, score=args.score, sampled=sampled,
+                            speculative=None if args.score else options["speculative"])
               if reqs else 0.0)
     rid = {line: engine.add_request(req) for line, req in reqs.items()}
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,

@@ -35,8 +35,19 @@ Usage:
         --batch1-tokens 256                                       # one H200: 70B in ~37 GB
     JAX_PLATFORMS=cpu python scripts/bench_engine.py --preset tiny --requests 32 --rate 0,50 \
         --batch1-tokens 16 --json /tmp/x.json                           # CPU smoke run
+    python scripts/bench_engine.py --preset 8b --requests 0 --batch1-tokens 256 \
+        --speculative draft --draft-preset int4 --always-speculate --json auto
     python scripts/bench_engine.py --preset 1b --requests 256 --response-format json \
         --tokenizer bench/tokenizer_smollm2 --json auto      # structured output's cost
+
+``--speculative ngram|draft`` gives every request ``jaxinfer.Speculative`` (``--draft-preset``
+names the draft: ``self``, the target itself, which accepts every greedy proposal and so
+measures the mechanism's cost; a quantization such as ``int4``, the target's weights
+quantized; or a preset's shapes with random weights). With ``--batch1-tokens`` the batch-1
+request then runs twice, plain and speculative, and the record compares their decode rates and
+tokens, splits a verify cycle into draft and verify milliseconds and projects the speed-up
+at acceptance rates that random weights cannot show (they rarely agree with any draft but
+themselves).
 
 Several comma-separated rates run in one process on the same prompts and output lengths
 (only arrivals differ), each on a fresh ``Engine`` so no run hits the previous run's prefix
@@ -69,7 +80,12 @@ from jaxinfer.engine import SCHEDULES
 from jaxinfer.loading import cache_dir
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
 from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
-from jaxinfer.quantize import QUANTIZATIONS, is_quantized, random_quantized_params
+from jaxinfer.quantize import (
+    QUANTIZATIONS,
+    is_quantized,
+    quantize_params,
+    random_quantized_params,
+)
 from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
 from jaxinfer.tokenizer import Tokenizer
 
@@ -278,12 +294,42 @@ def pool_capacity(engine: jaxinfer.Engine) -> dict[str, Any]:
                 tokens_vs_bf16=tokens / bf16_tokens)
 
 
-def speculative(args: argparse.Namespace) -> jaxinfer.Speculative | None:
+def build_draft(target: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Model | None:
+    """The ``--draft-preset`` model for ``--speculative draft`` (None without it): the target
+    itself, its weights quantized, or random weights of a preset's shapes (seed + 1). A
+    draft other than the target runs the fast kernels even with ``--deterministic``: its
+    numerics affect which proposals are accepted, never the output."""
+    if args.draft_preset is None:
+        return None
+    if args.draft_preset == "self":
+        return target
+    if args.draft_preset in QUANTIZATIONS:
+        return dataclasses.replace(target, name=f"{target.name}-{args.draft_preset}",
+                                   params=quantize_params(target.params, args.draft_preset),
+                                   deterministic=False)
+    return build_model(PRESETS[args.draft_preset], args.draft_preset, args.layout,
+                       args.backend, args.seed + 1, False, None, args.kv_cache_dtype)
+
+
+def speculative(args: argparse.Namespace, draft: jaxinfer.Model | None = None
+                ) -> jaxinfer.Speculative | None:
     """The ``--speculative`` settings every request gets (None: plain decoding)."""
     if args.speculative is None:
         return None
     return jaxinfer.Speculative(method=args.speculative, num_tokens=args.num_speculative_tokens,
-                                adaptive=not args.always_speculate)
+                                adaptive=not args.always_speculate, draft=draft)
+
+
+def projected_speedups(k: int, plain_s: float, draft_s: float, verify_s: float
+                       ) -> dict[str, float]:
+    """Batch-1 speed-up over plain decoding (``plain_s`` per token) of verify cycles costing
+    ``draft_s + verify_s``, at acceptance rates ``a`` (each proposal accepted with
+    probability ``a``): a cycle yields ``(1 - a^(k+1)) / (1 - a)`` tokens."""
+    out = {}
+    for a in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+        tokens = k + 1 if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
+        out[f"{a:.1f}"] = tokens * plain_s / (draft_s + verify_s)
+    return out
 
 
 def warmup(engine: jaxinfer.Engine, constrained: bool = False,
@@ -377,10 +423,13 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     """
     vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
     prompt = np.random.default_rng(1).choice(vocab, size=prompt_len).tolist()
+    before = engine.stats()
     rid = engine.submit(prompt, max_new_tokens=new_tokens, speculative=spec)
     engine.run_until_done()
     m = engine.request_metrics(rid)
-    tokens = len(_completed(engine, rid).token_ids)
+    token_ids = _completed(engine, rid).token_ids
+    tokens = len(token_ids)
+    s = engine.stats()
     decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
     context = prompt_len + tokens // 2
     step_bytes = (roofline.weight_bytes_per_step(cfg, dtype_bytes) + context
@@ -390,11 +439,62 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
         step_bytes += (engine.model.param_bytes - embed
                        - roofline.weight_bytes_per_step(cfg, dtype_bytes))
     floor_tok_per_s = read_bytes_per_s / step_bytes
+    verify_steps = s.verify_steps - before.verify_steps
+    draft_s = s.draft_seconds - before.draft_seconds
+    # Device time of the verify steps: all of it but the prompt's step, decode calls and
+    # the draft's proposals.
+    verify_s = (s.device_seconds - before.device_seconds - m.time_to_first_token
+                - (s.decode_seconds - before.decode_seconds) - draft_s)
+    proposed = s.draft_tokens - before.draft_tokens
     return dict(prompt_len=prompt_len, max_new_tokens=new_tokens, tokens=tokens,
+                token_ids=token_ids,
                 ttft_ms=m.time_to_first_token * 1e3, decode_tok_per_s=decode_tok_per_s,
                 step_bytes=step_bytes, floor_tok_per_s=floor_tok_per_s,
                 fraction_of_floor=(decode_tok_per_s / floor_tok_per_s
-                                   if decode_tok_per_s else None))
+                                   if decode_tok_per_s else None),
+                verify_steps=verify_steps, decode_calls=s.decode_calls - before.decode_calls,
+                draft_tokens=proposed, accepted_tokens=s.accepted_tokens - before.accepted_tokens,
+                acceptance=(s.accepted_tokens - before.accepted_tokens) / proposed
+                if proposed else None,
+                draft_ms_per_verify=draft_s / verify_steps * 1e3 if verify_steps else None,
+                verify_ms_per_step=verify_s / verify_steps * 1e3 if verify_steps else None)
+
+
+def compare_speculative(spec: dict[str, Any], plain: dict[str, Any], spec_ids: list[int],
+                        plain_ids: list[int], k: int) -> dict[str, Any]:
+    """A speculative batch-1 run against the plain one: speed-up, identical tokens, and the
+    speed-ups its measured cycle costs would give at other acceptance rates."""
+    differ = [i for i, (a, b) in enumerate(zip(spec_ids, plain_ids, strict=False)) if a != b]
+    out: dict[str, Any] = dict(plain=plain, identical_tokens=spec_ids == plain_ids,
+                               first_difference=differ[0] if differ else None,
+                               speedup=None, projected_speedup=None)
+    if spec["decode_tok_per_s"] and plain["decode_tok_per_s"]:
+        out["speedup"] = spec["decode_tok_per_s"] / plain["decode_tok_per_s"]
+        if spec["verify_steps"]:
+            out["projected_speedup"] = projected_speedups(
+                k, 1 / plain["decode_tok_per_s"], spec["draft_ms_per_verify"] / 1e3,
+                spec["verify_ms_per_step"] / 1e3)
+    return out
+
+
+def report_speculative(b1: dict[str, Any]) -> None:
+    """Print a speculative batch-1 run's comparison with plain decoding."""
+    plain = b1["plain"]
+    print(f"   plain {plain['decode_tok_per_s'] or 0:.1f} tok/s; speculative "
+          f"{b1['decode_tok_per_s'] or 0:.1f} tok/s = {b1['speedup'] or 0:.2f}x, identical "
+          f"tokens: {b1['identical_tokens']}"
+          + ("" if b1["first_difference"] is None else
+             f" (first difference at token {b1['first_difference']}: bf16 near-ties, see "
+             "--deterministic)")
+          + f"; {b1['verify_steps']} verify steps, "
+          f"{b1['accepted_tokens']} of {b1['draft_tokens']} proposals accepted, "
+          f"{b1['decode_calls']} decode calls", flush=True)
+    if b1["projected_speedup"]:
+        print(f"   a cycle: draft {b1['draft_ms_per_verify']:.2f} ms + verify "
+              f"{b1['verify_ms_per_step']:.2f} ms (plain {1e3 / plain['decode_tok_per_s']:.2f} "
+              "ms/token); projected speed-up at acceptance "
+              + ", ".join(f"{a}: {x:.2f}x" for a, x in b1["projected_speedup"].items()),
+              flush=True)
 
 
 def _fmt_ms(p: dict[str, float | None]) -> str:
@@ -471,6 +571,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--always-speculate", action="store_true",
                     help="verify whenever there is a proposal (Speculative(adaptive=False))")
+    ap.add_argument("--draft-preset", default=None,
+                    choices=("self", *QUANTIZATIONS, *sorted(PRESETS)),
+                    help="with --speculative draft: the draft model: self (the target: every "
+                    "greedy proposal accepted), a quantization of the target's weights (int4, "
+                    "...), or a preset's shapes with random weights (1b beside 8b)")
     ap.add_argument("--matmul-tflops", type=float, default=None,
                     help="bf16 matmul rate for the floor (default: measured H100 634, H200 790)")
     ap.add_argument("--read-tbps", type=float, default=None,
@@ -494,6 +599,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.requests < 0:
         ap.error(f"--requests {args.requests} must be 0 or more")
+    if (args.speculative == "draft") != (args.draft_preset is not None):
+        ap.error("--speculative draft needs --draft-preset, which is only for it")
     if args.kv_bytes is None:
         args.kv_bytes = DEFAULT_KV_BYTES.get(args.preset)
     for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
@@ -518,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                                   *argv])])
     model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
                         args.deterministic, args.quantize, args.kv_cache_dtype)
+    spec = speculative(args, build_draft(model, args))
     fraction = args.constrained_fraction if args.response_format == "json" else 0.0
     if fraction:
         model = dataclasses.replace(model, tokenizer=load_tokenizer(args.tokenizer))
@@ -551,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"decode {f['decode_tokens']} tokens in ~{f['decode_steps']:.0f} steps of "
                   f"{f['batch_eff']}: {(f['decode_weight_bytes'] + f['decode_kv_bytes']) / 1e9:.1f}"
                   f" GB = {f['decode_s']:.4g} s)", flush=True)
-        warmup_s = warmup(engine, constrained=bool(w.constrained), spec=speculative(args))
+        warmup_s = warmup(engine, constrained=bool(w.constrained), spec=spec)
         pool = pool_capacity(engine)
         print(f"\n-- rate {rate or 'offline'}: {engine.max_batch} slots, {engine.max_tokens} "
               f"tokens per step; pool {pool['pool_tokens']} tokens in "
@@ -559,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{pool['tokens_vs_bf16']:.3f}x the {pool['pool_tokens_if_bf16']} tokens of "
               "bfloat16", flush=True)
         run = dict(rate=rate, warmup_s=warmup_s, **pool,
-                   **run_workload(engine, w, speculative(args)))
+                   **run_workload(engine, w, spec))
         run["fraction_of_floor"] = (run["output_tok_per_s"]
                                     / record["floor"]["floor_output_tok_per_s"])
         report(run, record["floor"])
@@ -567,11 +675,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         save()
         del engine
     if args.batch1_tokens > 0:
+        plain = None
+        if spec is not None:  # the same request without speculation, to compare with
+            engine = make_engine(model, args)
+            warmup(engine)
+            plain = run_batch1(engine, cfg, args.batch1_prompt, args.batch1_tokens, bandwidth,
+                               dtype_bytes)
+            del engine
         engine = make_engine(model, args)
-        warmup_s = warmup(engine, spec=speculative(args))
+        warmup_s = warmup(engine, spec=spec)
         b1 = dict(warmup_s=warmup_s, **run_batch1(engine, cfg, args.batch1_prompt,
                                                  args.batch1_tokens, bandwidth, dtype_bytes,
-                                                 speculative(args)))
+                                                 spec))
+        token_ids = b1.pop("token_ids")
+        if plain is not None:
+            b1.update(compare_speculative(b1, plain, token_ids, plain.pop("token_ids"),
+                                          args.num_speculative_tokens))
         b1_tok_per_s = b1["decode_tok_per_s"]
         print(f"\n-- batch 1: {b1['tokens']} tokens after a {b1['prompt_len']}-token prompt: "
               + (f"decode {b1_tok_per_s:.1f} tok/s, roofline {b1['floor_tok_per_s']:.4g} tok/s "
@@ -579,6 +698,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  f"{100 * b1['fraction_of_floor']:.3g}%"
                  if b1_tok_per_s else "under 2 tokens, no decode rate")
               + f"; TTFT {b1['ttft_ms']:.1f} ms", flush=True)
+        if plain is not None:
+            report_speculative(b1)
         record["batch1"] = b1
         save()
     if out_path is not None:

@@ -133,6 +133,28 @@ def test_speculative_run_counts_its_proposals_and_compiles_nothing_in_the_run(be
     assert run["programs_compiled_in_run"] == 0  # warmup(speculative=...) compiled the verify
 
 
+@pytest.mark.slow
+def test_draft_model_run_compares_batch1_with_plain(bench):
+    """--speculative draft --draft-preset self: every greedy proposal of the target itself is
+    accepted; the batch-1 request runs plain and speculative and the record compares them."""
+    argv = ["--preset", "tiny", "--requests", "3", "--max-batch", "1", "--token-budget", "16",
+            "--batch1-tokens", "12", "--speculative", "draft", "--draft-preset", "self",
+            "--always-speculate"]
+    record = bench.main(argv)
+    run, b1 = record["runs"][0], record["batch1"]
+    assert run["programs_compiled_in_run"] == 0  # warmup compiled the draft's steps too
+    assert run["draft_tokens"] > 0 and b1["draft_tokens"] > 0
+    assert b1["plain"]["tokens"] == b1["tokens"] == 12 and "token_ids" not in b1
+    assert b1["verify_steps"] > 0 and b1["speedup"] > 0
+    assert set(b1["projected_speedup"]) == {"0.5", "0.6", "0.7", "0.8", "0.9", "1.0"}
+    # the projection is the measured cycle: k + 1 tokens per cycle at acceptance 1
+    cycle_s = (b1["draft_ms_per_verify"] + b1["verify_ms_per_step"]) / 1e3
+    assert b1["projected_speedup"]["1.0"] == pytest.approx(
+        5 / b1["plain"]["decode_tok_per_s"] / cycle_s)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--speculative", "draft"])  # a draft method needs --draft-preset
+
+
 def test_tiny_structured_output_run(bench, tmp_path):
     """--response-format json: half the requests constrained, with a tokenizer folder."""
     from tests.conftest import byte_tokenizer

@@ -107,6 +107,27 @@ def test_stop_strings_and_streaming(ours_f32):
 
 
 @slow
+def test_int4_copy_as_draft_gives_the_plain_greedy_tokens(ours_f32):
+    """Speculation with the model's int4 copy as draft: real weights (stored as Q4_1, so the
+    int4 copy is close: every proposal was accepted when written), and the output is plain
+    greedy decoding's."""
+    from jaxinfer.quantize import quantize_params
+
+    draft = jaxinfer.Model(config=ours_f32.config, tokenizer=ours_f32.tokenizer,
+                           params=quantize_params(ours_f32.params, "int4"), dtype=np.float32,
+                           backend="reference")
+    spec = jaxinfer.Speculative(method="draft", draft=draft, num_tokens=4, adaptive=False)
+    results = {}
+    for name, sp in (("plain", None), ("draft", spec)):
+        engine = jaxinfer.Engine(ours_f32, num_pages=64, max_batch=2, verbose=False)
+        results[name] = engine.run([engine.submit(c, chat=True, max_new_tokens=32,
+                                                  speculative=sp) for c in CHATS])
+    for plain, drafted in zip(results["plain"], results["draft"], strict=True):
+        assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert engine.stats().acceptance_rate > 0.5
+
+
+@slow
 def test_structured_outputs_parse_and_validate(ours_f32):
     """JSON-schema, JSON-object and regex outputs (response_format) of the default model. A
     small engine: the reference attention reads every page a sequence may have per token."""

@@ -18,6 +18,7 @@ import jaxinfer
 from jaxinfer import engine as engine_module
 from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
+from jaxinfer.quantize import quantize_params
 from jaxinfer.runner import accepted_lengths
 from jaxinfer.speculative import Speculative, propose_ngram
 from tests.conftest import LetterTokenizer, tiny_engine_model
@@ -51,6 +52,8 @@ def test_accepted_lengths_is_the_matching_prefix_within_the_proposals():
     (dict(num_tokens=2.0), "num_tokens=2.0 must be an integer"),
     (dict(ngram_min=3, ngram_max=2), "ngram_min=3 must be <= ngram_max=2"),
     (dict(adaptive="yes"), "adaptive='yes' must be True or False"),
+    (dict(method="draft"), "method='draft' needs a draft model"),
+    (dict(draft=object()), "method='ngram' takes no draft model"),
 ])
 def test_bad_settings_are_one_line_errors(kwargs, message):
     with pytest.raises(InputError, match="^speculative .*") as e:
@@ -68,11 +71,15 @@ def _model():
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], list(range(3, 30)), [10, 11, 10, 11, 10], [40]]
+# One pool shape and slot count for every engine here: they share their compiled programs
+# (compiling, not running, is what these tests spend their time on). 256 tokens: the
+# preemption tests overflow it.
+SIZING = dict(num_pages=16, max_batch=4)
 
 
-def _plain(model, options, **engine_kwargs):
-    e = Engine(model, verbose=False, **engine_kwargs)
-    ids = [e.submit(p, **options, seed=i) for i, p in enumerate(PROMPTS)]
+def _plain(model, options, prompts=PROMPTS, **engine_kwargs):
+    e = Engine(model, verbose=False, **{**SIZING, **engine_kwargs})
+    ids = [e.submit(p, **options, seed=i) for i, p in enumerate(prompts)]
     return e.run(ids)
 
 
@@ -104,12 +111,12 @@ def _oracle(plain, corrupt_every):
     dict(max_new_tokens=24, temperature=1.1, repetition_penalty=1.4, logprobs=True),
     dict(max_new_tokens=30, temperature=0.0, stop=["jj"], stop_token_ids=[17, 23]),
 ], ids=["greedy", "sampled", "repetition_penalty", "stops"])
-@pytest.mark.parametrize("corrupt_every", [0, 3, 7])
+@pytest.mark.parametrize("corrupt_every", [0, 3])
 def test_verification_emits_exactly_the_plain_tokens(monkeypatch, options, corrupt_every):
     model = _model()
     plain = _plain(model, options)
     monkeypatch.setattr(engine_module, "propose_ngram", _oracle(plain, corrupt_every))
-    e = Engine(model, verbose=False)
+    e = Engine(model, verbose=False, **SIZING)
     ids = [e.submit(p, **options, seed=i, speculative=SPEC) for i, p in enumerate(PROMPTS)]
     spec = e.run(ids)
     for a, b in zip(plain, spec, strict=True):
@@ -130,11 +137,10 @@ def test_verification_emits_exactly_the_plain_tokens(monkeypatch, options, corru
 
 def test_verification_with_preemption_and_a_small_pool(monkeypatch):
     model = _model()
-    options = dict(max_new_tokens=30, temperature=0.8)
-    sizing = dict(num_pages=16, page_size=4, max_batch=4)
-    plain = _plain(model, options, **sizing)
+    options = dict(max_new_tokens=60, temperature=0.8, ignore_eos=True)  # overflows the pool
+    plain = _plain(model, options)
     monkeypatch.setattr(engine_module, "propose_ngram", _oracle(plain, 5))
-    e = Engine(model, verbose=False, **sizing)
+    e = Engine(model, verbose=False, **SIZING)
     ids = [e.submit(p, **options, seed=i, speculative=SPEC) for i, p in enumerate(PROMPTS)]
     spec = e.run(ids)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
@@ -145,23 +151,125 @@ def test_verification_with_preemption_and_a_small_pool(monkeypatch):
 def test_ngram_speculation_end_to_end_matches_generate():
     """The real proposer, on a model whose greedy continuation falls into a loop."""
     model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
-    prompt = [40, 41, 42] * 8
-    plain = jaxinfer.generate(model, prompt, max_new_tokens=32, ignore_eos=True)[0]
-    e = Engine(model, verbose=False)
-    spec = e.run([e.submit(prompt, max_new_tokens=32, ignore_eos=True, speculative=SPEC)])[0]
-    assert spec.token_ids == plain.token_ids
-    assert spec.accepted_tokens > 10 and e.stats().mean_accepted_length > 2
+    prompts = [[40, 41, 42] * 8, [40, 41, 42] * 7]
+    plain = _plain(model, dict(max_new_tokens=32, ignore_eos=True), prompts)
+    e = Engine(model, verbose=False, **SIZING)
+    spec = e.run([e.submit(p, max_new_tokens=32, ignore_eos=True, speculative=SPEC)
+                  for p in prompts])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec[0].accepted_tokens > 10 and e.stats().mean_accepted_length > 2
 
 
 def test_adaptive_speculation_measures_both_step_kinds():
     model = _model()
     prompt = [5, 6, 5, 6, 5, 6, 5]
-    plain = jaxinfer.generate(model, [prompt] * 2, max_new_tokens=48, ignore_eos=True)
-    e = Engine(model, verbose=False)
-    spec = Speculative(num_tokens=3)  # adaptive
+    plain = _plain(model, dict(max_new_tokens=48, ignore_eos=True), [prompt] * 2)
+    e = Engine(model, verbose=False, **SIZING)
+    spec = Speculative(num_tokens=4)  # adaptive
     ids = [e.submit(prompt, max_new_tokens=48, speculative=spec, ignore_eos=True)
            for _ in range(2)]
     assert [r.token_ids for r in e.run(ids)] == [r.token_ids for r in plain]
     stats = e.stats()
     # verify is tried first, then a decode call is measured, then the faster one runs
     assert stats.verify_steps >= 1 and stats.decode_calls >= 1
+
+
+# ---------------------------------------------------------------- draft-model speculation
+def _draft_run(model, draft, options, prompts=PROMPTS, adaptive=False):
+    e = Engine(model, verbose=False, **SIZING)
+    spec = Speculative(method="draft", draft=draft, num_tokens=4, adaptive=adaptive)
+    return e, e.run([e.submit(p, **options, seed=i, speculative=spec)
+                     for i, p in enumerate(prompts)])
+
+
+@pytest.mark.parametrize("kind", ["self", "random"])
+def test_draft_model_greedy_output_equals_plain(kind):
+    """Stop strings, stop ids and max_new_tokens end the requests; the draft catches up
+    on the prompts (one of them shared through the prefix cache) before it proposes. A
+    draft that is the target accepts every proposal: its K/V were right."""
+    model = _model()
+    options = dict(max_new_tokens=30, temperature=0.0, stop=["jj"], stop_token_ids=[17, 23],
+                   logprobs=True)
+    prompts = [*PROMPTS, list(range(3, 30))]  # admitted later: a prefix-cache hit
+    plain = _plain(model, options, prompts, **SIZING)
+    draft = model if kind == "self" else tiny_engine_model(seed=3)  # same shapes: programs
+    e, spec = _draft_run(model, draft, options, prompts)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason and b.text == a.text
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+    assert {r.finish_reason for r in plain} == {"stop", "length"}
+    stats = e.stats()
+    assert stats.draft_tokens == sum(r.draft_tokens for r in spec) > 0
+    assert stats.accepted_tokens == sum(r.accepted_tokens for r in spec)
+    assert stats.verify_steps > 0 and stats.draft_seconds > 0
+    if kind == "self":
+        assert stats.acceptance_rate == 1.0
+    e.blocks.check_all_free()
+
+
+@pytest.mark.slow
+def test_int4_draft_sampled_output_equals_plain_with_preemption():
+    """The target's int4 copy drafts for seeded sampling through a small pool: preempted
+    sequences restart their draft's K/V."""
+    model = _model()
+    options = dict(max_new_tokens=60, temperature=0.8, top_k=30, ignore_eos=True)
+    plain = _plain(model, options)
+    int4 = dataclasses.replace(model, params=quantize_params(model.params, "int4"))
+    e, spec = _draft_run(model, int4, options)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = e.stats()
+    assert stats.num_preemptions > 0 and stats.verify_steps > 0
+    assert 0 < stats.acceptance_rate < 1  # greedy proposals against sampled tokens
+    e.blocks.check_all_free()
+
+
+def test_adaptive_draft_speculation_tries_both_step_kinds():
+    """Adaptive mode tries a verify step (after the draft's proposals) and a decode call,
+    then runs the faster; after a decode call the draft catches up on its tokens."""
+    model = _model()
+    prompts = [[5, 6, 5, 6, 5, 6, 5]] * 2
+    options = dict(max_new_tokens=40, ignore_eos=True)
+    plain = _plain(model, options, prompts, **SIZING)
+    e, spec = _draft_run(model, model, options, prompts, adaptive=True)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert e.stats().verify_steps >= 1 and e.stats().decode_calls >= 1
+
+
+def test_draft_model_must_share_the_vocabulary_and_engine_stays_idle():
+    model = _model()
+    cfg = dataclasses.replace(model.config, vocab_size=96)
+    other = jaxinfer.Model(config=cfg, params=model.params, tokenizer=None, dtype=jnp.float32,
+                           backend="reference")
+    e = Engine(model, verbose=False, **SIZING)
+    spec = Speculative(method="draft", draft=other)
+    with pytest.raises(InputError, match="^the draft model's vocabulary has 96 tokens but the "
+                       "target's has 128; a draft must use the target's tokenizer$"):
+        e.submit([5, 6, 7], speculative=spec)
+    with pytest.raises(InputError, match="draft must be a jaxinfer.Model"):
+        e.submit([5, 6, 7], speculative=Speculative(method="draft", draft="tiny"))
+    assert not e.has_unfinished() and e.stats().num_programs == 0
+
+
+def test_a_draft_shares_the_pool_budget_and_attaches_to_an_idle_engine():
+    model = _model()
+    e = Engine(model, verbose=False, kv_cache_bytes=2**20)
+    pages = e.num_pages
+    e.submit([5, 6, 7], speculative=Speculative(method="draft", draft=model))
+    assert e.num_pages == pages // 2  # the same bytes per page for both pools
+    other = dataclasses.replace(model)
+    with pytest.raises(InputError, match="attaches a new draft model only while idle"):
+        e.submit([5, 6, 7], speculative=Speculative(method="draft", draft=other))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-model M"),
+    (["--draft-model", "smollm2-135m-instruct"], "--speculative draft needs --draft-model M"),
+    (["--speculative", "ngram", "--draft-quantize", "int4"], "--draft-quantize needs"),
+])
+def test_cli_draft_flags_are_checked_before_loading(capsys, flags, message):
+    from jaxinfer import cli
+
+    assert cli.main(["generate", "--prompt", "hi", "--model", "no-such-model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer: error: ") and message in err and err.count("\n") == 1
