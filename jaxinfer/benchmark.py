@@ -470,6 +470,21 @@ def device_name() -> str:
     return d.platform
 
 
+def record_path(json_arg: str | None, auto: Path) -> Path | None:
+    """Where a benchmark script's ``--json`` record goes: None (no record), ``auto`` for
+    ``--json auto`` (the script's ``bench/results/<device>/...`` path), else the path given."""
+    if json_arg is None:
+        return None
+    return auto if json_arg == "auto" else Path(json_arg)
+
+
+def write_record(path: Path | None, record: dict[str, Any]) -> None:
+    """Write a benchmark record as indented JSON (creating its folder); None writes nothing."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 def run_bench(
     model: str,
     impls: Sequence[str],

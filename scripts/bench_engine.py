@@ -60,7 +60,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -75,7 +74,7 @@ import jaxinfer
 from checkpoints.default_model import fetch_default_gguf
 from checkpoints.gguf import read_gguf_metadata
 from jaxinfer import roofline
-from jaxinfer.benchmark import device_name
+from jaxinfer.benchmark import device_name, record_path, write_record
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.loading import cache_dir
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
@@ -529,13 +528,6 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
           f"{run['cached_tokens']} tokens ({run['prefix_cache_hit_rate']:.1%})", flush=True)
 
 
-def json_path(arg: str, preset: str, date: str) -> Path:
-    """``--json`` as a path; ``auto`` is ``bench/results/<device>/engine_<preset>_<date>.json``."""
-    if arg == "auto":
-        return REPO / "bench" / "results" / device_name() / f"engine_{preset}_{date}.json"
-    return Path(arg)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags; unset length ranges take the preset's ``DEFAULT_LENGTHS``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -620,7 +612,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     kind = jax.devices()[0].device_kind
     flops, bandwidth, ceiling_note = ceilings(kind, args.matmul_tflops, args.read_tbps)
     now = datetime.datetime.now(datetime.UTC)
-    out_path = json_path(args.json, args.preset, now.strftime("%Y%m%d")) if args.json else None
+    out_path = record_path(args.json, REPO / "bench" / "results" / device_name()
+                           / f"engine_{args.preset}_{now.strftime('%Y%m%d')}.json")
     command = " ".join(["python", *(sys.argv if argv is None else ["scripts/bench_engine.py",
                                                                   *argv])])
     model = build_model(cfg, args.preset, args.layout, args.backend, args.seed,
@@ -635,11 +628,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args={k: v for k, v in vars(args).items() if k != "json"},
         ceilings=dict(matmul_flops_per_s=flops, read_bytes_per_s=bandwidth, source=ceiling_note),
         floor=None, runs=[], batch1=None)
-
-    def save() -> None:
-        if out_path is not None:
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(record, indent=1) + "\n")
 
     print(f"== {args.preset} ({model.layout} layout) on {kind}: {args.requests} requests, "
           f"prompts {args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-"
@@ -672,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                     / record["floor"]["floor_output_tok_per_s"])
         report(run, record["floor"])
         record["runs"].append(run)
-        save()
+        write_record(out_path, record)
         del engine
     if args.batch1_tokens > 0:
         plain = None
@@ -701,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if plain is not None:
             report_speculative(b1)
         record["batch1"] = b1
-        save()
+        write_record(out_path, record)
     if out_path is not None:
         print(f"\nwrote {out_path}")
     return record

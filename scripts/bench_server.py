@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxinfer
-from jaxinfer.benchmark import device_name
+from jaxinfer.benchmark import device_name, record_path, write_record
 from jaxinfer.engine_process import EngineSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -261,12 +261,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_tokens_per_step=run["max_tokens_per_step"], offline=offline, served=served,
         served_over_offline=ratio,
         served_fraction_of_floor=served["output_tok_per_s"] / floor["floor_output_tok_per_s"])
-    if args.json:
-        path = (REPO / "bench" / "results" / run["device_name"] / "server_issue14"
-                / f"server_{label}_{now.strftime('%Y%m%d')}.json"
-                if args.json == "auto" else Path(args.json))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
+    path = record_path(args.json, REPO / "bench" / "results" / run["device_name"]
+                       / "server_issue14" / f"server_{label}_{now.strftime('%Y%m%d')}.json")
+    if path is not None:
+        write_record(path, record)
         print(f"wrote {path}")
     return record
 

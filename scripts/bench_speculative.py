@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import jaxinfer  # noqa: E402
-from jaxinfer.benchmark import device_name  # noqa: E402
+from jaxinfer.benchmark import device_name, record_path, write_record  # noqa: E402
 
 PASSAGES = [
     "The lighthouse stood at the end of a long stone pier. Every evening the keeper climbed "
@@ -116,13 +116,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   args=vars(args), rows=rows, summary=summary,
                   engine=dict(verify_steps=stats.verify_steps,
                               mean_accepted_length=stats.mean_accepted_length))
-    if args.json:
-        date = datetime.date.today().strftime("%Y%m%d")
-        name = Path(args.model).name.replace("/", "_")
-        out = (REPO / "bench" / "results" / device_name() / "spec_issue13"
-               / f"ngram_{name}_{date}.json" if args.json == "auto" else Path(args.json))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1) + "\n")
+    date = datetime.date.today().strftime("%Y%m%d")
+    name = Path(args.model).name.replace("/", "_")
+    out = record_path(args.json, REPO / "bench" / "results" / device_name() / "spec_issue13"
+                      / f"ngram_{name}_{date}.json")
+    if out is not None:
+        write_record(out, record)
         print(f"wrote {out}")
     return record
 

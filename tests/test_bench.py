@@ -29,6 +29,7 @@ def tiny_config_path(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_bench_runs_end_to_end(tiny_config_path, tmp_path, capsys):
     out = tmp_path / "res.json"
     hlo_dir = tmp_path / "hlo"

@@ -213,6 +213,7 @@ def test_smollm2_gguf_metadata(smollm2_import):
                [params["embed"], params["final_norm"], *params["layers"].values()])
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_matches_transformers(smollm2_import, hf_smollm2):
     config, params, _ = smollm2_import
     model = hf_smollm2[1]

@@ -42,6 +42,7 @@ def _models(backend: str) -> tuple[Model, Model]:
     return stacked, fast
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_fast_layout_equals_stacked(backend):
     stacked, fast = _models(backend)

@@ -100,6 +100,7 @@ def test_expanded_kv_heads_compute_the_same_logits():
 
 # ------------------------------------------------------------------ 8 devices (subprocess)
 
+@pytest.mark.slow
 def test_meshes_match_single_device():
     res = run_with_devices([__file__, "worker"])
     for mesh, r in res["meshes"].items():
