@@ -149,13 +149,3 @@ def tiny_engine_model(context: int = 256, seed: int = 0, max_batch: int | None =
     return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
                           backend="reference", max_batch=max_batch)
 
-
-def pytest_collection_modifyitems(config, items):
-    """Files holding slow tests first, each file's tests kept together and in order.
-
-    ``pytest -n 2 --dist loadfile`` hands whole files to the two workers in collection
-    order; a long file collected last leaves the other worker idle at the end of the run.
-    The order is a pure function of the collected items, so every worker computes the same.
-    """
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: in-file order stays
