@@ -46,6 +46,15 @@ def device_events(trace_dir: Path) -> list[tuple[str, float, float]]:
             if "stream" in line.name.lower() for e in line.events]
 
 
+def top_kernels(events: list[tuple[str, float, float]], n: int
+                ) -> list[tuple[str, list[float]]]:
+    """The ``n`` kernel names with the most summed time, each with its durations (ns)."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, _, d in events:
+        by_name[name].append(d)
+    return sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:n]
+
+
 def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str) -> None:
     """Trace one request's decode calls; print and record its kernels per generated token."""
     prompt = list(range(100, 228))
@@ -61,12 +70,9 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         events = device_events(Path(tmp))
     if not events:
         raise SystemExit("profile_engine: the trace holds no accelerator kernels (a CPU run?)")
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for name, _, d in events:
-        by_name[name].append(d)
     kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
     span_ms = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / tokens
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]
+    top = top_kernels(events, 40)
     record = {
         "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens": tokens,
@@ -139,11 +145,8 @@ def main() -> None:
                               "padded_tokens": s.padded_tokens - before.padded_tokens,
                               "computed_tokens": s.computed_tokens - before.computed_tokens})
         events = device_events(Path(tmp))
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for name, _, d in events:
-        by_name[name].append(d)
     total_ms = sum(d for _, _, d in events) / 1e6
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    top = top_kernels(events, 25)
     record = {
         "model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "score": args.score,
