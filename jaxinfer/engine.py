@@ -856,7 +856,13 @@ class Engine(StepLoop):
         self._waiting.extendleft(reversed(deferred))
 
     def _new_device_state(self) -> None:
-        """An empty page pool (and its block manager) and an empty token-count table."""
+        """An empty page pool (and its block manager) and an empty token-count table. The old
+        pools' buffers are freed first: a pool fills most of the device, so holding two at
+        once (attaching a draft, recovering from a failed step) runs out of memory."""
+        for x in jax.tree.leaves((getattr(self, "pool", None), getattr(self, "_counts", None),
+                                  getattr(self, "_draft_pool", None))):
+            if not x.is_deleted():
+                x.delete()
         cfg, dtype = self.model.config, self.model.dtype
         num_pages = self.num_pages
         self.blocks = BlockManager(num_pages, self.page_size, self.prefix_caching)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -254,9 +255,11 @@ def test_draft_model_must_share_the_vocabulary_and_engine_stays_idle():
 def test_a_draft_shares_the_pool_budget_and_attaches_to_an_idle_engine():
     model = _model()
     e = Engine(model, verbose=False, kv_cache_bytes=2**20)
-    pages = e.num_pages
+    pages, old_pool = e.num_pages, e.pool
     e.submit([5, 6, 7], speculative=Speculative(method="draft", draft=model))
     assert e.num_pages == pages // 2  # the same bytes per page for both pools
+    # The old pool was freed before the new pools were made: two at once do not fit a device.
+    assert all(x.is_deleted() for x in jax.tree.leaves(old_pool))
     other = dataclasses.replace(model)
     with pytest.raises(InputError, match="attaches a new draft model only while idle"):
         e.submit([5, 6, 7], speculative=Speculative(method="draft", draft=other))
