@@ -81,6 +81,7 @@ from jaxinfer.runner import (
     row_buckets,
     token_buckets,
     verify_step,
+    verify_tokens,
 )
 from jaxinfer.sampling import MAX_TOP_LOGPROBS, SamplingArrays, SamplingParams, prng_key_data
 from jaxinfer.speculative import Speculative, propose_ngram
@@ -1487,9 +1488,9 @@ class Engine(StepLoop):
                      proposals=proposals, compiled=compiled)
 
     def _verify_tokens(self, b: int, width: int) -> int:
-        """Packed tokens of a verify step over ``b`` rows proposing up to ``width``: room for
-        every row's full proposal, so one program serves each row bucket."""
-        return bucket(min(b * (width + 1), self.max_tokens), self.token_buckets)
+        """Packed tokens of a verify step over ``b`` rows proposing up to ``width`` (one
+        program serves each row bucket)."""
+        return verify_tokens(b, width, self.max_tokens)
 
     def _verify_program(self, b: int, width: int, stochastic: bool, num_top: int
                         ) -> tuple[Any, ...]:

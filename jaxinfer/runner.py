@@ -80,6 +80,15 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
     return tuple(sorted({*out, max_rows}))
 
 
+def verify_tokens(rows: int, width: int, max_tokens: int) -> int:
+    """Packed tokens of a verify step over ``rows`` rows proposing up to ``width`` tokens
+    each: room for every row's last token and full proposal, rounded up to a multiple of 16
+    (a tensor-core tile), at most ``max_tokens``. Not a mixed step's token bucket: a verify
+    step is weight-bound like decode, and padding a 2-row verify to 128 tokens made it cost
+    two decode steps on an H100 (bench/NOTES.md r45)."""
+    return min(-(-rows * (width + 1) // 16) * 16, max_tokens)
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket holding ``n``."""
     for b in buckets:
