@@ -14,7 +14,9 @@ kernel time, and the kernels that take the most time. A record for bench/NOTES.m
 ``--batch1 N`` profiles single-request decode instead: one 128-token prompt, its N new
 tokens traced after the prompt step, every kernel reported per generated token (count and
 microseconds), with the kernel-time and first-to-last-kernel span per token (bench/NOTES.md
-r37).
+r37). ``--tp N`` shards the model over N local devices (``make_mesh(data=1, model=N)``,
+weights made in shards); kernels are then counted on the first device, where the
+collectives show up beside the GEMMs.
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ import jaxinfer
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
 from jaxinfer.requests import Model
+from sharding import make_mesh
+from sharding.random_init import random_params
 
 
-def device_events(trace_dir: Path) -> list[tuple[str, float, float]]:
-    """Kernel events ``(name, start_ns, duration_ns)`` on the accelerator stream lines."""
+def device_events(trace_dir: Path, plane_name: str = "/device:") -> list[tuple[str, float,
+                                                                             float]]:
+    """Kernel events ``(name, start_ns, duration_ns)`` on the stream lines of the trace
+    planes whose name starts with ``plane_name`` (default: every accelerator)."""
     (path,) = trace_dir.rglob("*.xplane.pb")
     data = jax.profiler.ProfileData.from_file(str(path))
     return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
-            if plane.name.startswith("/device:") for line in plane.lines
+            if plane.name.startswith(plane_name) for line in plane.lines
             if "stream" in line.name.lower() for e in line.events]
 
 
@@ -56,7 +62,8 @@ def top_kernels(events: list[tuple[str, float, float]], n: int
 
 
 def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str) -> None:
-    """Trace one request's decode calls; print and record its kernels per generated token."""
+    """Trace one request's decode calls; print and record its kernels per generated token
+    (on the first device of a mesh: each device runs the same kernels on its shard)."""
     prompt = list(range(100, 228))
     engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True)
     engine.run_until_done()  # the decode call lengths settle on measured times
@@ -67,7 +74,8 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         with jax.profiler.trace(tmp):
             while engine.has_unfinished():
                 tokens += sum(len(new) for _, new, _ in engine.step())
-        events = device_events(Path(tmp))
+        events = device_events(Path(tmp), "/device:GPU:0" if model.mesh is not None else
+                               "/device:")
     if not events:
         raise SystemExit("profile_engine: the trace holds no accelerator kernels (a CPU run?)")
     kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
@@ -75,6 +83,7 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     top = top_kernels(events, 40)
     record = {
         "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "tp": 1 if model.mesh is None else model.mesh.size,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens": tokens,
         "kernel_ms_per_token": kernel_ms, "span_ms_per_token": span_ms,
         "kernels_per_token": len(events) / tokens,
@@ -100,14 +109,21 @@ def main() -> None:
     ap.add_argument("--score", action="store_true", help="scoring requests (8-token tails)")
     ap.add_argument("--batch1", type=int, default=0, metavar="N",
                     help="profile one request's N decode tokens instead of the workload")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a mesh)")
     ap.add_argument("--out", default="profile_engine.json")
     args = ap.parse_args()
+    if not 1 <= args.tp <= jax.local_device_count():
+        ap.error(f"--tp {args.tp}: this machine has {jax.local_device_count()} devices")
 
     # An 8k context, as bench_engine's presets: block tables are as wide as the context.
     cfg = dataclasses.replace(preset_config(args.model), max_position_embeddings=8192)
-    params = apply_layout(init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16), "auto",
-                          donate=True)
-    model = Model(cfg, params, None, jnp.bfloat16, name=args.model)
+    mesh = make_mesh(data=1, model=args.tp) if args.tp > 1 else None
+    if mesh is None:
+        params = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    else:  # made in shards; the config may repeat K/V heads to fill the model axis
+        cfg, params = random_params(cfg, mesh, jnp.bfloat16)
+    params = apply_layout(params, "auto", mesh=mesh, donate=True)
+    model = Model(cfg, params, None, jnp.bfloat16, name=args.model, mesh=mesh)
     engine = jaxinfer.Engine(model)
     engine.warmup(generate=not args.score, score=args.score)
     if args.batch1:
