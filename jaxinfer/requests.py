@@ -199,6 +199,10 @@ def encode(model: Model, prompt: Prompt, *, chat: bool = False, add_bos: bool = 
     if isinstance(ids[0], dict):
         check_messages(ids)  # a chat with a non-dict message: name that message
     vocab = model.config.vocab_size
+    # The usual case, plain ints in range, checked at C speed (a served prompt of 500 ids:
+    # ~10 us instead of ~250 us per element-wise check); anything else finds its bad id below.
+    if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab:
+        return ids
     bad = [t for t in ids if not isinstance(t, int | np.integer) or isinstance(t, bool | np.bool_)
            or not 0 <= t < vocab]
     if bad:

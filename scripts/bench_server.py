@@ -20,7 +20,13 @@ percentiles. A preset's random model has no tokenizer; it gets one that spells t
 as ``<i>`` (a word-level vocabulary of the preset's size), so the server detokenizes as it
 would for a real model.
 
-Needs fastapi, uvicorn, starlette, httpx and prometheus-client (no openai package).
+The record also has the CPU seconds of the HTTP process and of the clients' process over the
+run (``http_process_cpu_s``, ``clients_cpu_s``: either near ``elapsed_s`` means that process
+set the rate) and the text chunks the clients got (``chunks``). ``scripts/bench_server_host.py``
+runs the same served path against a synthetic engine, on a CPU.
+
+Needs fastapi, uvicorn, starlette, prometheus-client and aiohttp (the clients; no openai
+package).
 
 Usage:
     python scripts/bench_server.py --preset 1b --json auto
@@ -123,7 +129,7 @@ def run_offline(spec: BenchSpec) -> dict[str, Any]:
 class ServerThread:
     """uvicorn serving an app on a free loopback port, in a thread of this process."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: str = "auto", loop: str = "auto") -> None:
         import uvicorn
 
         with socket.socket() as s:
@@ -131,7 +137,8 @@ class ServerThread:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", backlog=4096))
+                                                    log_level="warning", backlog=4096,
+                                                    http=http, loop=loop))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn")
 
     def __enter__(self) -> ServerThread:
@@ -147,10 +154,13 @@ class ServerThread:
         self.thread.join()
 
 
-def run_served(spec: BenchSpec, args: argparse.Namespace, w: bench_engine.Workload
-               ) -> dict[str, Any]:
-    """The workload through the server (its engine process fresh and warmed up); the run's
-    figures. Engine counters come from the engine process with each step's message."""
+def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workload,
+               http: str = "auto", loop: str = "auto") -> dict[str, Any]:
+    """The workload through the server (its engine process fresh and warmed up; uvicorn
+    with the ``http`` and ``loop`` implementations); the run's figures. Engine counters come
+    from the engine process with each step's message. ``http_process_cpu_s`` and
+    ``clients_cpu_s``: CPU time of this process (the HTTP process) and of the clients'
+    process during the run; either near ``elapsed_s`` means that process is the bottleneck."""
     from jaxinfer.server import create_app
 
     t0 = time.perf_counter()
@@ -158,12 +168,14 @@ def run_served(spec: BenchSpec, args: argparse.Namespace, w: bench_engine.Worklo
     startup_s = time.perf_counter() - t0
     engine = app.state.server.engine
     before = engine.stats
-    with ServerThread(app) as srv:
+    with ServerThread(app, http, loop) as srv:
+        cpu0 = time.process_time()
         clients = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("http_clients.py")), srv.url, "bench",
              str(args.clients)],
             input=json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}),
             capture_output=True, text=True, check=False)
+        http_cpu_s = time.process_time() - cpu0
     if clients.returncode != 0:
         raise RuntimeError(f"the HTTP clients failed:\n{clients.stderr}")
     result = json.loads(clients.stdout)
@@ -174,11 +186,14 @@ def run_served(spec: BenchSpec, args: argparse.Namespace, w: bench_engine.Worklo
         startup_s=startup_s, clients=args.clients or len(w.prompts), elapsed_s=elapsed,
         output_tokens=tokens, planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=tokens / elapsed, req_per_s=len(per) / elapsed,
+        http_process_cpu_s=http_cpu_s, clients_cpu_s=result["cpu_s"],
+        chunks=sum(r["chunks"] for r in per),
         ttft_ms=bench_engine.percentiles_ms([r["ttft_s"] for r in per]),
         tpot_ms=bench_engine.percentiles_ms([r["tpot_s"] for r in per
                                              if r["tpot_s"] is not None]),
         engine_generated_tokens=s.generated_tokens - before.generated_tokens,
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
+        step_s=s.step_seconds - before.step_seconds,
         device_s=s.device_seconds - before.device_seconds,
         preemptions=s.num_preemptions - before.num_preemptions,
         programs_compiled_in_run=s.num_programs - before.num_programs)
