@@ -163,6 +163,29 @@ def test_openai_client_completions_and_chat(model, client):
     assert chunks[-2].choices[0].finish_reason == chat_want.finish_reason
 
 
+def test_a_steps_tokens_stream_as_one_chunk(served):
+    """The tokens one engine step makes for a stream reach the client as one SSE chunk (their
+    text joined), not one chunk per token; the pieces, logprobs and usage equal the
+    non-streamed answer's."""
+    url, server = served
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+    before = server.engine.stats.steps
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    steps = server.engine.stats.steps - before  # the stats came with the last step's tokens
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert len(texts) <= steps < 24  # a mixed step's token, then decode calls of up to 8
+    assert "".join(texts) == whole["choices"][0]["text"]
+    last = chunks[-2]["choices"][0]
+    assert last["finish_reason"] == whole["choices"][0]["finish_reason"] == "length"
+    assert last["logprobs"]["token_logprobs"] == pytest.approx(
+        whole["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
 def test_n_seed_and_stop(model, client):
     # One sampled token per choice (the sampled mixed step alone: one program to compile),
     # 3 prompts x n=2: six draws whose seeds must be seed + choice index.
