@@ -7,16 +7,18 @@ replaced by ``SyntheticEngine``, which sleeps for what each step would take on t
 makes up its tokens. So the figures say whether the host side keeps up with an engine of a
 given speed, here, without a GPU.
 
-The engine's timings default to the 1B preset's on an H100 (r41: 99 steps, 18 decode calls
-of ~0.17 s, 5.7 s for the 1,000-request workload offline). Its "offline" run is the same
-engine stepped with no HTTP (the sleeps plus its own bookkeeping); "served" is the
-workload through the server with one streaming client per request. Printed and recorded:
+The engine's timings default to a 1B engine on an H100: its offline run of the 1,000-request
+workload takes ~5.8 s (~23.5k output tok/s; r41's real one: 5.7 s, 24.0k tok/s, 99 steps).
+Its "offline" run is the same engine stepped with no HTTP (the sleeps plus its own
+bookkeeping); "served" is the workload through the server with one streaming client per
+request. Printed and recorded:
 both tok/s, their ratio, the CPU seconds the HTTP process and the clients' process used
 (either near the elapsed time: that process is the bottleneck), and client TTFT/TPOT.
 
 Usage:
     python scripts/bench_server_host.py --json /tmp/host.json       # the 1B workload
-    python scripts/bench_server_host.py --http h11 --loop asyncio   # uvicorn's pure-Python stack
+    python scripts/bench_server_host.py --http h11 --loop asyncio   # as on the GPU host (no
+                                                                    # httptools, uvloop there)
 """
 
 from __future__ import annotations
@@ -215,10 +217,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=256, help="engine slots")
     ap.add_argument("--token-budget", type=int, default=4096,
                     help="prompt tokens admitted per mixed step")
-    ap.add_argument("--mixed-step-ms", type=float, default=20.0,
-                    help="device time of a step that admits requests (H100 1B: ~20)")
-    ap.add_argument("--decode-iter-ms", type=float, default=6.0,
-                    help="device time of one decode iteration (H100 1B, 256 rows: ~6)")
+    ap.add_argument("--mixed-step-ms", type=float, default=15.0,
+                    help="device time of a step that admits requests")
+    ap.add_argument("--decode-iter-ms", type=float, default=4.5,
+                    help="device time of one decode iteration (with --mixed-step-ms: the 1B "
+                         "workload's offline rate on an H100, ~24k tok/s)")
     ap.add_argument("--decode-steps", type=int, default=32,
                     help="iterations per decode call (the engine's ~0.2 s decode calls)")
     ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
