@@ -172,7 +172,7 @@ def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workl
         cpu0 = time.process_time()
         clients = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("http_clients.py")), srv.url, "bench",
-             str(args.clients)],
+             str(args.clients), str(args.client_processes)],
             input=json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}),
             capture_output=True, text=True, check=False)
         http_cpu_s = time.process_time() - cpu0
@@ -180,10 +180,14 @@ def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workl
         raise RuntimeError(f"the HTTP clients failed:\n{clients.stderr}")
     result = json.loads(clients.stdout)
     per, elapsed = result["requests"], result["elapsed_s"]
+    if any(r["tokens"] > n for r, n in zip(per, w.output_lens, strict=True)):
+        raise RuntimeError("a request got more tokens than its max_tokens: the clients' "
+                           "results are not in workload order")
     s = engine.stats  # after the engine process stopped: its last counters
     tokens = sum(r["tokens"] for r in per)
     return dict(
-        startup_s=startup_s, clients=args.clients or len(w.prompts), elapsed_s=elapsed,
+        startup_s=startup_s, clients=args.clients or len(w.prompts),
+        client_processes=result["processes"], elapsed_s=elapsed,
         output_tokens=tokens, planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=tokens / elapsed, req_per_s=len(per) / elapsed,
         http_process_cpu_s=http_cpu_s, clients_cpu_s=result["cpu_s"],
@@ -199,6 +203,13 @@ def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workl
         programs_compiled_in_run=s.num_programs - before.num_programs)
 
 
+def add_client_processes(ap: argparse.ArgumentParser) -> None:
+    """``--client-processes``: how many processes the HTTP clients run in."""
+    ap.add_argument("--client-processes", type=int, default=4,
+                    help="processes the HTTP clients are spread over (default 4: one Python "
+                         "process of aiohttp clients takes ~0.5 s to open 1,000 streams)")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """``bench_engine``'s flags (one offline rate) plus ``--model`` and ``--clients``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -209,6 +220,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=0,
                     help="concurrent HTTP clients; 0 (default) = one per request, all at once")
+    add_client_processes(ap)
     for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
         ap.add_argument(f"--{name}", type=int, default=None,
                         help="default: bench_engine's for the preset")
@@ -235,8 +247,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.clients < 0:
-        ap.error(f"--clients={args.clients} must be >= 0")
+    if args.clients < 0 or args.client_processes < 1:
+        ap.error("--clients must be >= 0 and --client-processes >= 1")
     return args
 
 
@@ -262,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     served = run_served(spec, args, w)
     ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
-    print(f"-- served over HTTP ({served['clients']} streaming clients): "
+    print(f"-- served over HTTP ({served['clients']} streaming clients in "
+          f"{served['client_processes']} processes): "
           f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
           f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline, "
           f"{served['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor")

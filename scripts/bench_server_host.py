@@ -210,6 +210,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=0,
                     help="concurrent HTTP clients; 0 (default) = one per request, all at once")
+    bench_server.add_client_processes(ap)
     for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
         ap.add_argument(f"--{name}", type=int, default=None,
                         help="default: bench_engine's for the preset")
@@ -236,8 +237,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.clients < 0:
-        ap.error(f"--clients={args.clients} must be >= 0")
+    if args.clients < 0 or args.client_processes < 1:
+        ap.error("--clients must be >= 0 and --client-processes >= 1")
     return args
 
 
@@ -257,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           flush=True)
     served = bench_server.run_served(spec, args, w, http=args.http, loop=args.loop)
     ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
-    print(f"-- served over HTTP ({served['clients']} streaming clients): "
+    print(f"-- served over HTTP ({served['clients']} streaming clients in "
+          f"{served['client_processes']} processes): "
           f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
           f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline")
     print(f"   CPU seconds: HTTP process {served['http_process_cpu_s']:.2f}, clients "

@@ -211,7 +211,7 @@ def test_bench_server_host_synthetic_engine(tmp_path):
     out = tmp_path / "host.json"
     argv = ["--preset", "tiny", "--requests", "24", "--max-batch", "8", "--token-budget", "64",
             "--mixed-step-ms", "1", "--decode-iter-ms", "0.5", "--decode-steps", "4",
-            "--json", str(out)]
+            "--client-processes", "3", "--json", str(out)]
     record = host.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
     bench = host.bench_engine
@@ -219,7 +219,7 @@ def test_bench_server_host_synthetic_engine(tmp_path):
                                       0).output_lens)
     offline, served = record["offline"], record["served"]
     assert offline["output_tokens"] == served["output_tokens"] == planned
-    assert served["engine_generated_tokens"] == planned
+    assert served["engine_generated_tokens"] == planned and served["client_processes"] == 3
     # A text chunk carries all of its request's tokens of one engine step (up to 4 here):
     # at least one per request, fewer than one per token.
     assert 24 <= served["chunks"] < planned
