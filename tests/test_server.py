@@ -511,6 +511,61 @@ def http_process_checks(folder: str) -> None:
         assert app.state.server.engine.outstanding == 0
 
 
+class FloodEngine:
+    """An engine whose one request gets 100,000 tokens per step: each step's message is
+    larger than a pipe's buffer."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def add_request(self, req) -> int:
+        return 0
+
+    def has_unfinished(self) -> bool:
+        return self.left > 0
+
+    def step(self, max_decode_steps=None) -> list:
+        self.left -= 1
+        return [(0, list(range(100_000)), self.left == 0)]
+
+    def result(self, rid: int) -> str:
+        return "its result"
+
+    def forget(self, rid: int) -> bool:
+        return True
+
+    def stats(self) -> None:
+        return None
+
+
+def test_engine_steps_on_while_its_messages_wait_to_be_read():
+    """The engine loop does not wait for the HTTP process to read a step's message (its
+    reader thread may be held up by HTTP work): five steps run with nothing read, then every
+    message arrives, in order."""
+    import multiprocessing
+
+    from jaxinfer.engine_process import EngineLoop
+
+    received, sent = multiprocessing.Pipe(duplex=False)
+    engine = FloodEngine(5)
+    loop = EngineLoop(engine, sent, None)
+    loop.inbox.put(("add", 7, ([("key", None)], True)))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while engine.left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.left == 0  # nothing was read yet
+    loop.inbox.put(("stop", None, 0.0))
+    got = []
+    while thread.is_alive() or received.poll():
+        if received.poll(0.1):
+            got += received.recv()[0]
+    assert [m[1] for m in got] == ["accepted"] + ["tokens"] * 5 + ["done"]
+    assert all(m[3] == list(range(100_000)) for m in got[1:6])
+    assert got[-1] == (7, "done", "key", "its result")
+
+
 def test_http_process_has_no_jax_backend_and_survives_engine_death(folder):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
     done = subprocess.run(
