@@ -8,7 +8,7 @@ fresh ``Engine`` of the same sizes (``BenchSpec``), each in a process of its own
    in a spawned process that exits before the server starts (it frees the devices);
 2. served: the server as ``jaxinfer serve`` runs it: ``jaxinfer.server.create_app`` under
    uvicorn in this process (the HTTP process: it never starts a JAX backend), its engine in
-   the engine process it spawns; and, in a process of their own
+   the engine process it spawns; and, in ``--client-processes`` processes of their own
    (``scripts/http_clients.py``), one concurrent streaming HTTP client per request (or
    ``--clients N`` clients taking requests from a shared queue), each posting
    ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
@@ -20,10 +20,11 @@ percentiles. A preset's random model has no tokenizer; it gets one that spells t
 as ``<i>`` (a word-level vocabulary of the preset's size), so the server detokenizes as it
 would for a real model.
 
-The record also has the CPU seconds of the HTTP process and of the clients' process over the
-run (``http_process_cpu_s``, ``clients_cpu_s``: either near ``elapsed_s`` means that process
-set the rate) and the text chunks the clients got (``chunks``). ``scripts/bench_server_host.py``
-runs the same served path against a synthetic engine, on a CPU.
+The record also has the CPU seconds of the HTTP process and of the client processes over the
+run (``http_process_cpu_s``, ``clients_cpu_s``: either near ``elapsed_s`` times the
+processes means that side set the rate) and the text chunks the clients got (``chunks``).
+``scripts/bench_server_host.py`` runs the same served path against a synthetic engine, on a
+CPU.
 
 Needs fastapi, uvicorn, starlette, prometheus-client and aiohttp (the clients; no openai
 package).
@@ -159,8 +160,9 @@ def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workl
     """The workload through the server (its engine process fresh and warmed up; uvicorn
     with the ``http`` and ``loop`` implementations); the run's figures. Engine counters come
     from the engine process with each step's message. ``http_process_cpu_s`` and
-    ``clients_cpu_s``: CPU time of this process (the HTTP process) and of the clients'
-    process during the run; either near ``elapsed_s`` means that process is the bottleneck."""
+    ``clients_cpu_s``: CPU time of this process (the HTTP process) and of the client
+    processes (summed) during the run; either near ``elapsed_s`` times the processes means
+    that side is the bottleneck."""
     from jaxinfer.server import create_app
 
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 A CPU proxy for ``scripts/bench_server.py``: everything on the host path is the real code
 (``jaxinfer.engine_process``'s loop and pipe, the FastAPI app under uvicorn, detokenizing,
-SSE, ``scripts/http_clients.py`` in a process of its own); only the engine's device work is
+SSE, ``scripts/http_clients.py`` in processes of their own); only the engine's device work is
 replaced by ``SyntheticEngine``, which sleeps for what each step would take on the device and
 makes up its tokens. So the figures say whether the host side keeps up with an engine of a
 given speed, here, without a GPU.
@@ -12,7 +12,7 @@ workload takes ~5.8 s (~23.5k output tok/s; r41's real one: 5.7 s, 24.0k tok/s, 
 Its "offline" run is the same engine stepped with no HTTP (the sleeps plus its own
 bookkeeping); "served" is the workload through the server with one streaming client per
 request. Printed and recorded:
-both tok/s, their ratio, the CPU seconds the HTTP process and the clients' process used
+both tok/s, their ratio, the CPU seconds the HTTP process and the client processes used
 (either near the elapsed time: that process is the bottleneck), and client TTFT/TPOT.
 
 Usage:
