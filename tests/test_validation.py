@@ -110,6 +110,7 @@ def test_good_sampling_values_pass():
     ([[1, 2], None], "prompt 1: a prompt is"),
     ([[1, 2], {"a": 1}], "prompt 1: a chat is a list"),
     ([[1, 2], [3, 500]], "prompt 1: prompt token id 500"),
+    ([[1, 2], [3, -1]], "prompt 1: prompt token id -1"),
     ([[1, 2], []], "prompt 1: prompt is empty"),
     ([[1, 2], [3, 1.0]], "prompt 1: prompt token id 1.0"),
     ([], "no prompts"),
