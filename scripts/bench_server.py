@@ -205,11 +205,29 @@ def run_served(spec: EngineSpec, args: argparse.Namespace, w: bench_engine.Workl
         programs_compiled_in_run=s.num_programs - before.num_programs)
 
 
-def add_client_processes(ap: argparse.ArgumentParser) -> None:
-    """``--client-processes``: how many processes the HTTP clients run in."""
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The served workload's flags: requests, clients and their processes, lengths, seed."""
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--clients", type=int, default=0,
+                    help="concurrent HTTP clients; 0 (default) = one per request, all at once")
     ap.add_argument("--client-processes", type=int, default=4,
                     help="processes the HTTP clients are spread over (default 4: one Python "
                          "process of aiohttp clients takes ~0.5 s to open 1,000 streams)")
+    for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help="default: bench_engine's for the preset")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def finish_workload_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the unset lengths with ``bench_engine``'s for ``args.preset``; reject bad client
+    counts (one line, through ``ap.error``)."""
+    for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
+                           bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.clients < 0 or args.client_processes < 1:
+        ap.error("--clients must be >= 0 and --client-processes >= 1")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -219,14 +237,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default=None,
                     help="a model folder or name (load_model) instead of a preset's random "
                          "weights; its config sets the workload's vocabulary")
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--clients", type=int, default=0,
-                    help="concurrent HTTP clients; 0 (default) = one per request, all at once")
-    add_client_processes(ap)
-    for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
-        ap.add_argument(f"--{name}", type=int, default=None,
-                        help="default: bench_engine's for the preset")
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--layout", default="auto")
     ap.add_argument("--backend", default="auto", choices=("auto", "pallas", "reference"))
     ap.add_argument("--max-batch", type=int, default=None, help="engine slots")
@@ -245,12 +256,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.kv_bytes is None:
         args.kv_bytes = bench_engine.DEFAULT_KV_BYTES.get(args.preset)
-    for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
-                           bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.clients < 0 or args.client_processes < 1:
-        ap.error("--clients must be >= 0 and --client-processes >= 1")
+    finish_workload_args(ap, args)
     return args
 
 

@@ -207,14 +207,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(bench_engine.PRESETS), default="1b",
                     help="the config whose vocabulary and default lengths the workload uses")
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--clients", type=int, default=0,
-                    help="concurrent HTTP clients; 0 (default) = one per request, all at once")
-    bench_server.add_client_processes(ap)
-    for name in ("prompt-min", "prompt-max", "output-min", "output-max"):
-        ap.add_argument(f"--{name}", type=int, default=None,
-                        help="default: bench_engine's for the preset")
-    ap.add_argument("--seed", type=int, default=0)
+    bench_server.add_workload_args(ap)
     ap.add_argument("--max-batch", type=int, default=256, help="engine slots")
     ap.add_argument("--token-budget", type=int, default=4096,
                     help="prompt tokens admitted per mixed step")
@@ -233,12 +226,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="write the record here; 'auto' = bench/results/cpu/server_issue14/"
                          "host_<preset>_<date>.json")
     args = ap.parse_args(argv)
-    for name, value in zip(("prompt_min", "prompt_max", "output_min", "output_max"),
-                           bench_engine.DEFAULT_LENGTHS[args.preset], strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.clients < 0 or args.client_processes < 1:
-        ap.error("--clients must be >= 0 and --client-processes >= 1")
+    bench_server.finish_workload_args(ap, args)
     return args
 
 
