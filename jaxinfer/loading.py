@@ -272,9 +272,13 @@ def _load_raw(name_or_path: str | os.PathLike[str], shardings: Any = None,
 
         path = fetch_default_gguf(cache_dir() / "downloads")
     elif name.lower() == DEFAULT_MODEL:
+        from checkpoints.default_model import cache_lock
+
         path = cache_dir() / DEFAULT_MODEL
         if not is_converted_dir(path):
-            _convert_default(path)
+            with cache_lock(cache_dir()):  # one process converts; the others wait and reuse it
+                if not is_converted_dir(path):
+                    _convert_default(path)
     if not path.exists():
         raise InputError(f"unknown model {name!r}: not a known name ({DEFAULT_MODEL}) and no "
                          "such file or folder")

