@@ -61,19 +61,23 @@ def top_kernels(events: list[tuple[str, float, float]], n: int
     return sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:n]
 
 
-def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str) -> None:
-    """Trace one request's decode calls; print and record its kernels per generated token
-    (on the first device of a mesh: each device runs the same kernels on its shard)."""
+def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str,
+                   spec: jaxinfer.Speculative | None = None) -> None:
+    """Trace one request's decode calls (with ``spec``: its draft and verify steps); print
+    and record its kernels per generated token (on the first device of a mesh: each device
+    runs the same kernels on its shard), and the host's wall time per engine step."""
     prompt = list(range(100, 228))
-    engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=spec)
     engine.run_until_done()  # the decode call lengths settle on measured times
-    engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=spec)
     engine.step()  # the prompt
-    tokens = 0
+    tokens, step_ms = 0, []
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             while engine.has_unfinished():
+                t0 = time.perf_counter()
                 tokens += sum(len(new) for _, new, _ in engine.step())
+                step_ms.append(1e3 * (time.perf_counter() - t0))
         events = device_events(Path(tmp), "/device:GPU:0" if model.mesh is not None else
                                "/device:")
     if not events:
@@ -86,13 +90,17 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         "tp": 1 if model.mesh is None else model.mesh.size,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens": tokens,
         "kernel_ms_per_token": kernel_ms, "span_ms_per_token": span_ms,
-        "kernels_per_token": len(events) / tokens,
+        "kernels_per_token": len(events) / tokens, "speculative": repr(spec),
+        "steps": len(step_ms), "step_wall_ms_median": float(np.median(step_ms)),
+        "step_kernel_ms_mean": sum(d for _, _, d in events) / 1e6 / len(step_ms),
         "top_kernels": [{"name": n[:100], "per_token": len(ds) / tokens,
                          "us_per_token": sum(ds) / 1e3 / tokens,
                          "mean_us": sum(ds) / len(ds) / 1e3} for n, ds in top],
     }
     print(f"{tokens} tokens: {kernel_ms:.3f} ms of kernels per token, first-to-last span "
-          f"{span_ms:.3f} ms, {record['kernels_per_token']:.1f} kernels per token")
+          f"{span_ms:.3f} ms, {record['kernels_per_token']:.1f} kernels per token; "
+          f"{len(step_ms)} engine steps: wall {record['step_wall_ms_median']:.2f} ms median, "
+          f"kernels {record['step_kernel_ms_mean']:.2f} ms mean")
     for k in record["top_kernels"]:
         print(f"{k['us_per_token']:9.1f} us/token {k['per_token']:6.1f}/token "
               f"{k['mean_us']:8.2f} us  {k['name']}")
@@ -110,10 +118,15 @@ def main() -> None:
     ap.add_argument("--batch1", type=int, default=0, metavar="N",
                     help="profile one request's N decode tokens instead of the workload")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a mesh)")
+    ap.add_argument("--draft", default=None, metavar="PRESET",
+                    help="with --batch1: speculate with a draft model of this preset's shapes "
+                         "(random weights; 'self' = the target), every step (not adaptive)")
     ap.add_argument("--out", default="profile_engine.json")
     args = ap.parse_args()
     if not 1 <= args.tp <= jax.local_device_count():
         ap.error(f"--tp {args.tp}: this machine has {jax.local_device_count()} devices")
+    if args.draft is not None and not args.batch1:
+        ap.error("--draft profiles single-request decode: pass --batch1 N too")
 
     # An 8k context, as bench_engine's presets: block tables are as wide as the context.
     cfg = dataclasses.replace(preset_config(args.model), max_position_embeddings=8192)
@@ -125,9 +138,18 @@ def main() -> None:
     params = apply_layout(params, "auto", mesh=mesh, donate=True)
     model = Model(cfg, params, None, jnp.bfloat16, name=args.model, mesh=mesh)
     engine = jaxinfer.Engine(model)
-    engine.warmup(generate=not args.score, score=args.score)
+    spec = None
+    if args.draft is not None:
+        draft = model
+        if args.draft != "self":
+            dcfg = preset_config(args.draft)
+            dparams = init_params(dcfg, jax.random.PRNGKey(1), jnp.bfloat16)
+            draft = Model(dcfg, apply_layout(dparams, "auto", donate=True), None,
+                          jnp.bfloat16, name=args.draft)
+        spec = jaxinfer.Speculative(method="draft", draft=draft, adaptive=False)
+    engine.warmup(generate=not args.score, score=args.score, speculative=spec)
     if args.batch1:
-        profile_batch1(engine, model, args.batch1, args.out)
+        profile_batch1(engine, model, args.batch1, args.out, spec)
         return
     rng = np.random.default_rng(0)
     lens = np.exp(rng.uniform(np.log(32), np.log(1025), args.requests)).astype(int)
