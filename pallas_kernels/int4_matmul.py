@@ -19,6 +19,7 @@ GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,9 +33,17 @@ INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
 kernel; larger steps dequantize and run XLA's GEMM."""
 
-BLOCK_N = 128  # output columns per program
-STEP_ROWS = 128  # input rows each loop iteration covers (several groups when G < 128)
-TARGET_PROGRAMS = 512  # about 4 per H100 SM: the split-K factor aims at this many programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Tiles:
+    """The GPU kernel's tiling (``scripts/bench_int4.py`` sweeps it on a device)."""
+
+    block_n: int = 128  # output columns per program
+    step_rows: int = 128  # input rows each loop iteration covers (several groups when G < it)
+    target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
@@ -55,7 +64,7 @@ def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: ja
 
 def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_step: int,
                  steps_per_split: int) -> None:
-    """One ``[rows, BLOCK_N]`` float32 partial over this program's split of K."""
+    """One ``[rows, block_n]`` float32 partial over this program's split of K."""
     split = pl.program_id(2)
     half = group // 2
     dims = (((1,), (0,)), ((), ()))
@@ -64,13 +73,13 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
         first = (split * steps_per_split + i) * groups_per_step
         for j in range(groups_per_step):  # unrolled: independent loads in flight together
             g = first + j
-            b = q_ref[pl.ds(g * half, half), :]  # [G / 2, BLOCK_N] uint8
+            b = q_ref[pl.ds(g * half, half), :]  # [G / 2, block_n] uint8
             x_lo = x_ref[:, pl.ds(g * group, half)]  # [rows, G / 2]
             x_hi = x_ref[:, pl.ds(g * group + half, half)]
             d = (lax.dot_general(x_lo, (b & 15).astype(x_lo.dtype), dims,
                                  preferred_element_type=jnp.float32)
                  + lax.dot_general(x_hi, (b >> 4).astype(x_hi.dtype), dims,
-                                   preferred_element_type=jnp.float32))  # [rows, BLOCK_N]
+                                   preferred_element_type=jnp.float32))  # [rows, block_n]
             x_sum = (jnp.sum(x_lo.astype(jnp.float32), axis=1, keepdims=True)
                      + jnp.sum(x_hi.astype(jnp.float32), axis=1, keepdims=True))  # [rows, 1]
             acc = (acc + d * s_ref[pl.ds(g, 1), :].astype(jnp.float32)
@@ -84,18 +93,19 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def _int4_jit(x, q, scale, zero, *, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
+def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
     # Rows: the smallest tensor-core tile holding the step's tokens.
     rows = 16 if m <= 16 else INT4_GEMV_ROWS
-    groups_per_step = _largest_divisor(groups, STEP_ROWS // group)
+    block_n = tiles.block_n
+    groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
-    col_blocks = cdiv(n, BLOCK_N)
-    splits = _largest_divisor(steps, TARGET_PROGRAMS // col_blocks)
-    mp, np_ = cdiv(m, rows) * rows, col_blocks * BLOCK_N
+    col_blocks = cdiv(n, block_n)
+    splits = _largest_divisor(steps, tiles.target_programs // col_blocks)
+    mp, np_ = cdiv(m, rows) * rows, col_blocks * block_n
     # Padded rows and columns are sliced off the result (zero scales: padded columns are 0).
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
@@ -106,12 +116,12 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret):
                           steps_per_split=steps // splits),
         grid=(mp // rows, col_blocks, splits),
         in_specs=[pl.BlockSpec((rows, k), lambda i, j, t: (i, 0)),
-                  pl.BlockSpec((k // 2, BLOCK_N), lambda i, j, t: (0, j)),
-                  pl.BlockSpec((groups, BLOCK_N), lambda i, j, t: (0, j)),
-                  pl.BlockSpec((groups, BLOCK_N), lambda i, j, t: (0, j))],
-        out_specs=pl.BlockSpec((None, rows, BLOCK_N), lambda i, j, t: (t, i, j)),
+                  pl.BlockSpec((k // 2, block_n), lambda i, j, t: (0, j)),
+                  pl.BlockSpec((groups, block_n), lambda i, j, t: (0, j)),
+                  pl.BlockSpec((groups, block_n), lambda i, j, t: (0, j))],
+        out_specs=pl.BlockSpec((None, rows, block_n), lambda i, j, t: (t, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32),
-        compiler_params=gpu_params(num_warps=4, num_stages=3),
+        compiler_params=gpu_params(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="jaxinfer_int4_matmul",
     )(xp, qp, sp, zp)
@@ -119,7 +129,8 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret):
 
 
 def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
-                out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
+                out_dtype: jnp.dtype | None = None, interpret: bool = False,
+                tiles: Int4Tiles = Int4Tiles()) -> jax.Array:
     """``x [M, K] @ w`` for a packed int4 weight (module docstring): ``q [K / 2, N]`` uint8,
     ``scale`` and ``zero [K / G, N]`` float16 or float32, ``G`` (``K / scale.shape[0]``) a
     power of two of at least 32 (a tensor-core dot needs 16 rows per nibble half; Triton
@@ -127,6 +138,7 @@ def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *
 
     Meant for decode steps (up to ``INT4_GEMV_ROWS`` rows; it runs any M, tiled by 64 rows).
     Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
+    ``tiles``: the GPU kernel's tiling (the default is the fastest measured on an H100).
     """
     check(x.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {x.shape}, q "
           f"{q.shape}")
@@ -142,4 +154,4 @@ def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *
           f"two, at least {2 * MIN_DOT}, rows; got x {x.shape}, q {q.shape}, {groups} groups")
     check_dtype("x", x)
     return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(out_dtype or x.dtype),
-                     interpret=interpret)
+                     interpret=interpret, tiles=tiles)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 
 
 def _operands(m: int, k: int, n: int, group: int, dtype, seed: int):
@@ -36,6 +36,19 @@ def test_int4_matmul_equals_reference(m, k, n, group, dtype):
     # bf16: the reference rounds the dequantized weight to bf16, the kernel scales in float32.
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
     np.testing.assert_allclose(got, want, **tol)
+
+
+@pytest.mark.parametrize("tiles", [
+    Int4Tiles(block_n=256, step_rows=256, target_programs=64, num_warps=8, num_stages=4),
+    Int4Tiles(block_n=64, step_rows=32, target_programs=2048, num_warps=2, num_stages=2),
+])
+def test_int4_matmul_tilings_equal_the_reference(tiles):
+    """The tilings ``scripts/bench_int4.py`` sweeps: wider and narrower column blocks, loop
+    steps of one or several groups, more or fewer K splits (a partial column block too)."""
+    x, q, scale, zero = _operands(3, 1024, 300, 32, jnp.float32, seed=5)
+    got = int4_matmul(x, q, scale, zero, out_dtype=jnp.float32, interpret=True, tiles=tiles)
+    want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_int4_matmul_reads_quantized_weights():

@@ -209,6 +209,27 @@ def test_draft_model_greedy_output_equals_plain(kind):
     e.blocks.check_all_free()
 
 
+def test_draft_speculation_compiles_nothing_after_warmup():
+    """``warmup(speculative=...)`` compiles every program a draft-speculating request runs:
+    steps take their inputs as host arrays, and a program traced for device arrays would
+    compile again on the first request (tens of seconds for an 8B model on a GPU)."""
+    from jaxinfer import runner
+
+    model = _model()
+    draft = tiny_engine_model(seed=3)
+    e = Engine(model, verbose=False, **SIZING)
+    spec = Speculative(method="draft", draft=draft, num_tokens=4, adaptive=False)
+    e.warmup(speculative=spec)
+    programs = (runner.mixed_step, runner.decode_steps, runner.verify_step, runner.draft_step)
+    sizes = [f._cache_size() for f in programs]
+    warm = e.stats().num_programs
+    e.run([e.submit(p, max_new_tokens=20, speculative=spec, seed=i)
+           for i, p in enumerate(PROMPTS)])
+    assert e.stats().verify_steps > 0
+    assert e.stats().num_programs == warm
+    assert [f._cache_size() for f in programs] == sizes
+
+
 @pytest.mark.slow
 def test_int4_draft_sampled_output_equals_plain_with_preemption():
     """The target's int4 copy drafts for seeded sampling through a small pool: preempted

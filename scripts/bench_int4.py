@@ -1,0 +1,143 @@
+"""Sweep the int4 GEMV kernel's tiling on a GPU: the bandwidth each tiling reaches on the
+weight shapes of an 8B model's layer at batch 1.
+
+Usage: ``PYTHONPATH=. python scripts/bench_int4.py --json bench/results/<device>/int4.json``
+
+Floor: a batch-1 int4 matmul must read its packed weight (half a byte per weight) and its
+float16 scales and zeros once; at the measured read bandwidth (3.0 TB/s on an H100) that is
+the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) is checked
+against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
+program that calls the kernel ``--calls`` times (random inputs, warmed up). Stage 1 sweeps
+the column block, loop step and split count over the largest shapes; stage 2 tries warps and
+pipeline stages for the best few on every shape and both group sizes. A record for
+bench/NOTES.md, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
+
+# (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
+SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
+             ("down", 14336, 4096)]
+
+
+def operands(k: int, n: int, group: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Random ``x [1, K]`` bf16, ``q [K / 2, N]`` uint8, ``scale``/``zero [K / G, N]`` fp16."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(1, k)), jnp.bfloat16)
+    q = jnp.asarray(rng.integers(0, 256, size=(k // 2, n), dtype=np.uint8))
+    scale = jnp.asarray(rng.random((k // group, n)) * 0.02, jnp.float16)
+    zero = jnp.asarray(-rng.random((k // group, n)) * 0.15, jnp.float16)
+    return x, q, scale, zero
+
+
+def weight_bytes(q: jax.Array, scale: jax.Array, zero: jax.Array) -> int:
+    """Bytes a batch-1 matmul must read: the packed weight, its scales and zeros."""
+    return q.nbytes + scale.nbytes + zero.nbytes
+
+
+def time_tiles(ops: tuple[jax.Array, ...], tiles: Int4Tiles, calls: int, repeats: int
+               ) -> float:
+    """Median seconds per kernel call: ``calls`` calls in one program (each on a slightly
+    different ``x``, so none is folded away), ``repeats`` timed runs after a warm-up."""
+    x, q, scale, zero = ops
+
+    @jax.jit
+    def run(x):
+        def body(i, acc):
+            out = int4_matmul(x + i.astype(x.dtype), q, scale, zero, tiles=tiles)
+            return acc + out[0, :8].astype(jnp.float32)
+        return lax.fori_loop(0, calls, body, jnp.zeros(8, jnp.float32))
+
+    run(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / calls
+
+
+def max_error(ops: tuple[jax.Array, ...], tiles: Int4Tiles) -> float:
+    """Largest absolute difference from the float32-dequantized reference."""
+    got = int4_matmul(*ops, out_dtype=jnp.float32, tiles=tiles)
+    want = int4_matmul_reference(*ops, out_dtype=jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)))
+
+
+def measure(name: str, k: int, n: int, group: int, tiles: Int4Tiles, read_tbps: float,
+            calls: int, repeats: int) -> dict:
+    """One shape and tiling: time, bandwidth, fraction of the floor, error."""
+    ops = operands(k, n, group)
+    err = max_error(ops, tiles)
+    s = time_tiles(ops, tiles, calls, repeats)
+    nbytes = weight_bytes(*ops[1:])
+    floor_s = nbytes / (read_tbps * 1e12)
+    row = dict(shape=name, k=k, n=n, group=group, tiles=tiles.__dict__, us=s * 1e6,
+               tbps=nbytes / s / 1e12, fraction_of_floor=floor_s / s, floor_us=floor_s * 1e6,
+               max_abs_error=err)
+    print(f"{name:8s} g{group:<4d} {tiles}  {s * 1e6:8.1f} us  {row['tbps']:5.2f} TB/s  "
+          f"{row['fraction_of_floor']:6.1%} of floor  err {err:.3g}", flush=True)
+    return row
+
+
+def main() -> None:
+    """Stage 1 and stage 2 sweeps; print each tiling and the best per shape; write JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--read-tbps", type=float, default=3.0, help="measured read bandwidth")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--top", type=int, default=2, help="stage-1 tilings taken to stage 2")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if jax.devices()[0].platform != "gpu":
+        raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
+
+    stage1 = []
+    for block_n, step_rows, programs in itertools.product((128, 256), (128, 256, 512),
+                                                         (264, 528, 1056)):
+        tiles = Int4Tiles(block_n=block_n, step_rows=step_rows, target_programs=programs)
+        rows = [measure(nm, k, n, 32, tiles, args.read_tbps, args.calls, args.repeats)
+                for nm, k, n in SHAPES_8B if nm in ("gate_up", "down")]
+        stage1.append((sum(r["us"] for r in rows), tiles, rows))
+    stage1.sort(key=lambda t: t[0])
+    stage2 = []
+    for (_, base, _), warps, stages in itertools.product(stage1[: args.top], (4, 8), (2, 3, 4)):
+        tiles = Int4Tiles(**{**base.__dict__, "num_warps": warps, "num_stages": stages})
+        rows = [measure(nm, k, n, g, tiles, args.read_tbps, args.calls, args.repeats)
+                for g in (32, 128) for nm, k, n in SHAPES_8B]
+        stage2.append(dict(tiles=tiles.__dict__, layer_us={
+            g: sum(r["us"] for r in rows if r["group"] == g) for g in (32, 128)}, rows=rows))
+    default = [measure(nm, k, n, g, Int4Tiles(), args.read_tbps, args.calls, args.repeats)
+               for g in (32, 128) for nm, k, n in SHAPES_8B]
+    best = min(stage2, key=lambda r: r["layer_us"][32] + r["layer_us"][128])
+    floor_us = {g: sum(r["floor_us"] for r in default if r["group"] == g) for g in (32, 128)}
+    for g in (32, 128):
+        before = sum(r["us"] for r in default if r["group"] == g)
+        print(f"layer g{g}: default {before:.1f} us, best {best['layer_us'][g]:.1f} us "
+              f"({best['tiles']}), floor {floor_us[g]:.1f} us = "
+              f"{floor_us[g] / best['layer_us'][g]:.1%} of floor")
+    record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
+                  stage1=[dict(tiles=t.__dict__, us=us, rows=rows) for us, t, rows in stage1],
+                  stage2=stage2, default=default, best=best, layer_floor_us=floor_us)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
