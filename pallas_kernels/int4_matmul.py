@@ -44,6 +44,7 @@ class Int4Tiles:
     target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
     num_warps: int = 4
     num_stages: int = 3
+    row_kernel: bool = True  # one row: multiply-adds (``_int4_row_kernel``), not a dot
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
@@ -89,6 +90,33 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
     o_ref[...] = lax.fori_loop(0, steps_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
+def _int4_row_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int,
+                     groups_per_step: int, steps_per_split: int) -> None:
+    """One row (batch-1 decode): a ``[1, block_n]`` float32 partial over this program's
+    split of K, by multiply-adds on the CUDA cores. A tensor-core dot would pad the row to
+    16 and move every dequantized weight through shared memory into its operand layout,
+    which held the dot kernel at ~20% of the read bandwidth (bench/NOTES.md r50); here each
+    thread reduces its own columns' nibbles in registers."""
+    split = pl.program_id(2)
+    half = group // 2
+
+    def body(i, acc):
+        first = (split * steps_per_split + i) * groups_per_step
+        for j in range(groups_per_step):  # unrolled: independent loads in flight together
+            g = first + j
+            b = q_ref[pl.ds(g * half, half), :].astype(jnp.int32)  # [G / 2, block_n]
+            x_lo = x_ref[0, pl.ds(g * group, half)].astype(jnp.float32)  # [G / 2]
+            x_hi = x_ref[0, pl.ds(g * group + half, half)].astype(jnp.float32)
+            d = jnp.sum(x_lo[:, None] * (b & 15).astype(jnp.float32)
+                        + x_hi[:, None] * (b >> 4).astype(jnp.float32), axis=0)  # [block_n]
+            acc = (acc + d * s_ref[g, :].astype(jnp.float32)
+                   + (jnp.sum(x_lo) + jnp.sum(x_hi)) * z_ref[g, :].astype(jnp.float32))
+        return acc
+
+    o_ref[0, :] = lax.fori_loop(0, steps_per_split, body,
+                                jnp.zeros(o_ref.shape[1:], jnp.float32))
+
+
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
 
@@ -98,8 +126,10 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
-    # Rows: the smallest tensor-core tile holding the step's tokens.
-    rows = 16 if m <= 16 else INT4_GEMV_ROWS
+    # Rows: one row on the CUDA cores (``_int4_row_kernel``), else the smallest tensor-core
+    # tile holding the step's tokens.
+    rows = 1 if m == 1 and tiles.row_kernel else 16 if m <= 16 else INT4_GEMV_ROWS
+    kernel = _int4_row_kernel if rows == 1 else _int4_kernel
     block_n = tiles.block_n
     groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
@@ -112,7 +142,7 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     sp = jnp.pad(scale, ((0, 0), (0, np_ - n)))
     zp = jnp.pad(zero, ((0, 0), (0, np_ - n)))
     partial = pl.pallas_call(
-        functools.partial(_int4_kernel, group=group, groups_per_step=groups_per_step,
+        functools.partial(kernel, group=group, groups_per_step=groups_per_step,
                           steps_per_split=steps // splits),
         grid=(mp // rows, col_blocks, splits),
         in_specs=[pl.BlockSpec((rows, k), lambda i, j, t: (i, 0)),

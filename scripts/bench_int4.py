@@ -7,15 +7,17 @@ Floor: a batch-1 int4 matmul must read its packed weight (half a byte per weight
 float16 scales and zeros once; at the measured read bandwidth (3.0 TB/s on an H100) that is
 the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) is checked
 against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
-program that calls the kernel ``--calls`` times (random inputs, warmed up). Stage 1 sweeps
-the column block, loop step and split count over the largest shapes; stage 2 tries warps and
-pipeline stages for the best few on every shape and both group sizes. A record for
-bench/NOTES.md, not a test.
+program that calls the kernel ``--calls`` times (random inputs, warmed up). By default it
+compares the default tiling (one row: the multiply-add kernel) with the tensor-core dot
+kernel on every shape and both group sizes. ``--sweep`` also sweeps tilings: stage 1 the
+column block, loop step and split count over the largest shapes; stage 2 warps and pipeline
+stages for the best few on every shape. A record for bench/NOTES.md, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -33,6 +35,7 @@ SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
              ("down", 14336, 4096)]
 
 
+@functools.cache
 def operands(k: int, n: int, group: int, seed: int = 0) -> tuple[jax.Array, ...]:
     """Random ``x [1, K]`` bf16, ``q [K / 2, N]`` uint8, ``scale``/``zero [K / G, N]`` fp16."""
     rng = np.random.default_rng(seed)
@@ -94,45 +97,48 @@ def measure(name: str, k: int, n: int, group: int, tiles: Int4Tiles, read_tbps: 
 
 
 def main() -> None:
-    """Stage 1 and stage 2 sweeps; print each tiling and the best per shape; write JSON."""
+    """Measure the candidates (and the sweep); print each layer's time; write JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--read-tbps", type=float, default=3.0, help="measured read bandwidth")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also sweep tilings (slow)")
     ap.add_argument("--top", type=int, default=2, help="stage-1 tilings taken to stage 2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
-    stage1 = []
-    for block_n, step_rows, programs in itertools.product((128, 256), (128, 256, 512),
-                                                         (264, 528, 1056)):
-        tiles = Int4Tiles(block_n=block_n, step_rows=step_rows, target_programs=programs)
-        rows = [measure(nm, k, n, 32, tiles, args.read_tbps, args.calls, args.repeats)
-                for nm, k, n in SHAPES_8B if nm in ("gate_up", "down")]
-        stage1.append((sum(r["us"] for r in rows), tiles, rows))
-    stage1.sort(key=lambda t: t[0])
-    stage2 = []
-    for (_, base, _), warps, stages in itertools.product(stage1[: args.top], (4, 8), (2, 3, 4)):
-        tiles = Int4Tiles(**{**base.__dict__, "num_warps": warps, "num_stages": stages})
-        rows = [measure(nm, k, n, g, tiles, args.read_tbps, args.calls, args.repeats)
+    def layer(tiles: Int4Tiles) -> list[dict]:
+        return [measure(nm, k, n, g, tiles, args.read_tbps, args.calls, args.repeats)
                 for g in (32, 128) for nm, k, n in SHAPES_8B]
-        stage2.append(dict(tiles=tiles.__dict__, layer_us={
-            g: sum(r["us"] for r in rows if r["group"] == g) for g in (32, 128)}, rows=rows))
-    default = [measure(nm, k, n, g, Int4Tiles(), args.read_tbps, args.calls, args.repeats)
-               for g in (32, 128) for nm, k, n in SHAPES_8B]
-    best = min(stage2, key=lambda r: r["layer_us"][32] + r["layer_us"][128])
-    floor_us = {g: sum(r["floor_us"] for r in default if r["group"] == g) for g in (32, 128)}
-    for g in (32, 128):
-        before = sum(r["us"] for r in default if r["group"] == g)
-        print(f"layer g{g}: default {before:.1f} us, best {best['layer_us'][g]:.1f} us "
-              f"({best['tiles']}), floor {floor_us[g]:.1f} us = "
-              f"{floor_us[g] / best['layer_us'][g]:.1%} of floor")
+
+    candidates = [dict(tiles=t.__dict__, rows=layer(t))
+                  for t in (Int4Tiles(), Int4Tiles(row_kernel=False))]
+    stage1 = []
+    if args.sweep:
+        for block_n, step_rows, programs in itertools.product(
+                (64, 128, 256), (64, 128, 256), (264, 528, 1056)):
+            tiles = Int4Tiles(block_n=block_n, step_rows=step_rows, target_programs=programs)
+            rows = [measure(nm, k, n, 32, tiles, args.read_tbps, args.calls, args.repeats)
+                    for nm, k, n in SHAPES_8B if nm in ("gate_up", "down")]
+            stage1.append(dict(tiles=tiles.__dict__, us=sum(r["us"] for r in rows), rows=rows))
+        stage1.sort(key=lambda r: r["us"])
+        for base, warps, stages in itertools.product(stage1[: args.top], (4, 8), (2, 3, 4)):
+            tiles = Int4Tiles(**{**base["tiles"], "num_warps": warps, "num_stages": stages})
+            candidates.append(dict(tiles=tiles.__dict__, rows=layer(tiles)))
+    floor_us = {g: sum(r["floor_us"] for r in candidates[0]["rows"] if r["group"] == g)
+                for g in (32, 128)}
+    for c in candidates:
+        c["layer_us"] = {g: sum(r["us"] for r in c["rows"] if r["group"] == g)
+                         for g in (32, 128)}
+        print(f"layer: g32 {c['layer_us'][32]:.1f} us ({floor_us[32] / c['layer_us'][32]:.1%} "
+              f"of floor), g128 {c['layer_us'][128]:.1f} us "
+              f"({floor_us[128] / c['layer_us'][128]:.1%})  {c['tiles']}")
+    best = min(candidates, key=lambda c: c["layer_us"][32] + c["layer_us"][128])
     record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
-                  stage1=[dict(tiles=t.__dict__, us=us, rows=rows) for us, t, rows in stage1],
-                  stage2=stage2, default=default, best=best, layer_floor_us=floor_us)
+                  candidates=candidates, stage1=stage1, best=best, layer_floor_us=floor_us)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1))

@@ -38,14 +38,16 @@ def test_int4_matmul_equals_reference(m, k, n, group, dtype):
     np.testing.assert_allclose(got, want, **tol)
 
 
+@pytest.mark.parametrize("m", [1, 3])  # one row: the multiply-add kernel; three: the dot
 @pytest.mark.parametrize("tiles", [
     Int4Tiles(block_n=256, step_rows=256, target_programs=64, num_warps=8, num_stages=4),
     Int4Tiles(block_n=64, step_rows=32, target_programs=2048, num_warps=2, num_stages=2),
+    Int4Tiles(row_kernel=False),  # one row through the dot kernel
 ])
-def test_int4_matmul_tilings_equal_the_reference(tiles):
+def test_int4_matmul_tilings_equal_the_reference(tiles, m):
     """The tilings ``scripts/bench_int4.py`` sweeps: wider and narrower column blocks, loop
     steps of one or several groups, more or fewer K splits (a partial column block too)."""
-    x, q, scale, zero = _operands(3, 1024, 300, 32, jnp.float32, seed=5)
+    x, q, scale, zero = _operands(m, 1024, 300, 32, jnp.float32, seed=5)
     got = int4_matmul(x, q, scale, zero, out_dtype=jnp.float32, interpret=True, tiles=tiles)
     want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
