@@ -10,7 +10,8 @@ Q4_0 / Q4_1 order. So a group's low nibbles multiply the first half of the group
 
 Per group the kernel takes ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds
 ``d * scale + sum(x over the group) * zero``: the scale and zero multiply a ``[rows, N]``
-result instead of every weight. A batch-1 GEMV has too few column blocks to fill a GPU, so,
+result instead of every weight (one row: multiply-adds, ``_int4_row_kernel``; more rows: a
+tensor-core dot per nibble half). A batch-1 GEMV has too few column blocks to fill a GPU, so,
 like ``pallas_kernels.int8_matmul``'s decode path, K is also split over programs, each
 writing a float32 partial that is summed afterwards.
 
@@ -32,7 +33,6 @@ from pallas_kernels._common import MIN_DOT, cdiv, check, check_dtype, gpu_params
 INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
 kernel; larger steps dequantize and run XLA's GEMM."""
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +93,11 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
 def _int4_row_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int,
                      groups_per_step: int, steps_per_split: int) -> None:
     """One row (batch-1 decode): a ``[1, block_n]`` float32 partial over this program's
-    split of K, by multiply-adds on the CUDA cores. A tensor-core dot would pad the row to
-    16 and move every dequantized weight through shared memory into its operand layout,
-    which held the dot kernel at ~20% of the read bandwidth (bench/NOTES.md r50); here each
-    thread reduces its own columns' nibbles in registers."""
+    split of K, by multiply-adds on the CUDA cores instead of a tensor-core dot that pads the
+    row to 16 and moves every dequantized weight into its operand layout. Measured on an
+    H100 (bench/NOTES.md r51): an 8B layer at group 128 in 178.5 us instead of 212.0, at
+    group 32 the same as the dot (255.7 vs 259.2 us), both ~20% of the read floor: what
+    holds both is the one-byte-per-thread load of the packed uint8 tile."""
     split = pl.program_id(2)
     half = group // 2
 
@@ -168,7 +169,7 @@ def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *
 
     Meant for decode steps (up to ``INT4_GEMV_ROWS`` rows; it runs any M, tiled by 64 rows).
     Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
-    ``tiles``: the GPU kernel's tiling (the default is the fastest measured on an H100).
+    ``tiles``: the GPU kernel's tiling (default: bench/NOTES.md r50-r51 on an H100).
     """
     check(x.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {x.shape}, q "
           f"{q.shape}")
