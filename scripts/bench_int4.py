@@ -1,4 +1,4 @@
-"""Sweep the int4 GEMV kernel's tiling on a GPU: the bandwidth each tiling reaches on the
+"""Time the int4 GEMV kernels on a GPU: the bandwidth each kernel and tiling reaches on the
 weight shapes of an 8B model's layer at batch 1.
 
 Usage: ``PYTHONPATH=. python scripts/bench_int4.py --json bench/results/<device>/int4.json``

@@ -299,7 +299,6 @@ def test_converted_folder_round_trip(tmp_path):
         load_converted(tmp_path / "hf")
 
 
-
 _FETCH_AT = """
 import sys, time
 from checkpoints.default_model import fetch_default_gguf
