@@ -130,6 +130,21 @@ def apply_fp8_act(x, w):
     return (out * xs * w["s"]).astype(jnp.bfloat16)
 
 
+def make_fp8_nk(key, k, n):
+    """fp8 stored ``[N, K]`` (input axis contiguous: the operand layout of cuBLASLt's fp8
+    GEMM)."""
+    w = make_fp8(key, k, n)
+    return dict(q=w["q"].T.copy(), s=w["s"])
+
+
+def apply_fp8_act_nk(x, w):
+    x32 = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12) / 448
+    out = jax.lax.dot_general((x32 / xs).astype(jnp.float8_e4m3fn), w["q"],
+                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * xs * w["s"]).astype(jnp.bfloat16)
+
+
 VARIANTS: dict[str, tuple[Make, Apply, int]] = {
     # name: (make, apply, largest M it runs; 0: any)
     "bf16": (make_bf16, lambda x, w: x @ w["w"], 0),
@@ -155,6 +170,7 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
         (x @ w["q"].astype(jnp.bfloat16)).astype(jnp.float32) * w["s"][0]).astype(jnp.bfloat16),
         0),
     "fp8_act": (make_fp8, apply_fp8_act, 0),
+    "fp8_act_nk": (make_fp8_nk, apply_fp8_act_nk, 0),
     "fp8_weight_only": (make_fp8, lambda x, w: (
         (x @ w["q"].astype(jnp.bfloat16)).astype(jnp.float32) * w["s"]).astype(jnp.bfloat16),
         0),
