@@ -17,12 +17,15 @@ the one place stop rules live):
    While a request with a ``response_format`` decodes, every step is a mixed step instead:
    its next token's mask depends on the token before, so the host computes the masks
    (``structured.fill_masks``) and the device applies them, one token per round trip.
-3. **Verify step** instead of a decode call when running requests ask for speculative
-   decoding (``SamplingParams.speculative``) and it pays: each proposes up to ``k`` tokens
-   (``speculative.propose_ngram``, or a draft model's ``runner.draft_step`` on the device),
-   one forward pass checks them all, and each row emits the accepted proposals plus one
-   sampled token, exactly what plain decoding would emit. The engine measures both step
-   kinds (and the draft's proposals) per row bucket and verifies only while that is faster
+3. **Speculation** instead of a plain decode call when running requests ask for it
+   (``SamplingParams.speculative``) and it pays: each row proposes up to ``k`` tokens, one
+   forward pass checks them all, and each row emits the accepted proposals plus one sampled
+   token, exactly what plain decoding would emit. n-gram requests run
+   ``runner.ngram_steps``: proposals, verification and stop rules on the device for several
+   iterations per host round trip, like a decode call. Draft-model requests (and requests
+   asking for top log-probabilities) run one verify step per round trip, their proposals
+   from ``runner.draft_step`` on the device (or ``speculative.propose_ngram`` on the host).
+   The engine measures each kind per row bucket and speculates only while that is faster
    (``Speculative.adaptive``).
 
 When the pool cannot hold the planned tokens, the youngest running sequence is preempted:
@@ -72,12 +75,14 @@ from jaxinfer.runner import (
     DECODE_CHUNK,
     DecodeInputs,
     MixedInputs,
+    NgramInputs,
     bucket,
     decode_steps,
     draft_step,
     load_counts,
     mixed_step,
     new_counts,
+    ngram_steps,
     row_buckets,
     token_buckets,
     verify_step,
@@ -103,6 +108,10 @@ CPU_KV_CACHE_BYTES = 128 * 2**20
 VERIFY_MAX_ROWS = 64
 """Largest row bucket a verify step runs (it samples ``rows x (k + 1)`` vocabulary rows);
 beyond it the engine decodes without speculation."""
+
+NGRAM_RETRY = 16
+"""Plain decode calls after which adaptive n-gram speculation that did not pay is tried
+again."""
 
 
 def step_workspace_bytes(config: Any, slots: int, max_tokens: int,
@@ -232,6 +241,7 @@ class _Call:
     score: bool = False  # mixed step: with target log-probabilities
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
     proposals: list[tuple[_Seq, list[int]]] | None = None  # verify step: rows, proposals
+    ngram: bool = False  # decode call: n-gram speculation on the device (``ngram_steps``)
     compiled: bool = False  # XLA compiled the program for this call (its time is not a step's)
 
 
@@ -418,6 +428,9 @@ class Engine(StepLoop):
         self._unordered = False  # requests arrived since the waiting queue was last ordered
         self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
         self._verify_s: dict[int, float] = {}  # row bucket -> measured s per verify step
+        self._ngram_s: dict[int, float] = {}  # row bucket -> s per n-gram loop iteration
+        self._ngram_gain: dict[int, float] = {}  # row bucket -> tokens per row and iteration
+        self._ngram_skips: dict[int, int] = {}  # row bucket -> decode calls since the last try
         self._acceptance = 0.5  # running mean of accepted / proposed tokens (verify steps)
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
                                cfg.max_position_embeddings, capacity)
@@ -660,10 +673,12 @@ class Engine(StepLoop):
         ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
         sample with a temperature above 0; ``constrained``: also the mixed steps that apply
-        token masks (``response_format``); ``speculative``: the verify step of each row
-        bucket up to ``VERIFY_MAX_ROWS`` for its ``num_tokens`` (with a draft model: attached
-        here, its proposing step of those row buckets and its catching-up step of each token
-        bucket). Runs them on all-padding
+        token masks (``response_format``); ``speculative``: for the n-gram method, its
+        device loop (``runner.ngram_steps``, the shortest history bucket; longer histories
+        compile when met) of each row bucket up to ``VERIFY_MAX_ROWS`` for its
+        ``num_tokens``; with a draft model (attached here), the verify step of those row
+        buckets, the draft's proposing step of those row buckets and its catching-up step of
+        each token bucket. Runs them on all-padding
         inputs, which write no page and sample for no slot, so the engine's state is
         unchanged. Benchmarks and ``batch_eval`` call this before timing.
         """
@@ -702,7 +717,11 @@ class Engine(StepLoop):
             if drafts:  # proposing
                 to_host(self._dispatch_draft([], b, b * (k + 1), k))
             for st in samplers:
-                to_host(self._dispatch_verify([], b, speculative.num_tokens, st))
+                if drafts:
+                    to_host(self._dispatch_verify([], b, k, st))
+                else:  # the n-gram loop, with the shortest history
+                    to_host(self._dispatch_ngram(self._ngram_inputs([], b, 1, k), k,
+                                                 speculative.ngram_max, st))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -1131,6 +1150,8 @@ class Engine(StepLoop):
             return self._collect_mixed(call)
         if call.proposals is not None:
             return self._collect_verify(call)
+        if call.ngram:
+            return self._collect_ngram(call)
         return self._collect_decode(call)
 
     def _collect_mixed(self, call: _Call) -> list[Event]:
@@ -1189,22 +1210,27 @@ class Engine(StepLoop):
         return s.rid, new, p.finished
 
     # ------------------------------------------------------------------ decode calls
-    def _plan_decode(self, max_steps: int) -> int:
-        """Reserve pages for up to ``k`` tokens per running sequence; return ``k``.
+    def _plan_decode(self, max_steps: int, widths: dict[int, int] | None = None) -> int:
+        """Reserve pages for up to ``k`` iterations per running sequence; return ``k``.
 
-        Halves ``k`` until the reservation fits the free pages, then preempts the youngest
-        sequence if even one token each does not fit.
+        An iteration takes one token, or ``widths[rid]`` (n-gram speculation: its last token
+        and its proposals); no sequence reserves past its ``max_new_tokens``. Halves ``k``
+        until the reservation fits the free pages, then preempts the youngest sequence if
+        even one iteration each does not fit.
         """
         bm = self.blocks
+        widths = widths or {}
         while self._running:
             left = [s.req.sampling.max_new_tokens - len(s.progress.tokens) for s in self._running]
             k = min(max_steps, max(left))
             while k >= 1:
-                need = sum(bm.pages_needed(s.rid, s.num_computed, s.num_computed + min(k, r))
-                           for s, r in zip(self._running, left, strict=True))
+                ends = [s.num_computed + min(k * widths.get(s.rid, 1), r)
+                        for s, r in zip(self._running, left, strict=True)]
+                need = sum(bm.pages_needed(s.rid, s.num_computed, e)
+                           for s, e in zip(self._running, ends, strict=True))
                 if need <= bm.num_free:
-                    for s, r in zip(self._running, left, strict=True):
-                        self._reserve(s, s.num_computed + min(k, r))
+                    for s, e in zip(self._running, ends, strict=True):
+                        self._reserve(s, e)
                     return k
                 k //= 2
             self._preempt(self._running[-1])
@@ -1250,12 +1276,14 @@ class Engine(StepLoop):
     def _decode_program(self, b: int, stochastic: bool, num_top: int) -> tuple[Any, ...]:
         return ("decode", b, self._stop_width, stochastic, num_top)
 
-    def _call_length(self, b: int, max_steps: int | None) -> int:
+    def _call_length(self, b: int, max_steps: int | None,
+                     measured: dict[int, float] | None = None) -> int:
         """Iterations for a decode call over ``b`` rows: ``decode_call_seconds`` of measured
-        device time (16 before the first measure), within ``[4, decode_steps]``, in whole
+        device time (``measured``: seconds per iteration by row bucket, default the plain
+        decode loop's; 16 before the first measure), within ``[4, decode_steps]``, in whole
         chunks of ``decode_chunk`` (the loop checks for stopped rows once per chunk)."""
         if max_steps is None:
-            per = self._iteration_s.get(b)
+            per = (self._iteration_s if measured is None else measured).get(b)
             max_steps = 16 if per is None else max(4, round(self.decode_call_seconds / per))
         k = min(max_steps, self.decode_steps)
         return max(k - k % self.decode_chunk, min(k, self.decode_chunk))
@@ -1279,21 +1307,27 @@ class Engine(StepLoop):
 
     def _collect_decode(self, call: _Call) -> list[Event]:
         out, seconds = self._results_of(call)
-        out_t, out_lp = out["tokens"], out["logprobs"]
+        out_t = out["tokens"]
         self._decode_time += seconds
         b = out_t.shape[1]
         ran = int(np.count_nonzero((out_t >= 0).any(axis=1)))
         if ran and not call.compiled:  # a compile's seconds would shorten later calls
             per = seconds / ran
             self._iteration_s[b] = 0.5 * (self._iteration_s.get(b, per) + per)
-        now = time.perf_counter()
         self._decode_calls += 1
-        computed = 0
+        self._padded += call.padded
+        return self._emit_columns(call.rows, out)
+
+    def _emit_columns(self, rows: list[_Seq], out: dict[str, np.ndarray]) -> list[Event]:
+        """Emit each row's tokens from a device loop's ``out["tokens"] [N, B]`` (its slot's
+        column, up to the first -1) with their log-probabilities (and top log-probabilities)."""
+        out_t, out_lp = out["tokens"], out["logprobs"]
+        now = time.perf_counter()
         events: list[Event] = []
-        for s in call.rows:
+        for s in rows:
             col = out_t[:, s.slot]
             n = int(np.count_nonzero(col >= 0))
-            computed += n
+            self._computed += n
             start = s.num_computed
             s.num_computed += n
             top = None
@@ -1304,9 +1338,125 @@ class Engine(StepLoop):
                                      top))
             if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
-        self._computed += computed
-        self._padded += call.padded
         return events
+
+    # ------------------------------------------------------------------ n-gram loop
+    def _ngram_pays(self, b: int) -> bool:
+        """Whether the n-gram speculation loop is expected to yield more tokens per second
+        than a plain decode call over the ``b`` row bucket: tried first, then one decode call
+        is measured, then the faster runs; a losing loop is tried again every
+        ``NGRAM_RETRY`` decode calls (outputs start repeating their input at any point)."""
+        if not all(s.req.sampling.speculative.adaptive
+                   for s in self._running if s.req.sampling.speculative):
+            return True
+        if b not in self._ngram_s or b not in self._iteration_s:
+            return b not in self._ngram_s
+        if self._ngram_gain[b] / self._ngram_s[b] > 1 / self._iteration_s[b]:
+            return True
+        self._ngram_skips[b] = self._ngram_skips.get(b, 0) + 1
+        if self._ngram_skips[b] < NGRAM_RETRY:
+            return False
+        self._ngram_skips[b] = 0
+        return True
+
+    def _launch_ngram(self, b: int, max_steps: int | None) -> _Call | None:
+        """A call of ``runner.ngram_steps``: every running sequence proposes, verifies and
+        emits on the device for several iterations (those without speculation decode one
+        token an iteration)."""
+        specs = {s.rid: s.req.sampling.speculative for s in self._running}
+        widths = {rid: sp.num_tokens + 1 for rid, sp in specs.items() if sp}
+        k = self._plan_decode(self._call_length(b, max_steps, self._ngram_s), widths)
+        if k == 0:
+            return None
+        rows = list(self._running)  # planning may have preempted some
+        width = max(sp.num_tokens for sp in specs.values() if sp)
+        longest = max(sp.ngram_max for sp in specs.values() if sp)
+        stochastic = any(s.req.sampling.temperature > 0 for s in rows)
+        inp = self._ngram_inputs(rows, b, k, width)
+        program = self._ngram_program(b, width, longest, inp.history.shape[1], stochastic)
+        compiled = self._program_key(program) not in _ANNOUNCED
+        self._inflight = (f"n-gram speculation call of {b} rows x {k} iterations", rows)
+        launched = time.perf_counter()
+        out = self._dispatch_ngram(inp, width, longest, stochastic)
+        return _Call(out=out, launched=launched, padded=b * k * (width + 1), rows=rows,
+                     compiled=compiled, ngram=True)
+
+    def _ngram_inputs(self, rows: list[_Seq], b: int, k: int, width: int) -> NgramInputs:
+        """Inputs of an n-gram call over slots ``[0, b)``: the decode call's, and each row's
+        tokens in a history: 1,024 tokens, or 4x that as often as it takes to hold the longest
+        row (few programs, and ``warmup`` compiles the first), plus room for a call's
+        emitted tokens (``k`` is at most the loop's buffer of iterations)."""
+        longest_row = max((len(s.tokens) for s in rows), default=0)
+        n_hist = 1024
+        while n_hist < longest_row:
+            n_hist *= 4
+        n_hist += self._decode_buffer * (width + 1)
+        history = np.full((b, n_hist), -1, np.int32)
+        length = np.zeros(b, np.int32)
+        num_tokens = np.zeros(b, np.int32)
+        ngram_max = np.ones(b, np.int32)
+        ngram_min = np.ones(b, np.int32)
+        for s in rows:
+            history[s.slot, : len(s.tokens)] = s.tokens
+            length[s.slot] = len(s.tokens)
+            spec = s.req.sampling.speculative
+            if spec is not None:
+                num_tokens[s.slot] = spec.num_tokens
+                ngram_max[s.slot], ngram_min[s.slot] = spec.ngram_max, spec.ngram_min
+        return NgramInputs(decode=self._decode_inputs(rows, b, k), history=history,
+                           history_len=length, num_tokens=num_tokens, ngram_max=ngram_max,
+                           ngram_min=ngram_min)
+
+    def _ngram_program(self, b: int, width: int, longest: int, n_hist: int, stochastic: bool
+                       ) -> tuple[Any, ...]:
+        return ("ngram", b, width, longest, n_hist, self._stop_width, stochastic)
+
+    def _dispatch_ngram(self, inp: NgramInputs, width: int, longest: int, stochastic: bool
+                        ) -> dict[str, jax.Array]:
+        """Launch one n-gram call program (asynchronously); the pool and ``counts`` advance."""
+        b, n_hist = inp.history.shape
+        self._announce(self._ngram_program(b, width, longest, n_hist, stochastic),
+                       f"n-gram speculation loop for {b} rows x {width + 1} tokens, history "
+                       f"{n_hist}" + (", sampled" if stochastic else ""))
+        with on_mesh(self.mesh):
+            self.pool, self._counts, out = ngram_steps(
+                self.model.params, self.pool, self._counts, self._put(inp),
+                config=self.model.config, backend=self.backend, dtype=self.model.dtype,
+                width=width, longest=longest, max_steps=self._decode_buffer,
+                chunk=self.decode_chunk, stochastic=stochastic,
+                deterministic=self.model.deterministic)
+        return out
+
+    def _collect_ngram(self, call: _Call) -> list[Event]:
+        out, seconds = self._results_of(call)
+        self._decode_time += seconds
+        b = out["tokens"].shape[1]
+        iterations = int(out["iterations"])
+        slots = [s.slot for s in call.rows]
+        verified = int(out["verified"][slots].sum())
+        proposed = int(out["proposed"][slots].sum())
+        accepted = int(out["accepted"][slots].sum())
+        if iterations and not call.compiled:  # a compile's seconds would shorten later calls
+            per = seconds / iterations
+            self._ngram_s[b] = 0.5 * (self._ngram_s.get(b, per) + per)
+        emitted = int((out["tokens"][:, slots] >= 0).sum())
+        if verified:
+            gain = emitted / verified
+            self._ngram_gain[b] = 0.5 * (self._ngram_gain.get(b, gain) + gain)
+        for s in call.rows:
+            s.progress.draft_tokens += int(out["proposed"][s.slot])
+            s.progress.accepted_tokens += int(out["accepted"][s.slot])
+        self._verify_steps += iterations
+        self._verified_rows += verified
+        self._draft_tokens += proposed
+        self._accepted_tokens += accepted
+        if proposed:
+            self._acceptance = 0.5 * (self._acceptance + accepted / proposed)
+        self._padded += call.padded
+        # Run through the model: each row's last token and proposals per iteration (the
+        # emitted tokens are counted as they are emitted).
+        self._computed += verified + proposed - emitted
+        return self._emit_columns(call.rows, out)
 
     # ------------------------------------------------------------------ verify steps
     def _proposal_room(self, s: _Seq) -> int:
@@ -1455,6 +1605,11 @@ class Engine(StepLoop):
             return self._launch_decode(max_steps)
         b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
         if b > VERIFY_MAX_ROWS:
+            return self._launch_decode(max_steps)
+        if all(sp.method == "ngram" for sp in specs) and not _num_top(self._running):
+            # Proposals, verification and stops on the device, several iterations a call.
+            if self._ngram_pays(b):
+                return self._launch_ngram(b, max_steps)
             return self._launch_decode(max_steps)
         rooms = {s.rid: self._proposal_room(s) for s in self._running}
         drafted = [(s, rooms[s.rid]) for s in self._running

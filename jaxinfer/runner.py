@@ -43,6 +43,7 @@ from jaxinfer.model import Params, forward_ragged, lm_head
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.quantize import is_quantized
 from jaxinfer.sampling import SamplingArrays, logsumexp_rows, record_tokens, sample
+from jaxinfer.speculative import propose_ngram_rows
 from sharding.rules import engine_pool_spec
 
 Backend = Literal["reference", "pallas"]
@@ -132,6 +133,18 @@ class DecodeInputs:
     stop_ids: jax.Array  # Int['B K'] stop token ids, -1 padded
     num_steps: jax.Array  # Int[] iterations to run at most (<= the static buffer size)
     sampling: SamplingArrays  # [B]
+
+
+@struct.dataclass
+class NgramInputs:
+    """Inputs of one n-gram speculation call (``ngram_steps``) over rows = slots ``[0, B)``."""
+
+    decode: DecodeInputs  # rows, stops, reserved positions (limit), iterations, sampling
+    history: jax.Array  # Int['B L'] each row's tokens so far (prompt, generated), -1 after
+    history_len: jax.Array  # Int['B'] tokens in each row's history
+    num_tokens: jax.Array  # Int['B'] most proposals per iteration; 0: the row only decodes
+    ngram_max: jax.Array  # Int['B'] longest suffix looked up
+    ngram_min: jax.Array  # Int['B'] shortest suffix looked up
 
 
 def _constrain_pool(k: Any, v: Any) -> tuple[Any, Any]:
@@ -330,6 +343,134 @@ def decode_steps(
     return PagePool(k=k, v=v), counts, out
 
 
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "width", "longest",
+                                            "max_steps", "chunk", "stochastic",
+                                            "deterministic"),
+                   donate_argnums=(1, 2))
+def ngram_steps(
+    params: Params,
+    pool: PagePool,
+    counts: jax.Array,
+    inp: NgramInputs,
+    *,
+    config: LlamaConfig,
+    backend: Backend,
+    dtype: Any,
+    width: int,
+    longest: int,
+    max_steps: int,
+    chunk: int,
+    stochastic: bool,
+    deterministic: bool = False,
+) -> tuple[PagePool, jax.Array, dict[str, jax.Array]]:
+    """Up to ``inp.decode.num_steps`` n-gram speculation iterations without leaving the device.
+
+    Each iteration, every active row proposes up to ``num_tokens`` tokens by prompt lookup in
+    its own history (``speculative.propose_ngram_rows``; ``width`` and ``longest`` are the
+    static bounds of ``num_tokens`` and ``ngram_max``), verifies them with its last token in
+    one ragged forward pass (``verify_step``'s body) and emits the accepted proposals plus
+    one sampled token: the tokens plain decoding emits. A row proposes no more than its
+    remaining tokens allow and writes K/V only below ``limit`` (its reserved pages); it stops
+    at a stop token (emitted, as in ``decode_steps``), at its token limit or at ``limit``.
+    The loop checks for active rows every ``chunk`` iterations.
+
+    Returns ``(pool, counts, out)``: ``out["tokens"]``, ``out["logprobs"]`` ``[max_steps *
+    (width + 1), B]``: each row's emitted tokens in order, then -1; ``out["proposed"]``,
+    ``out["accepted"]``, ``out["verified"]`` ``[B]``: proposals made, accepted (and
+    emitted) and iterations run per row; ``out["iterations"]``: iterations with a row active.
+    """
+    if max_steps % chunk:
+        raise ValueError(f"max_steps={max_steps} must be a multiple of chunk={chunk}")
+    d = inp.decode
+    b = d.tokens.shape[0]
+    ps, num_pages = pool.page_size, pool.num_pages
+    rows = jnp.arange(b)
+    wide = jnp.arange(width + 1)
+    packed_t = b * (width + 1)
+    out_len = max_steps * (width + 1)
+    hist_len = inp.history.shape[1]
+
+    def iteration(_: Any, carry: tuple) -> tuple:
+        (step, pool_k, pool_v, counts, active, last, pos, remaining, gen, hist, hlen, out,
+         stats) = carry
+        p = _in_loop(params)
+        props, num = propose_ngram_rows(hist, hlen, inp.num_tokens, inp.ngram_max,
+                                        inp.ngram_min, width=width, longest=longest)
+        # One sampled token always comes out: propose at most remaining - 1, and write K/V
+        # only inside the reserved positions.
+        num = jnp.where(active, jnp.clip(jnp.minimum(num, jnp.minimum(
+            remaining - 1, d.limit - pos - 1)), 0), 0)
+        q_lens = jnp.where(active, num + 1, 0)
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
+        feed = jnp.concatenate([last[:, None], props], axis=1)  # [B, width + 1]
+        fpos = pos[:, None] + wide  # [B, width + 1]
+        dest = jnp.where(wide < q_lens[:, None], cu[:-1, None] + wide, packed_t).reshape(-1)
+
+        def packed(values: jax.Array, fill: int) -> jax.Array:
+            return jnp.full(packed_t, fill, jnp.int32).at[dest].set(
+                values.reshape(-1).astype(jnp.int32), mode="drop")
+
+        page = d.block_tables[rows[:, None], jnp.minimum(fpos // ps, d.block_tables.shape[1] - 1)]
+        mixed = MixedInputs(
+            tokens=packed(feed, 0), positions=packed(fpos, 0),
+            write_pages=packed(page, num_pages), write_offsets=packed(fpos % ps, 0),
+            targets=jnp.full(packed_t, -1, jnp.int32), block_tables=d.block_tables,
+            kv_lens=jnp.where(active, pos + q_lens, 0), cu_q_lens=cu,
+            last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=gen, samples=active,
+            sampling=d.sampling)
+        pool_k, pool_v, counts, v = _verify(
+            p, pool_k, pool_v, counts, mixed, props, num, config=config, backend=backend,
+            dtype=dtype, max_q_len=width + 1, stochastic=stochastic,
+            deterministic=deterministic, num_top=0)
+        toks = v["tokens"]  # [B, width + 1]
+        # Emitted: the accepted proposals and the sample after them, up to a stop token
+        # (emitted, then the row stops) and within the row's remaining tokens.
+        ok = wide[None, :] <= v["accepted"][:, None]
+        stop = jnp.any(toks[:, :, None] == d.stop_ids[:, None, :], axis=-1) & ok
+        first_stop = jnp.argmax(stop, axis=1)
+        stopped = jnp.any(stop, axis=1)
+        e = jnp.where(stopped, first_stop + 1, v["accepted"] + 1)
+        e = jnp.where(active, jnp.minimum(e, remaining), 0)  # [B]
+        emit = wide[None, :] < e[:, None]  # [B, width + 1]
+        cursor = stats["emitted"]
+        at = jnp.where(emit, cursor[:, None] + wide, out_len)
+        out = {"tokens": out["tokens"].at[at, rows[:, None]].set(toks, mode="drop"),
+               "logprobs": out["logprobs"].at[at, rows[:, None]].set(v["logprobs"],
+                                                                     mode="drop")}
+        hist = hist.at[rows[:, None], jnp.where(emit, hlen[:, None] + wide, hist_len)].set(
+            toks, mode="drop")
+        last = jnp.where(e > 0, toks[rows, jnp.maximum(e - 1, 0)], last)
+        stats = {"emitted": cursor + e, "proposed": stats["proposed"] + num,
+                 "accepted": stats["accepted"] + jnp.minimum(v["accepted"],
+                                                             jnp.maximum(e - 1, 0)),
+                 "verified": stats["verified"] + active,
+                 "iterations": stats["iterations"] + jnp.any(active)}
+        pos, gen, hlen, remaining = pos + e, gen + e, hlen + e, remaining - e
+        active = (active & ~stopped & (remaining > 0) & (pos < d.limit)
+                  & (step + 1 < d.num_steps))
+        return (step + 1, pool_k, pool_v, counts, active, last, pos, remaining, gen, hist,
+                hlen, out, stats)
+
+    def keep_going(carry: tuple) -> jax.Array:  # read on the host, once per chunk
+        return jnp.any(carry[4])
+
+    def chunk_of_iterations(carry: tuple) -> tuple:  # static trip count: no host read
+        return jax.lax.fori_loop(0, chunk, iteration, carry)
+
+    active = d.active & (d.remaining > 0) & (d.num_steps > 0) & (d.positions < d.limit)
+    zeros = jnp.zeros(b, jnp.int32)
+    out = {"tokens": jnp.full((out_len, b), -1, jnp.int32),
+           "logprobs": jnp.zeros((out_len, b), jnp.float32)}
+    stats = {"emitted": zeros, "proposed": zeros, "accepted": zeros, "verified": zeros,
+             "iterations": jnp.int32(0)}
+    carry = (jnp.int32(0), pool.k, pool.v, counts, active, d.tokens, d.positions, d.remaining,
+             d.gen_index, inp.history, inp.history_len, out, stats)
+    carry = jax.lax.while_loop(keep_going, chunk_of_iterations, carry)
+    _, k, v, counts, *_, out, stats = carry
+    del stats["emitted"]
+    return PagePool(k=k, v=v), counts, {**out, **stats}
+
+
 def _in_loop(params: Params) -> Params:
     """``params`` for use inside a loop body. The weights are loop-invariant, so XLA would
     hoist a quantized weight's dequantization (the XLA path of ``model._dense``) out of the
@@ -441,9 +582,21 @@ def verify_step(
     ``out["accepted"] [B]``: the row emits ``tokens[:accepted + 1]``. K/V of rejected
     proposals stay in the pool past the row's length, where later tokens overwrite them.
     """
+    pool_k, pool_v, counts, out = _verify(
+        params, pool.k, pool.v, counts, inp, proposals, num_proposed, config=config,
+        backend=backend, dtype=dtype, max_q_len=max_q_len, stochastic=stochastic,
+        deterministic=deterministic, num_top=num_top)
+    return PagePool(k=pool_k, v=pool_v), counts, out
+
+
+def _verify(params: Params, pool_k: Any, pool_v: Any, counts: jax.Array, inp: MixedInputs,
+            proposals: jax.Array, num_proposed: jax.Array, *, config: LlamaConfig,
+            backend: Backend, dtype: Any, max_q_len: int, stochastic: bool,
+            deterministic: bool, num_top: int) -> tuple[Any, Any, jax.Array, dict]:
+    """``verify_step`` on the pool's arrays (also the body of ``ngram_steps``)."""
     b, k = proposals.shape
     h, pool_k, pool_v = forward_ragged(
-        params, config, inp.tokens, inp.positions, pool.k, pool.v, inp.write_pages,
+        params, config, inp.tokens, inp.positions, pool_k, pool_v, inp.write_pages,
         inp.write_offsets, inp.block_tables, inp.kv_lens, inp.cu_q_lens, max_q_len=max_q_len,
         backend=backend, dtype=dtype, deterministic=deterministic)
     pool_k, pool_v = _constrain_pool(pool_k, pool_v)
@@ -473,4 +626,4 @@ def verify_step(
     if num_top:
         out["top_ids"] = top_ids.reshape(b, k + 1, num_top)
         out["top_logprobs"] = top_lps.reshape(b, k + 1, num_top)
-    return PagePool(k=pool_k, v=pool_v), counts, out
+    return pool_k, pool_v, counts, out

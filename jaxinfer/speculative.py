@@ -39,6 +39,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.errors import InputError
@@ -114,3 +116,36 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, ngram_max: int,
             start = int(hits[-1]) + n
             return t[start: start + k].tolist()
     return []
+
+
+def propose_ngram_rows(history: jax.Array, length: jax.Array, num_tokens: jax.Array,
+                       ngram_max: jax.Array, ngram_min: jax.Array, *, width: int,
+                       longest: int) -> tuple[jax.Array, jax.Array]:
+    """``propose_ngram`` for every row at once, on the device (``runner.ngram_steps``).
+
+    ``history [B, L]`` holds each row's tokens in its first ``length [B]`` entries; row
+    ``b`` proposes up to ``num_tokens[b]`` tokens for suffixes of ``ngram_max[b]`` down to
+    ``ngram_min[b]`` tokens. ``width`` (static) is the largest ``num_tokens`` and
+    ``longest`` (static) the largest ``ngram_max``. Returns ``(proposals [B, width], num
+    [B])``: row ``b``'s proposals are ``proposals[b, :num[b]]``, the tokens ``propose_ngram``
+    returns for ``history[b, :length[b]]``.
+    """
+    b, n_hist = history.shape
+    padded = jnp.pad(history, ((0, 0), (0, longest + width)), constant_values=-1)
+    starts = jnp.arange(n_hist)[None, :]  # [1, L]: where an earlier occurrence begins
+    rows = jnp.arange(b)[:, None]
+    found = jnp.zeros(b, bool)
+    start = jnp.zeros(b, jnp.int32)  # first proposed token's index
+    for n in range(longest, 0, -1):  # longest suffix first, as propose_ngram
+        match = starts <= (length - n - 1)[:, None]  # windows inside tokens[:-1]
+        for i in range(n):
+            suffix = padded[rows[:, 0], jnp.maximum(length - n + i, 0)]  # [B]
+            match &= padded[:, i: i + n_hist] == suffix[:, None]
+        latest = jnp.max(jnp.where(match, starts, -1), axis=1)  # [B]
+        hit = (~found & (latest >= 0) & (n <= ngram_max) & (n >= ngram_min)
+               & (n <= length - 1))
+        start = jnp.where(hit, latest + n, start)
+        found |= hit
+    proposals = padded[rows, start[:, None] + jnp.arange(width)[None, :]]  # [B, width]
+    num = jnp.where(found, jnp.minimum(num_tokens, length - start), 0)
+    return proposals.astype(jnp.int32), num.astype(jnp.int32)

@@ -2,8 +2,11 @@
 
 Verification must emit exactly the tokens plain decoding emits. To exercise every acceptance
 pattern (all accepted, a rejection at each position, the bonus token) on random tiny models,
-whose outputs rarely repeat their prompts, most engine tests replace the n-gram proposer with
-an oracle that proposes the plain run's own continuation, corrupted at chosen positions.
+whose outputs rarely repeat their prompts, the host-path tests replace the host's n-gram
+proposer with an oracle that proposes the plain run's own continuation, corrupted at chosen
+positions. Requests asking for top log-probabilities verify through host-built steps
+(``runner.verify_step``); the others run the device loop (``runner.ngram_steps``), tested
+with the real proposer on prompts and models whose outputs repeat.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
 from jaxinfer.quantize import quantize_params
 from jaxinfer.runner import accepted_lengths
-from jaxinfer.speculative import Speculative, propose_ngram
+from jaxinfer.speculative import Speculative, propose_ngram, propose_ngram_rows
 from tests.conftest import LetterTokenizer, tiny_engine_model
 
 SPEC = Speculative(num_tokens=4, adaptive=False)
@@ -38,6 +41,28 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram([4], 2, ngram_max=2, ngram_min=1) == []
     # a match at the end proposes only the tokens that exist
     assert propose_ngram([5, 6, 5], 4, ngram_max=1, ngram_min=1) == [6, 5]
+
+
+def test_device_ngram_proposals_equal_the_host_reference():
+    """``propose_ngram_rows`` (the device loop's proposer) against ``propose_ngram`` on
+    random rows over a 4-token vocabulary (many matches), with per-row settings."""
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        b, n_hist = 6, 40
+        history = np.full((b, n_hist), -1, np.int32)
+        length = rng.integers(0, n_hist + 1, b)
+        k = rng.integers(0, 6, b)
+        n_max = rng.integers(1, 4, b)
+        n_min = np.minimum(rng.integers(1, 4, b), n_max)
+        for r in range(b):
+            history[r, : length[r]] = rng.integers(0, 4, length[r])
+        got, num = propose_ngram_rows(jnp.asarray(history), jnp.asarray(length),
+                                      jnp.asarray(k), jnp.asarray(n_max), jnp.asarray(n_min),
+                                      width=5, longest=3)
+        for r in range(b):
+            want = propose_ngram(history[r, : length[r]], int(k[r]), int(n_max[r]),
+                                 int(n_min[r]))[: k[r]]
+            assert np.asarray(got[r, : num[r]]).tolist() == want
 
 
 def test_accepted_lengths_is_the_matching_prefix_within_the_proposals():
@@ -115,6 +140,7 @@ def _oracle(plain, corrupt_every):
 @pytest.mark.parametrize("corrupt_every", [0, 3])
 def test_verification_emits_exactly_the_plain_tokens(monkeypatch, options, corrupt_every):
     model = _model()
+    options = {**options, "top_logprobs": 2}  # the host-built verify steps
     plain = _plain(model, options)
     monkeypatch.setattr(engine_module, "propose_ngram", _oracle(plain, corrupt_every))
     e = Engine(model, verbose=False, **SIZING)
@@ -125,6 +151,7 @@ def test_verification_emits_exactly_the_plain_tokens(monkeypatch, options, corru
         assert b.finish_reason == a.finish_reason and b.text == a.text
         if options.get("logprobs"):
             np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+        assert [sorted(t) for t in b.top_logprobs] == [sorted(t) for t in a.top_logprobs]
     stats = e.stats()
     assert stats.verify_steps > 0 and stats.draft_tokens == sum(r.draft_tokens for r in spec)
     assert stats.accepted_tokens == sum(r.accepted_tokens for r in spec)
@@ -138,13 +165,64 @@ def test_verification_emits_exactly_the_plain_tokens(monkeypatch, options, corru
 
 def test_verification_with_preemption_and_a_small_pool(monkeypatch):
     model = _model()
-    options = dict(max_new_tokens=60, temperature=0.8, ignore_eos=True)  # overflows the pool
+    # Overflows the pool; top log-probabilities: the host-built verify steps.
+    options = dict(max_new_tokens=60, temperature=0.8, ignore_eos=True, top_logprobs=1)
     plain = _plain(model, options)
     monkeypatch.setattr(engine_module, "propose_ngram", _oracle(plain, 5))
     e = Engine(model, verbose=False, **SIZING)
     ids = [e.submit(p, **options, seed=i, speculative=SPEC) for i, p in enumerate(PROMPTS)]
     spec = e.run(ids)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert e.stats().num_preemptions > 0 and e.stats().verify_steps > 0
+    e.blocks.check_all_free()
+
+
+REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 10, 11, 10, 11, 10], [40, 41, 42] * 5, [40]]
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_new_tokens=24, temperature=0.0, logprobs=True),
+    dict(max_new_tokens=24, temperature=0.9, top_k=20, logprobs=True),
+    dict(max_new_tokens=24, temperature=1.1, repetition_penalty=1.4, presence_penalty=0.3,
+         logprobs=True),
+    dict(max_new_tokens=30, temperature=0.0, stop=["jj"], stop_token_ids=[17, 23]),
+], ids=["greedy", "sampled", "penalties", "stops"])
+@pytest.mark.parametrize("seed", [2, 5])
+def test_device_ngram_loop_emits_exactly_the_plain_tokens(options, seed):
+    """The device loop with the real proposer: models that fall into loops accept runs of
+    proposals, the others reject them at various positions; stop tokens and strings inside an
+    accepted run end the request where plain decoding ends it."""
+    model = dataclasses.replace(tiny_engine_model(seed=seed), tokenizer=LetterTokenizer())
+    plain = _plain(model, options, REPEATING)
+    e = Engine(model, verbose=False, **SIZING)
+    spec = e.run([e.submit(p, **options, seed=i, speculative=SPEC)
+                  for i, p in enumerate(REPEATING)])
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason and b.text == a.text
+        if options.get("logprobs"):
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+    stats = e.stats()
+    assert stats.verify_steps > 0 and stats.decode_calls == 0  # only the n-gram loop ran
+    assert stats.draft_tokens == sum(r.draft_tokens for r in spec) > 0
+    assert stats.accepted_tokens == sum(r.accepted_tokens for r in spec)
+    assert stats.accepted_tokens < stats.draft_tokens  # rejections
+    if options["temperature"] == 0:  # and accepted runs (penalties discourage repeats)
+        assert stats.accepted_tokens > 0
+    e.blocks.check_all_free()
+
+
+def test_device_ngram_loop_with_preemption_and_mixed_rows():
+    """A small pool preempts speculating rows mid-run; a request without speculation shares
+    the loop's calls (it decodes one token per iteration)."""
+    model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
+    options = dict(max_new_tokens=60, temperature=0.8, ignore_eos=True)
+    plain = _plain(model, options, REPEATING)
+    e = Engine(model, verbose=False, **SIZING)
+    spec = e.run([e.submit(p, **options, seed=i, speculative=None if i == 1 else SPEC)
+                  for i, p in enumerate(REPEATING)])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec[1].draft_tokens == 0
     assert e.stats().num_preemptions > 0 and e.stats().verify_steps > 0
     e.blocks.check_all_free()
 
@@ -225,6 +303,23 @@ def test_draft_speculation_compiles_nothing_after_warmup():
     warm = e.stats().num_programs
     e.run([e.submit(p, max_new_tokens=20, speculative=spec, seed=i)
            for i, p in enumerate(PROMPTS)])
+    assert e.stats().verify_steps > 0
+    assert e.stats().num_programs == warm
+    assert [f._cache_size() for f in programs] == sizes
+
+
+def test_ngram_speculation_compiles_nothing_after_warmup():
+    """``warmup(speculative=...)`` compiles the n-gram loop a request of usual length runs."""
+    from jaxinfer import runner
+
+    model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
+    e = Engine(model, verbose=False, **SIZING)
+    e.warmup(speculative=SPEC)
+    programs = (runner.mixed_step, runner.decode_steps, runner.ngram_steps)
+    sizes = [f._cache_size() for f in programs]
+    warm = e.stats().num_programs
+    e.run([e.submit(p, max_new_tokens=40, speculative=SPEC, seed=i)
+           for i, p in enumerate(REPEATING)])
     assert e.stats().verify_steps > 0
     assert e.stats().num_programs == warm
     assert [f._cache_size() for f in programs] == sizes
