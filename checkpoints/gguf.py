@@ -278,6 +278,9 @@ def _open_gguf(path: Path) -> _GGUFFile:
         raise CheckpointError(f"GGUF file {path} does not exist")
     try:
         f = _GGUFFile(path)
+    except ModuleNotFoundError as e:  # the file may be fine: say what is missing
+        raise CheckpointError(f"reading {path} needs the {e.name!r} package; install it "
+                              f"(pip install {e.name})") from None
     except Exception as e:  # noqa: BLE001 - malformed headers raise many types
         raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
                               "it is truncated or corrupt, re-download it") from None

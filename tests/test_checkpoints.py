@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,15 @@ def test_truncated_gguf(default_gguf, tmp_path):
         load_gguf(garbage)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_gguf(tmp_path / "missing.gguf")
+
+
+def test_gguf_without_the_gguf_package_names_the_package(default_gguf, monkeypatch):
+    """A missing package is not a corrupt file: the error must not send the user to
+    re-download a good one."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now fails
+    with pytest.raises(CheckpointError, match="needs the 'gguf' package") as e:
+        load_gguf(default_gguf)
+    assert "corrupt" not in str(e.value) and "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------- orbax
