@@ -89,7 +89,7 @@ from jaxinfer.runner import (
     verify_tokens,
 )
 from jaxinfer.sampling import MAX_TOP_LOGPROBS, SamplingArrays, SamplingParams, prng_key_data
-from jaxinfer.speculative import Speculative, propose_ngram
+from jaxinfer.speculative import NGRAM_WINDOW, Speculative, propose_ngram
 from jaxinfer.structured import TokenMatcher, fill_masks, mask_words
 from sharding.mesh import mesh_sizes, spans_processes
 from sharding.placement import on_mesh, to_host
@@ -161,7 +161,8 @@ class EngineStats:
     tokens_per_second: float
     step_seconds: float  # wall time inside step()
     device_seconds: float  # of which: from launching a step program to its results on the host
-    decode_seconds: float  # of which: in multi-step decode calls (the rest: mixed steps)
+    decode_seconds: float  # of which: in plain multi-step decode calls (the rest: mixed and
+    # verify steps, n-gram speculation loops included)
     pages_total: int
     pages_used: int  # referenced by live sequences
     pages_cached: int  # unreferenced, kept for the prefix cache (evictable)
@@ -674,8 +675,7 @@ class Engine(StepLoop):
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
         sample with a temperature above 0; ``constrained``: also the mixed steps that apply
         token masks (``response_format``); ``speculative``: for the n-gram method, its
-        device loop (``runner.ngram_steps``, the shortest history bucket; longer histories
-        compile when met) of each row bucket up to ``VERIFY_MAX_ROWS`` for its
+        device loop (``runner.ngram_steps``) of each row bucket up to ``VERIFY_MAX_ROWS`` for its
         ``num_tokens``; with a draft model (attached here), the verify step of those row
         buckets, the draft's proposing step of those row buckets and its catching-up step of
         each token bucket. Runs them on all-padding
@@ -1383,22 +1383,18 @@ class Engine(StepLoop):
 
     def _ngram_inputs(self, rows: list[_Seq], b: int, k: int, width: int) -> NgramInputs:
         """Inputs of an n-gram call over slots ``[0, b)``: the decode call's, and each row's
-        tokens in a history: 1,024 tokens, or 4x that as often as it takes to hold the longest
-        row (few programs, and ``warmup`` compiles the first), plus room for a call's
-        emitted tokens (``k`` is at most the loop's buffer of iterations)."""
-        longest_row = max((len(s.tokens) for s in rows), default=0)
-        n_hist = 1024
-        while n_hist < longest_row:
-            n_hist *= 4
-        n_hist += self._decode_buffer * (width + 1)
+        last ``NGRAM_WINDOW`` tokens in a history with room for the tokens a call emits (one
+        shape: ``k`` is at most the loop's buffer of iterations)."""
+        n_hist = NGRAM_WINDOW + self._decode_buffer * (width + 1)
         history = np.full((b, n_hist), -1, np.int32)
         length = np.zeros(b, np.int32)
         num_tokens = np.zeros(b, np.int32)
         ngram_max = np.ones(b, np.int32)
         ngram_min = np.ones(b, np.int32)
         for s in rows:
-            history[s.slot, : len(s.tokens)] = s.tokens
-            length[s.slot] = len(s.tokens)
+            recent = s.tokens[-NGRAM_WINDOW:]
+            history[s.slot, : len(recent)] = recent
+            length[s.slot] = len(recent)
             spec = s.req.sampling.speculative
             if spec is not None:
                 num_tokens[s.slot] = spec.num_tokens
@@ -1428,8 +1424,7 @@ class Engine(StepLoop):
         return out
 
     def _collect_ngram(self, call: _Call) -> list[Event]:
-        out, seconds = self._results_of(call)
-        self._decode_time += seconds
+        out, seconds = self._results_of(call)  # verify time (not ``decode_seconds``)
         b = out["tokens"].shape[1]
         iterations = int(out["iterations"])
         slots = [s.slot for s in call.rows]

@@ -21,9 +21,9 @@ token for token those of plain decoding with the same seed (not only equal in di
 and greedy requests, the usual case for speculation, lose nothing.
 
 ``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier occurrence of
-the sequence's last ``n`` tokens, for the largest ``n`` in ``[ngram_min, ngram_max]`` that
-occurs; it needs no second model and pays off when outputs repeat their input (summaries,
-edits, extraction, code).
+the sequence's last ``n`` tokens (within its last ``NGRAM_WINDOW`` tokens), for the largest
+``n`` in ``[ngram_min, ngram_max]`` that occurs; it needs no second model and pays off when
+outputs repeat their input (summaries, edits, extraction, code).
 
 ``draft`` proposes the greedy continuation of a second, cheaper model with the target's
 vocabulary (a smaller model of the same family, or a quantized copy of the target:
@@ -50,6 +50,10 @@ METHODS = ("ngram", "draft")
 
 MAX_TOKENS = 16
 """Most tokens one verification may propose (``num_tokens``)."""
+
+NGRAM_WINDOW = 4096
+"""Latest tokens of a sequence an n-gram lookup searches: one history shape for the device
+loop (``runner.ngram_steps``), so no program is compiled as sequences grow."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +111,9 @@ class Speculative:
 def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, ngram_max: int,
                   ngram_min: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last ``n``
-    tokens of ``tokens`` (``n`` from ``ngram_max`` down to ``ngram_min``); [] if none."""
-    t = np.asarray(tokens, np.int64)
+    tokens of ``tokens`` (``n`` from ``ngram_max`` down to ``ngram_min``) within its last
+    ``NGRAM_WINDOW`` tokens; [] if none."""
+    t = np.asarray(tokens, np.int64)[-NGRAM_WINDOW:]
     for n in range(min(ngram_max, len(t) - 1), ngram_min - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)  # [L - n, n]
         hits = np.flatnonzero((windows == t[-n:]).all(axis=1))

@@ -440,8 +440,8 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     floor_tok_per_s = read_bytes_per_s / step_bytes
     verify_steps = s.verify_steps - before.verify_steps
     draft_s = s.draft_seconds - before.draft_seconds
-    # Device time of the verify steps: all of it but the prompt's step, decode calls and
-    # the draft's proposals.
+    # Device time of the verify steps (n-gram loop iterations included): all of it but the
+    # prompt's step, plain decode calls and the draft's proposals.
     verify_s = (s.device_seconds - before.device_seconds - m.time_to_first_token
                 - (s.decode_seconds - before.decode_seconds) - draft_s)
     proposed = s.draft_tokens - before.draft_tokens
@@ -515,8 +515,8 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
         print(f"  {run['constrained_requests']} requests constrained to JSON (response_format)")
     print(f"  TTFT ms {_fmt_ms(run['ttft_ms'])}   TPOT ms {_fmt_ms(run['tpot_ms'])}")
     print(f"  time in step() {run['step_s']:.2f} s, of which waiting on the device "
-          f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in decode calls, the rest "
-          "in mixed steps); the rest is host planning and output handling")
+          f"{run['device_s']:.2f} s ({run['decode_device_s']:.2f} s in plain decode calls, the "
+          "rest in mixed and verify steps); the rest is host planning and output handling")
     if run["verify_steps"]:
         print(f"  speculative: {run['verify_steps']} verify steps, {run['accepted_tokens']} of "
               f"{run['draft_tokens']} proposed tokens accepted")

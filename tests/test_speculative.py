@@ -24,7 +24,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import InputError
 from jaxinfer.quantize import quantize_params
 from jaxinfer.runner import accepted_lengths
-from jaxinfer.speculative import Speculative, propose_ngram, propose_ngram_rows
+from jaxinfer.speculative import NGRAM_WINDOW, Speculative, propose_ngram, propose_ngram_rows
 from tests.conftest import LetterTokenizer, tiny_engine_model
 
 SPEC = Speculative(num_tokens=4, adaptive=False)
@@ -41,6 +41,10 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram([4], 2, ngram_max=2, ngram_min=1) == []
     # a match at the end proposes only the tokens that exist
     assert propose_ngram([5, 6, 5], 4, ngram_max=1, ngram_min=1) == [6, 5]
+    # only the last NGRAM_WINDOW tokens are searched
+    inside = [7, 8] + [1] * (NGRAM_WINDOW - 3) + [7]  # NGRAM_WINDOW tokens
+    assert propose_ngram(inside, 2, ngram_max=1, ngram_min=1) == [8, 1]
+    assert propose_ngram([7, *inside[1:-1], 1, 7], 2, ngram_max=1, ngram_min=1) == []
 
 
 def test_device_ngram_proposals_equal_the_host_reference():
