@@ -94,12 +94,18 @@ def _int4_row_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int,
                      groups_per_step: int, steps_per_split: int) -> None:
     """One row (batch-1 decode): a ``[1, block_n]`` float32 partial over this program's
     split of K, by multiply-adds on the CUDA cores instead of a tensor-core dot that pads the
-    row to 16 and moves every dequantized weight into its operand layout. Measured on an
-    H100 (bench/NOTES.md r51): an 8B layer at group 128 in 178.5 us instead of 212.0, at
-    group 32 the same as the dot (255.7 vs 259.2 us), both ~20% of the read floor: what
-    holds both is the one-byte-per-thread load of the packed uint8 tile."""
+    row to 16 and moves every dequantized weight into its operand layout.
+
+    Groups of up to 32 rows accumulate their products elementwise in a ``[G / 2, block_n]``
+    tile, summed over its rows once after the loop (a sum over rows inside the loop is a
+    cross-thread reduction per group); larger groups sum each group's products at once (their
+    tile would take too many registers). Measured on an H100 (bench/NOTES.md r51, r60): an 8B
+    layer at group 32 in 228.8 us with the deferred sum (255.7 us without), at group 128 in
+    178.5 us with the per-group sum (217.7 us deferred), ~20% of the read floor either way.
+    """
     split = pl.program_id(2)
     half = group // 2
+    deferred = half <= 16
 
     def body(i, acc):
         first = (split * steps_per_split + i) * groups_per_step
@@ -108,14 +114,20 @@ def _int4_row_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int,
             b = q_ref[pl.ds(g * half, half), :].astype(jnp.int32)  # [G / 2, block_n]
             x_lo = x_ref[0, pl.ds(g * group, half)].astype(jnp.float32)  # [G / 2]
             x_hi = x_ref[0, pl.ds(g * group + half, half)].astype(jnp.float32)
-            d = jnp.sum(x_lo[:, None] * (b & 15).astype(jnp.float32)
-                        + x_hi[:, None] * (b >> 4).astype(jnp.float32), axis=0)  # [block_n]
-            acc = (acc + d * s_ref[g, :].astype(jnp.float32)
-                   + (jnp.sum(x_lo) + jnp.sum(x_hi)) * z_ref[g, :].astype(jnp.float32))
+            d = (x_lo[:, None] * (b & 15).astype(jnp.float32)
+                 + x_hi[:, None] * (b >> 4).astype(jnp.float32))  # [G / 2, block_n]
+            scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
+            zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+            if deferred:
+                acc = acc + d * scale + (x_lo + x_hi)[:, None] * zero
+            else:
+                acc = (acc + jnp.sum(d, axis=0) * scale[0]
+                       + (jnp.sum(x_lo) + jnp.sum(x_hi)) * zero[0])
         return acc
 
-    o_ref[0, :] = lax.fori_loop(0, steps_per_split, body,
-                                jnp.zeros(o_ref.shape[1:], jnp.float32))
+    shape = (half, o_ref.shape[1]) if deferred else o_ref.shape[1:]
+    acc = lax.fori_loop(0, steps_per_split, body, jnp.zeros(shape, jnp.float32))
+    o_ref[0, :] = jnp.sum(acc, axis=0) if deferred else acc
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

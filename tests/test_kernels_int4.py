@@ -24,7 +24,8 @@ def _operands(m: int, k: int, n: int, group: int, dtype, seed: int):
 # multiple of the 128-column block, K of 1..12 groups (several groups per loop step, splits).
 SHAPES = [(1, 256, 200, 32, jnp.float32), (17, 576, 96, 64, jnp.float32),
           (64, 384, 257, 128, jnp.float32), (7, 320, 131, 32, jnp.bfloat16),
-          (70, 128, 64, 64, jnp.float32)]
+          (70, 128, 64, 64, jnp.float32),
+          (1, 512, 130, 128, jnp.float32)]  # one row, groups summed per group
 
 
 @pytest.mark.parametrize("m, k, n, group, dtype", SHAPES)
