@@ -20,11 +20,12 @@ the one place stop rules live):
 3. **Speculation** instead of a plain decode call when running requests ask for it
    (``SamplingParams.speculative``) and it pays: each row proposes up to ``k`` tokens, one
    forward pass checks them all, and each row emits the accepted proposals plus one sampled
-   token, exactly what plain decoding would emit. n-gram requests run
-   ``runner.ngram_steps``: proposals, verification and stop rules on the device for several
-   iterations per host round trip, like a decode call. Draft-model requests (and requests
-   asking for top log-probabilities) run one verify step per round trip, their proposals
-   from ``runner.draft_step`` on the device (or ``speculative.propose_ngram`` on the host).
+   token, exactly what plain decoding would emit. Requests of one method run its device
+   loop (``runner.ngram_steps``, ``runner.draft_steps``): proposals, verification and stop
+   rules on the device for several iterations per host round trip, like a decode call. A
+   batch mixing the methods, or asking for top log-probabilities, runs one verify step per
+   round trip (``runner.verify_step``), its proposals from ``speculative.propose_ngram`` on
+   the host or ``runner.draft_step`` on the device.
    The engine measures each kind per row bucket and speculates only while that is faster
    (``Speculative.adaptive``).
 
@@ -75,10 +76,11 @@ from jaxinfer.runner import (
     DECODE_CHUNK,
     DecodeInputs,
     MixedInputs,
-    NgramInputs,
+    SpecInputs,
     bucket,
     decode_steps,
     draft_step,
+    draft_steps,
     load_counts,
     mixed_step,
     new_counts,
@@ -178,7 +180,8 @@ class EngineStats:
     verified_rows: int = 0  # sequences advanced by them (one per row and step)
     draft_tokens: int = 0  # tokens proposed
     accepted_tokens: int = 0  # of those, accepted
-    draft_seconds: float = 0.0  # of device_seconds: in draft-model proposals
+    draft_seconds: float = 0.0  # of device_seconds: in draft-model proposals of verify steps
+    # (a speculation loop's iterations include its draft's time)
 
     @property
     def acceptance_rate(self) -> float:
@@ -242,7 +245,7 @@ class _Call:
     score: bool = False  # mixed step: with target log-probabilities
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
     proposals: list[tuple[_Seq, list[int]]] | None = None  # verify step: rows, proposals
-    ngram: bool = False  # decode call: n-gram speculation on the device (``ngram_steps``)
+    loop: str = ""  # speculation loop on the device: "ngram" or "draft" (``runner``)
     compiled: bool = False  # XLA compiled the program for this call (its time is not a step's)
 
 
@@ -429,9 +432,11 @@ class Engine(StepLoop):
         self._unordered = False  # requests arrived since the waiting queue was last ordered
         self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
         self._verify_s: dict[int, float] = {}  # row bucket -> measured s per verify step
-        self._ngram_s: dict[int, float] = {}  # row bucket -> s per n-gram loop iteration
-        self._ngram_gain: dict[int, float] = {}  # row bucket -> tokens per row and iteration
-        self._ngram_skips: dict[int, int] = {}  # row bucket -> decode calls since the last try
+        # Speculation loops, by (method, row bucket): seconds per iteration, tokens per row
+        # and iteration, plain decode calls since the loop was last tried.
+        self._loop_s: dict[tuple[str, int], float] = {}
+        self._loop_gain: dict[tuple[str, int], float] = {}
+        self._loop_skips: dict[tuple[str, int], int] = {}
         self._acceptance = 0.5  # running mean of accepted / proposed tokens (verify steps)
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
                                cfg.max_position_embeddings, capacity)
@@ -674,11 +679,10 @@ class Engine(StepLoop):
         ``generate``: each token bucket's mixed step and each decode row bucket, greedy;
         ``score``: each token bucket's scoring variant; ``sampled``: also the variants that
         sample with a temperature above 0; ``constrained``: also the mixed steps that apply
-        token masks (``response_format``); ``speculative``: for the n-gram method, its
-        device loop (``runner.ngram_steps``) of each row bucket up to ``VERIFY_MAX_ROWS`` for its
-        ``num_tokens``; with a draft model (attached here), the verify step of those row
-        buckets, the draft's proposing step of those row buckets and its catching-up step of
-        each token bucket. Runs them on all-padding
+        token masks (``response_format``); ``speculative``: its method's device loop
+        (``runner.ngram_steps`` or ``draft_steps``) of each row bucket up to
+        ``VERIFY_MAX_ROWS`` for its ``num_tokens``, and with a draft model (attached here)
+        the draft's catching-up step of each token bucket. Runs them on all-padding
         inputs, which write no page and sample for no slot, so the engine's state is
         unchanged. Benchmarks and ``batch_eval`` call this before timing.
         """
@@ -695,7 +699,7 @@ class Engine(StepLoop):
         if drafts:
             self._use_draft(speculative.draft)
         n = (len(self.token_buckets) * (len(mixed) + drafts) + len(self.row_buckets)
-             * len(decode) + len(verify) * (len(samplers) + drafts))
+             * len(decode) + len(verify) * len(samplers))
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
               file=sys.stderr, flush=True)
         self._quiet_compiles = True
@@ -714,14 +718,9 @@ class Engine(StepLoop):
             to_host(self._dispatch_draft([], self.max_batch, t, 0))
         for b in verify:
             k = speculative.num_tokens
-            if drafts:  # proposing
-                to_host(self._dispatch_draft([], b, b * (k + 1), k))
-            for st in samplers:
-                if drafts:
-                    to_host(self._dispatch_verify([], b, k, st))
-                else:  # the n-gram loop, with the shortest history
-                    to_host(self._dispatch_ngram(self._ngram_inputs([], b, 1, k), k,
-                                                 speculative.ngram_max, st))
+            for st in samplers:  # the speculation loop
+                to_host(self._dispatch_loop(speculative.method, self._loop_inputs([], b, 1, k),
+                                            k, speculative.ngram_max, st))
         self._quiet_compiles = False
         return time.perf_counter() - t0
 
@@ -1150,8 +1149,8 @@ class Engine(StepLoop):
             return self._collect_mixed(call)
         if call.proposals is not None:
             return self._collect_verify(call)
-        if call.ngram:
-            return self._collect_ngram(call)
+        if call.loop:
+            return self._collect_loop(call)
         return self._collect_decode(call)
 
     def _collect_mixed(self, call: _Call) -> list[Event]:
@@ -1340,51 +1339,55 @@ class Engine(StepLoop):
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
         return events
 
-    # ------------------------------------------------------------------ n-gram loop
-    def _ngram_pays(self, b: int) -> bool:
-        """Whether the n-gram speculation loop is expected to yield more tokens per second
+    # ------------------------------------------------------------------ speculation loops
+    def _loop_pays(self, method: str, b: int) -> bool:
+        """Whether the ``method`` speculation loop is expected to yield more tokens per second
         than a plain decode call over the ``b`` row bucket: tried first, then one decode call
         is measured, then the faster runs; a losing loop is tried again every
-        ``NGRAM_RETRY`` decode calls (outputs start repeating their input at any point)."""
+        ``NGRAM_RETRY`` decode calls (acceptance changes as outputs go on)."""
         if not all(s.req.sampling.speculative.adaptive
                    for s in self._running if s.req.sampling.speculative):
             return True
-        if b not in self._ngram_s or b not in self._iteration_s:
-            return b not in self._ngram_s
-        if self._ngram_gain[b] / self._ngram_s[b] > 1 / self._iteration_s[b]:
+        key = (method, b)
+        if key not in self._loop_s or b not in self._iteration_s:
+            return key not in self._loop_s
+        if self._loop_gain[key] / self._loop_s[key] > 1 / self._iteration_s[b]:
             return True
-        self._ngram_skips[b] = self._ngram_skips.get(b, 0) + 1
-        if self._ngram_skips[b] < NGRAM_RETRY:
+        self._loop_skips[key] = self._loop_skips.get(key, 0) + 1
+        if self._loop_skips[key] < NGRAM_RETRY:
             return False
-        self._ngram_skips[b] = 0
+        self._loop_skips[key] = 0
         return True
 
-    def _launch_ngram(self, b: int, max_steps: int | None) -> _Call | None:
-        """A call of ``runner.ngram_steps``: every running sequence proposes, verifies and
-        emits on the device for several iterations (those without speculation decode one
-        token an iteration)."""
+    def _launch_loop(self, method: str, b: int, max_steps: int | None) -> _Call | None:
+        """A call of ``runner.ngram_steps`` or ``runner.draft_steps``: every running sequence
+        proposes, verifies and emits on the device for several iterations (those without
+        speculation decode one token an iteration). A draft first reads every token it has
+        not seen but the newest (``_draft_catch_up``)."""
         specs = {s.rid: s.req.sampling.speculative for s in self._running}
         widths = {rid: sp.num_tokens + 1 for rid, sp in specs.items() if sp}
-        k = self._plan_decode(self._call_length(b, max_steps, self._ngram_s), widths)
+        k = self._plan_decode(self._call_length(b, max_steps, {
+            rb: v for (m, rb), v in self._loop_s.items() if m == method}), widths)
         if k == 0:
             return None
         rows = list(self._running)  # planning may have preempted some
         width = max(sp.num_tokens for sp in specs.values() if sp)
         longest = max(sp.ngram_max for sp in specs.values() if sp)
         stochastic = any(s.req.sampling.temperature > 0 for s in rows)
-        inp = self._ngram_inputs(rows, b, k, width)
-        program = self._ngram_program(b, width, longest, inp.history.shape[1], stochastic)
-        compiled = self._program_key(program) not in _ANNOUNCED
-        self._inflight = (f"n-gram speculation call of {b} rows x {k} iterations", rows)
+        compiled = method == "draft" and self._draft_catch_up(rows)
+        inp = self._loop_inputs(rows, b, k, width)
+        program = self._loop_program(method, b, width, longest, stochastic)
+        compiled |= self._program_key(program) not in _ANNOUNCED
+        self._inflight = (f"{method} speculation call of {b} rows x {k} iterations", rows)
         launched = time.perf_counter()
-        out = self._dispatch_ngram(inp, width, longest, stochastic)
+        out = self._dispatch_loop(method, inp, width, longest, stochastic)
         return _Call(out=out, launched=launched, padded=b * k * (width + 1), rows=rows,
-                     compiled=compiled, ngram=True)
+                     compiled=compiled, loop=method)
 
-    def _ngram_inputs(self, rows: list[_Seq], b: int, k: int, width: int) -> NgramInputs:
-        """Inputs of an n-gram call over slots ``[0, b)``: the decode call's, and each row's
-        last ``NGRAM_WINDOW`` tokens in a history with room for the tokens a call emits (one
-        shape: ``k`` is at most the loop's buffer of iterations)."""
+    def _loop_inputs(self, rows: list[_Seq], b: int, k: int, width: int) -> SpecInputs:
+        """Inputs of a speculation call over slots ``[0, b)``: the decode call's, and each
+        row's last ``NGRAM_WINDOW`` tokens in a history with room for the tokens a call emits
+        (one shape: ``k`` is at most the loop's buffer of iterations)."""
         n_hist = NGRAM_WINDOW + self._decode_buffer * (width + 1)
         history = np.full((b, n_hist), -1, np.int32)
         length = np.zeros(b, np.int32)
@@ -1399,33 +1402,45 @@ class Engine(StepLoop):
             if spec is not None:
                 num_tokens[s.slot] = spec.num_tokens
                 ngram_max[s.slot], ngram_min[s.slot] = spec.ngram_max, spec.ngram_min
-        return NgramInputs(decode=self._decode_inputs(rows, b, k), history=history,
+        return SpecInputs(decode=self._decode_inputs(rows, b, k), history=history,
                            history_len=length, num_tokens=num_tokens, ngram_max=ngram_max,
                            ngram_min=ngram_min)
 
-    def _ngram_program(self, b: int, width: int, longest: int, n_hist: int, stochastic: bool
-                       ) -> tuple[Any, ...]:
-        return ("ngram", b, width, longest, n_hist, self._stop_width, stochastic)
+    def _loop_program(self, method: str, b: int, width: int, longest: int, stochastic: bool
+                      ) -> tuple[Any, ...]:
+        if method == "draft":
+            return ("draft loop", b, width, self._stop_width, stochastic, *self._draft_key)
+        return ("ngram", b, width, longest, self._stop_width, stochastic)
 
-    def _dispatch_ngram(self, inp: NgramInputs, width: int, longest: int, stochastic: bool
-                        ) -> dict[str, jax.Array]:
-        """Launch one n-gram call program (asynchronously); the pool and ``counts`` advance."""
-        b, n_hist = inp.history.shape
-        self._announce(self._ngram_program(b, width, longest, n_hist, stochastic),
-                       f"n-gram speculation loop for {b} rows x {width + 1} tokens, history "
-                       f"{n_hist}" + (", sampled" if stochastic else ""))
+    def _dispatch_loop(self, method: str, inp: SpecInputs, width: int, longest: int,
+                       stochastic: bool) -> dict[str, jax.Array]:
+        """Launch one speculation call program (asynchronously); the pools and ``counts``
+        advance."""
+        b = inp.history.shape[0]
+        self._announce(self._loop_program(method, b, width, longest, stochastic),
+                       f"{method} speculation loop for {b} rows x {width + 1} tokens"
+                       + (", sampled" if stochastic else ""))
+        kw = dict(config=self.model.config, backend=self.backend, dtype=self.model.dtype,
+                  width=width, max_steps=self._decode_buffer, chunk=self.decode_chunk,
+                  stochastic=stochastic, deterministic=self.model.deterministic)
         with on_mesh(self.mesh):
-            self.pool, self._counts, out = ngram_steps(
-                self.model.params, self.pool, self._counts, self._put(inp),
-                config=self.model.config, backend=self.backend, dtype=self.model.dtype,
-                width=width, longest=longest, max_steps=self._decode_buffer,
-                chunk=self.decode_chunk, stochastic=stochastic,
-                deterministic=self.model.deterministic)
+            if method == "ngram":
+                self.pool, self._counts, out = ngram_steps(
+                    self.model.params, self.pool, self._counts, self._put(inp),
+                    longest=longest, **kw)
+            else:
+                d = self._draft
+                self.pool, self._draft_pool, self._counts, out = draft_steps(
+                    self.model.params, d.params, self.pool, self._draft_pool, self._counts,
+                    self._put(inp), self._put(np.zeros(b, np.int32)), draft_config=d.config,
+                    draft_backend=self._draft_backend, draft_dtype=d.dtype,
+                    draft_deterministic=d.deterministic, **kw)
         return out
 
-    def _collect_ngram(self, call: _Call) -> list[Event]:
+    def _collect_loop(self, call: _Call) -> list[Event]:
         out, seconds = self._results_of(call)  # verify time (not ``decode_seconds``)
         b = out["tokens"].shape[1]
+        key = (call.loop, b)
         iterations = int(out["iterations"])
         slots = [s.slot for s in call.rows]
         verified = int(out["verified"][slots].sum())
@@ -1433,11 +1448,11 @@ class Engine(StepLoop):
         accepted = int(out["accepted"][slots].sum())
         if iterations and not call.compiled:  # a compile's seconds would shorten later calls
             per = seconds / iterations
-            self._ngram_s[b] = 0.5 * (self._ngram_s.get(b, per) + per)
+            self._loop_s[key] = 0.5 * (self._loop_s.get(key, per) + per)
         emitted = int((out["tokens"][:, slots] >= 0).sum())
         if verified:
             gain = emitted / verified
-            self._ngram_gain[b] = 0.5 * (self._ngram_gain.get(b, gain) + gain)
+            self._loop_gain[key] = 0.5 * (self._loop_gain.get(key, gain) + gain)
         for s in call.rows:
             s.progress.draft_tokens += int(out["proposed"][s.slot])
             s.progress.accepted_tokens += int(out["accepted"][s.slot])
@@ -1451,7 +1466,11 @@ class Engine(StepLoop):
         # Run through the model: each row's last token and proposals per iteration (the
         # emitted tokens are counted as they are emitted).
         self._computed += verified + proposed - emitted
-        return self._emit_columns(call.rows, out)
+        events = self._emit_columns(call.rows, out)
+        if call.loop == "draft":  # the draft's K/V cover all but its lag before the last
+            for s in call.rows:
+                s.draft_computed = s.num_computed - int(out["draft_lag"][s.slot])
+        return events
 
     # ------------------------------------------------------------------ verify steps
     def _proposal_room(self, s: _Seq) -> int:
@@ -1601,10 +1620,12 @@ class Engine(StepLoop):
         b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
         if b > VERIFY_MAX_ROWS:
             return self._launch_decode(max_steps)
-        if all(sp.method == "ngram" for sp in specs) and not _num_top(self._running):
+        methods = {sp.method for sp in specs}
+        if len(methods) == 1 and not _num_top(self._running):
             # Proposals, verification and stops on the device, several iterations a call.
-            if self._ngram_pays(b):
-                return self._launch_ngram(b, max_steps)
+            method = methods.pop()
+            if self._loop_pays(method, b):
+                return self._launch_loop(method, b, max_steps)
             return self._launch_decode(max_steps)
         rooms = {s.rid: self._proposal_room(s) for s in self._running}
         drafted = [(s, rooms[s.rid]) for s in self._running

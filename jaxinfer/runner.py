@@ -136,15 +136,16 @@ class DecodeInputs:
 
 
 @struct.dataclass
-class NgramInputs:
-    """Inputs of one n-gram speculation call (``ngram_steps``) over rows = slots ``[0, B)``."""
+class SpecInputs:
+    """Inputs of one speculation call (``ngram_steps``, ``draft_steps``) over rows = slots
+    ``[0, B)``."""
 
     decode: DecodeInputs  # rows, stops, reserved positions (limit), iterations, sampling
     history: jax.Array  # Int['B L'] each row's tokens so far (prompt, generated), -1 after
     history_len: jax.Array  # Int['B'] tokens in each row's history
     num_tokens: jax.Array  # Int['B'] most proposals per iteration; 0: the row only decodes
-    ngram_max: jax.Array  # Int['B'] longest suffix looked up
-    ngram_min: jax.Array  # Int['B'] shortest suffix looked up
+    ngram_max: jax.Array  # Int['B'] longest suffix looked up (n-gram)
+    ngram_min: jax.Array  # Int['B'] shortest suffix looked up (n-gram)
 
 
 def _constrain_pool(k: Any, v: Any) -> tuple[Any, Any]:
@@ -343,6 +344,124 @@ def decode_steps(
     return PagePool(k=k, v=v), counts, out
 
 
+@struct.dataclass
+class SpecState:
+    """Per-row state of a speculation loop (``ngram_steps``, ``draft_steps``), ``[B]`` each."""
+
+    active: jax.Array  # Bool: the row runs this iteration
+    last: jax.Array  # Int: its last token (the next input)
+    pos: jax.Array  # Int: the position that token takes (= keys so far)
+    remaining: jax.Array  # Int: tokens it may still generate
+    gen: jax.Array  # Int: index of its next sampled token
+    history: jax.Array  # Int['B L'] its tokens so far, -1 after
+    history_len: jax.Array  # Int: tokens in its history
+
+
+def _speculation_loop(params: Params, pool: PagePool, counts: jax.Array, inp: SpecInputs,
+                      extra: Any, propose: Any, settle: Any, *, config: LlamaConfig,
+                      backend: Backend, dtype: Any, width: int, max_steps: int, chunk: int,
+                      stochastic: bool, deterministic: bool
+                      ) -> tuple[PagePool, jax.Array, Any, dict[str, jax.Array]]:
+    """The loop both speculation methods run: each iteration, ``propose(state, room,
+    extra) -> (proposals [B, width], num [B], extra)`` proposes up to ``room [B]`` tokens
+    per active row (its ``num_tokens``, within its remaining tokens and reserved positions),
+    one ragged forward pass verifies them (``verify_step``'s body), the accepted proposals and
+    one sampled token are emitted up to a stop token (emitted, then the row stops) or the
+    row's token limit, and ``settle(extra, emitted [B], num [B]) -> extra`` updates the
+    proposer's state. Returns ``(pool, counts, extra, out)`` (``ngram_steps`` says what
+    ``out`` holds)."""
+    if max_steps % chunk:
+        raise ValueError(f"max_steps={max_steps} must be a multiple of chunk={chunk}")
+    d = inp.decode
+    b = d.tokens.shape[0]
+    ps, num_pages = pool.page_size, pool.num_pages
+    rows = jnp.arange(b)
+    wide = jnp.arange(width + 1)
+    packed_t = b * (width + 1)
+    out_len = max_steps * (width + 1)
+    hist_len = inp.history.shape[1]
+
+    def iteration(_: Any, carry: tuple) -> tuple:
+        step, pool_k, pool_v, counts, st, extra, out, stats = carry
+        p = _in_loop(params)
+        # One sampled token always comes out: propose at most remaining - 1, and write K/V
+        # only inside the reserved positions.
+        room = jnp.where(st.active, jnp.clip(jnp.minimum(
+            inp.num_tokens, jnp.minimum(st.remaining - 1, d.limit - st.pos - 1)), 0), 0)
+        props, num, extra = propose(st, room, extra)
+        num = jnp.where(st.active, jnp.minimum(num, room), 0)
+        q_lens = jnp.where(st.active, num + 1, 0)
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
+        feed = jnp.concatenate([st.last[:, None], props], axis=1)  # [B, width + 1]
+        fpos = st.pos[:, None] + wide  # [B, width + 1]
+        dest = jnp.where(wide < q_lens[:, None], cu[:-1, None] + wide, packed_t).reshape(-1)
+
+        def packed(values: jax.Array, fill: int) -> jax.Array:
+            return jnp.full(packed_t, fill, jnp.int32).at[dest].set(
+                values.reshape(-1).astype(jnp.int32), mode="drop")
+
+        page = d.block_tables[rows[:, None], jnp.minimum(fpos // ps, d.block_tables.shape[1] - 1)]
+        mixed = MixedInputs(
+            tokens=packed(feed, 0), positions=packed(fpos, 0),
+            write_pages=packed(page, num_pages), write_offsets=packed(fpos % ps, 0),
+            targets=jnp.full(packed_t, -1, jnp.int32), block_tables=d.block_tables,
+            kv_lens=jnp.where(st.active, st.pos + q_lens, 0), cu_q_lens=cu,
+            last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=st.gen, samples=st.active,
+            sampling=d.sampling)
+        pool_k, pool_v, counts, v = _verify(
+            p, pool_k, pool_v, counts, mixed, props, num, config=config, backend=backend,
+            dtype=dtype, max_q_len=width + 1, stochastic=stochastic,
+            deterministic=deterministic, num_top=0)
+        toks = v["tokens"]  # [B, width + 1]
+        ok = wide[None, :] <= v["accepted"][:, None]
+        stop = jnp.any(toks[:, :, None] == d.stop_ids[:, None, :], axis=-1) & ok
+        stopped = jnp.any(stop, axis=1)
+        e = jnp.where(stopped, jnp.argmax(stop, axis=1) + 1, v["accepted"] + 1)
+        e = jnp.where(st.active, jnp.minimum(e, st.remaining), 0)  # [B] emitted
+        emit = wide[None, :] < e[:, None]  # [B, width + 1]
+        cursor = stats["emitted"]
+        at = jnp.where(emit, cursor[:, None] + wide, out_len)
+        out = {"tokens": out["tokens"].at[at, rows[:, None]].set(toks, mode="drop"),
+               "logprobs": out["logprobs"].at[at, rows[:, None]].set(v["logprobs"],
+                                                                     mode="drop")}
+        extra = settle(extra, e, num)
+        stats = {"emitted": cursor + e, "proposed": stats["proposed"] + num,
+                 "accepted": stats["accepted"] + v["accepted"],
+                 "verified": stats["verified"] + st.active,
+                 "iterations": stats["iterations"] + jnp.any(st.active)}
+        pos, remaining = st.pos + e, st.remaining - e
+        st = SpecState(
+            active=(st.active & ~stopped & (remaining > 0) & (pos < d.limit)
+                    & (step + 1 < d.num_steps)),
+            last=jnp.where(e > 0, toks[rows, jnp.maximum(e - 1, 0)], st.last), pos=pos,
+            remaining=remaining, gen=st.gen + e,
+            history=st.history.at[rows[:, None], jnp.where(
+                emit, st.history_len[:, None] + wide, hist_len)].set(toks, mode="drop"),
+            history_len=st.history_len + e)
+        return step + 1, pool_k, pool_v, counts, st, extra, out, stats
+
+    def keep_going(carry: tuple) -> jax.Array:  # read on the host, once per chunk
+        return jnp.any(carry[4].active)
+
+    def chunk_of_iterations(carry: tuple) -> tuple:  # static trip count: no host read
+        return jax.lax.fori_loop(0, chunk, iteration, carry)
+
+    st = SpecState(active=d.active & (d.remaining > 0) & (d.num_steps > 0)
+                   & (d.positions < d.limit), last=d.tokens, pos=d.positions,
+                   remaining=d.remaining, gen=d.gen_index, history=inp.history,
+                   history_len=inp.history_len)
+    zeros = jnp.zeros(b, jnp.int32)
+    out = {"tokens": jnp.full((out_len, b), -1, jnp.int32),
+           "logprobs": jnp.zeros((out_len, b), jnp.float32)}
+    stats = {"emitted": zeros, "proposed": zeros, "accepted": zeros, "verified": zeros,
+             "iterations": jnp.int32(0)}
+    carry = (jnp.int32(0), pool.k, pool.v, counts, st, extra, out, stats)
+    _, k, v, counts, _, extra, out, stats = jax.lax.while_loop(keep_going,
+                                                               chunk_of_iterations, carry)
+    del stats["emitted"]
+    return PagePool(k=k, v=v), counts, extra, {**out, **stats}
+
+
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "width", "longest",
                                             "max_steps", "chunk", "stochastic",
                                             "deterministic"),
@@ -351,7 +470,7 @@ def ngram_steps(
     params: Params,
     pool: PagePool,
     counts: jax.Array,
-    inp: NgramInputs,
+    inp: SpecInputs,
     *,
     config: LlamaConfig,
     backend: Backend,
@@ -379,96 +498,101 @@ def ngram_steps(
     ``out["accepted"]``, ``out["verified"]`` ``[B]``: proposals made, accepted (and
     emitted) and iterations run per row; ``out["iterations"]``: iterations with a row active.
     """
-    if max_steps % chunk:
-        raise ValueError(f"max_steps={max_steps} must be a multiple of chunk={chunk}")
-    d = inp.decode
-    b = d.tokens.shape[0]
-    ps, num_pages = pool.page_size, pool.num_pages
-    rows = jnp.arange(b)
-    wide = jnp.arange(width + 1)
-    packed_t = b * (width + 1)
-    out_len = max_steps * (width + 1)
-    hist_len = inp.history.shape[1]
-
-    def iteration(_: Any, carry: tuple) -> tuple:
-        (step, pool_k, pool_v, counts, active, last, pos, remaining, gen, hist, hlen, out,
-         stats) = carry
-        p = _in_loop(params)
-        props, num = propose_ngram_rows(hist, hlen, inp.num_tokens, inp.ngram_max,
+    def propose(st: SpecState, room: jax.Array, extra: Any) -> tuple:
+        props, num = propose_ngram_rows(st.history, st.history_len, room, inp.ngram_max,
                                         inp.ngram_min, width=width, longest=longest)
-        # One sampled token always comes out: propose at most remaining - 1, and write K/V
-        # only inside the reserved positions.
-        num = jnp.where(active, jnp.clip(jnp.minimum(num, jnp.minimum(
-            remaining - 1, d.limit - pos - 1)), 0), 0)
-        q_lens = jnp.where(active, num + 1, 0)
+        return props, num, extra
+
+    pool, counts, _, out = _speculation_loop(
+        params, pool, counts, inp, None, propose, lambda extra, e, num: extra, config=config,
+        backend=backend, dtype=dtype, width=width, max_steps=max_steps, chunk=chunk,
+        stochastic=stochastic, deterministic=deterministic)
+    return pool, counts, out
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "config", "backend", "dtype", "draft_config", "draft_backend", "draft_dtype", "width",
+    "max_steps", "chunk", "stochastic", "deterministic", "draft_deterministic"),
+                   donate_argnums=(2, 3, 4))
+def draft_steps(
+    params: Params,
+    draft_params: Params,
+    pool: PagePool,
+    draft_pool: PagePool,
+    counts: jax.Array,
+    inp: SpecInputs,
+    draft_lag: jax.Array,
+    *,
+    config: LlamaConfig,
+    backend: Backend,
+    dtype: Any,
+    draft_config: LlamaConfig,
+    draft_backend: Backend,
+    draft_dtype: Any,
+    width: int,
+    max_steps: int,
+    chunk: int,
+    stochastic: bool,
+    deterministic: bool = False,
+    draft_deterministic: bool = False,
+) -> tuple[PagePool, PagePool, jax.Array, dict[str, jax.Array]]:
+    """``ngram_steps`` with a draft model's greedy proposals (``draft_step``) instead of
+    prompt lookups: every iteration the draft reads the tokens it has not seen (its row's
+    last token, and the one before when the previous iteration accepted every proposal:
+    ``draft_lag [B]`` is 0 or 1 such tokens before the last, 0 on entry being the caller's
+    promise) and proposes ``num_tokens`` tokens on its own pool (the target's block tables),
+    then the target verifies them. The history (``inp.history``, ``inp.ngram_*`` unused) gives
+    the token before the last. Returns ``(pool, draft_pool, counts, out)``, ``out`` as
+    ``ngram_steps``'s plus ``out["draft_lag"] [B]``: tokens the draft has not seen before each
+    row's last token after the call.
+    """
+    b = inp.decode.tokens.shape[0]
+    rows = jnp.arange(b)
+    two = jnp.arange(2)
+
+    def propose(st: SpecState, room: jax.Array, extra: Any) -> tuple:
+        pool_k, pool_v, lag = extra
+        dp = _in_loop(draft_params)
+        q_lens = jnp.where(st.active, lag + 1, 0)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
-        feed = jnp.concatenate([last[:, None], props], axis=1)  # [B, width + 1]
-        fpos = pos[:, None] + wide  # [B, width + 1]
-        dest = jnp.where(wide < q_lens[:, None], cu[:-1, None] + wide, packed_t).reshape(-1)
+        before = st.history[rows, jnp.maximum(st.history_len - 2, 0)]
+        feed = jnp.where(lag[:, None] == 1, jnp.stack([before, st.last], 1),
+                         jnp.stack([st.last, st.last], 1))  # [B, 2]
+        fpos = st.pos[:, None] - lag[:, None] + two
+        dest = jnp.where(two < q_lens[:, None], cu[:-1, None] + two, 2 * b).reshape(-1)
 
         def packed(values: jax.Array, fill: int) -> jax.Array:
-            return jnp.full(packed_t, fill, jnp.int32).at[dest].set(
+            return jnp.full(2 * b, fill, jnp.int32).at[dest].set(
                 values.reshape(-1).astype(jnp.int32), mode="drop")
 
-        page = d.block_tables[rows[:, None], jnp.minimum(fpos // ps, d.block_tables.shape[1] - 1)]
+        tables = inp.decode.block_tables
+        page = tables[rows[:, None], jnp.clip(fpos // draft_pool.page_size, 0,
+                                              tables.shape[1] - 1)]
         mixed = MixedInputs(
             tokens=packed(feed, 0), positions=packed(fpos, 0),
-            write_pages=packed(page, num_pages), write_offsets=packed(fpos % ps, 0),
-            targets=jnp.full(packed_t, -1, jnp.int32), block_tables=d.block_tables,
-            kv_lens=jnp.where(active, pos + q_lens, 0), cu_q_lens=cu,
-            last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=gen, samples=active,
-            sampling=d.sampling)
-        pool_k, pool_v, counts, v = _verify(
-            p, pool_k, pool_v, counts, mixed, props, num, config=config, backend=backend,
-            dtype=dtype, max_q_len=width + 1, stochastic=stochastic,
-            deterministic=deterministic, num_top=0)
-        toks = v["tokens"]  # [B, width + 1]
-        # Emitted: the accepted proposals and the sample after them, up to a stop token
-        # (emitted, then the row stops) and within the row's remaining tokens.
-        ok = wide[None, :] <= v["accepted"][:, None]
-        stop = jnp.any(toks[:, :, None] == d.stop_ids[:, None, :], axis=-1) & ok
-        first_stop = jnp.argmax(stop, axis=1)
-        stopped = jnp.any(stop, axis=1)
-        e = jnp.where(stopped, first_stop + 1, v["accepted"] + 1)
-        e = jnp.where(active, jnp.minimum(e, remaining), 0)  # [B]
-        emit = wide[None, :] < e[:, None]  # [B, width + 1]
-        cursor = stats["emitted"]
-        at = jnp.where(emit, cursor[:, None] + wide, out_len)
-        out = {"tokens": out["tokens"].at[at, rows[:, None]].set(toks, mode="drop"),
-               "logprobs": out["logprobs"].at[at, rows[:, None]].set(v["logprobs"],
-                                                                     mode="drop")}
-        hist = hist.at[rows[:, None], jnp.where(emit, hlen[:, None] + wide, hist_len)].set(
-            toks, mode="drop")
-        last = jnp.where(e > 0, toks[rows, jnp.maximum(e - 1, 0)], last)
-        stats = {"emitted": cursor + e, "proposed": stats["proposed"] + num,
-                 "accepted": stats["accepted"] + jnp.minimum(v["accepted"],
-                                                             jnp.maximum(e - 1, 0)),
-                 "verified": stats["verified"] + active,
-                 "iterations": stats["iterations"] + jnp.any(active)}
-        pos, gen, hlen, remaining = pos + e, gen + e, hlen + e, remaining - e
-        active = (active & ~stopped & (remaining > 0) & (pos < d.limit)
-                  & (step + 1 < d.num_steps))
-        return (step + 1, pool_k, pool_v, counts, active, last, pos, remaining, gen, hist,
-                hlen, out, stats)
+            write_pages=packed(page, draft_pool.num_pages),
+            write_offsets=packed(fpos % draft_pool.page_size, 0),
+            targets=jnp.full(2 * b, -1, jnp.int32), block_tables=tables,
+            kv_lens=jnp.where(st.active, st.pos + 1, 0), cu_q_lens=cu,
+            last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=st.gen, samples=st.active,
+            sampling=inp.decode.sampling)
+        pool_k, pool_v, props = _draft_proposals(
+            dp, draft_config, pool_k, pool_v, mixed, room, num_pages=draft_pool.num_pages,
+            page_size=draft_pool.page_size, num_steps=width, max_q_len=2,
+            backend=draft_backend, dtype=draft_dtype, deterministic=draft_deterministic)
+        return props, room, (pool_k, pool_v, lag)
 
-    def keep_going(carry: tuple) -> jax.Array:  # read on the host, once per chunk
-        return jnp.any(carry[4])
+    def settle(extra: Any, e: jax.Array, num: jax.Array) -> Any:
+        # The draft holds K/V for the last token and the proposals it fed (all but the
+        # last); after e emitted tokens it lags by the one it never fed when all were taken.
+        pool_k, pool_v, lag = extra
+        return pool_k, pool_v, jnp.where(e > 0, jnp.clip(e - jnp.maximum(num, 1), 0, 1), lag)
 
-    def chunk_of_iterations(carry: tuple) -> tuple:  # static trip count: no host read
-        return jax.lax.fori_loop(0, chunk, iteration, carry)
-
-    active = d.active & (d.remaining > 0) & (d.num_steps > 0) & (d.positions < d.limit)
-    zeros = jnp.zeros(b, jnp.int32)
-    out = {"tokens": jnp.full((out_len, b), -1, jnp.int32),
-           "logprobs": jnp.zeros((out_len, b), jnp.float32)}
-    stats = {"emitted": zeros, "proposed": zeros, "accepted": zeros, "verified": zeros,
-             "iterations": jnp.int32(0)}
-    carry = (jnp.int32(0), pool.k, pool.v, counts, active, d.tokens, d.positions, d.remaining,
-             d.gen_index, inp.history, inp.history_len, out, stats)
-    carry = jax.lax.while_loop(keep_going, chunk_of_iterations, carry)
-    _, k, v, counts, *_, out, stats = carry
-    del stats["emitted"]
-    return PagePool(k=k, v=v), counts, {**out, **stats}
+    pool, counts, (dk, dv, lag), out = _speculation_loop(
+        params, pool, counts, inp, (draft_pool.k, draft_pool.v, draft_lag), propose, settle,
+        config=config, backend=backend, dtype=dtype, width=width, max_steps=max_steps,
+        chunk=chunk, stochastic=stochastic, deterministic=deterministic)
+    return pool, PagePool(k=dk, v=dv), counts, {**out, "draft_lag": lag}
 
 
 def _in_loop(params: Params) -> Params:
@@ -509,16 +633,27 @@ def draft_step(
     target's own sample equals it (``verify_step``), so the draft's choice affects the
     acceptance rate, never the output.
     """
+    pool_k, pool_v, out = _draft_proposals(
+        params, config, pool.k, pool.v, inp, num_proposed, num_pages=pool.num_pages,
+        page_size=pool.page_size, num_steps=num_steps, max_q_len=max_q_len, backend=backend,
+        dtype=dtype, deterministic=deterministic)
+    return PagePool(k=pool_k, v=pool_v), out
+
+
+def _draft_proposals(params: Params, config: LlamaConfig, pool_k: Any, pool_v: Any,
+                     inp: MixedInputs, num_proposed: jax.Array, *, num_pages: int,
+                     page_size: int, num_steps: int, max_q_len: int, backend: Backend,
+                     dtype: Any, deterministic: bool) -> tuple[Any, Any, jax.Array]:
+    """``draft_step`` on the pool's arrays (also the proposer of ``draft_steps``)."""
     h, pool_k, pool_v = forward_ragged(
-        params, config, inp.tokens, inp.positions, pool.k, pool.v, inp.write_pages,
+        params, config, inp.tokens, inp.positions, pool_k, pool_v, inp.write_pages,
         inp.write_offsets, inp.block_tables, inp.kv_lens, inp.cu_q_lens, max_q_len=max_q_len,
         backend=backend, dtype=dtype, deterministic=deterministic)
     b = inp.kv_lens.shape[0]
     if num_steps == 0:
-        return PagePool(k=pool_k, v=pool_v), jnp.zeros((b, 0), jnp.int32)
+        return pool_k, pool_v, jnp.zeros((b, 0), jnp.int32)
     first = jnp.argmax(lm_head(params, h[inp.last_index], deterministic), axis=-1)  # [S]
     rows = jnp.arange(b)
-    num_pages, page_size = pool.num_pages, pool.page_size
 
     def iteration(j: jax.Array, carry: tuple) -> tuple:
         pool_k, pool_v, tokens, pos, out = carry
@@ -539,7 +674,7 @@ def draft_step(
     pool_k, pool_v, _, _, out = jax.lax.fori_loop(
         0, num_steps - 1, iteration, (pool_k, pool_v, first.astype(jnp.int32), inp.kv_lens,
                                       out))
-    return PagePool(k=pool_k, v=pool_v), out
+    return pool_k, pool_v, out
 
 
 def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax.Array

@@ -265,14 +265,17 @@ def _draft_run(model, draft, options, prompts=PROMPTS, adaptive=False):
                      for i, p in enumerate(prompts)])
 
 
+@pytest.mark.parametrize("top", [0, 2], ids=["loop", "verify_steps"])
 @pytest.mark.parametrize("kind", ["self", "random"])
-def test_draft_model_greedy_output_equals_plain(kind):
+def test_draft_model_greedy_output_equals_plain(kind, top):
     """Stop strings, stop ids and max_new_tokens end the requests; the draft catches up
     on the prompts (one of them shared through the prefix cache) before it proposes. A
-    draft that is the target accepts every proposal: its K/V were right."""
+    draft that is the target accepts every proposal: its K/V were right. Without top
+    log-probabilities the device loop runs (``runner.draft_steps``), with them one verify
+    step per round trip after ``runner.draft_step``."""
     model = _model()
     options = dict(max_new_tokens=30, temperature=0.0, stop=["jj"], stop_token_ids=[17, 23],
-                   logprobs=True)
+                   logprobs=True, top_logprobs=top)
     prompts = [*PROMPTS, list(range(3, 30))]  # admitted later: a prefix-cache hit
     plain = _plain(model, options, prompts, **SIZING)
     draft = model if kind == "self" else tiny_engine_model(seed=3)  # same shapes: programs
@@ -285,7 +288,9 @@ def test_draft_model_greedy_output_equals_plain(kind):
     stats = e.stats()
     assert stats.draft_tokens == sum(r.draft_tokens for r in spec) > 0
     assert stats.accepted_tokens == sum(r.accepted_tokens for r in spec)
-    assert stats.verify_steps > 0 and stats.draft_seconds > 0
+    assert stats.verify_steps > 0
+    assert (stats.draft_seconds > 0) == bool(top)  # verify steps time their drafts
+    assert top or stats.decode_calls == 0  # the loop speculates from the first call
     if kind == "self":
         assert stats.acceptance_rate == 1.0
     e.blocks.check_all_free()
@@ -302,7 +307,7 @@ def test_draft_speculation_compiles_nothing_after_warmup():
     e = Engine(model, verbose=False, **SIZING)
     spec = Speculative(method="draft", draft=draft, num_tokens=4, adaptive=False)
     e.warmup(speculative=spec)
-    programs = (runner.mixed_step, runner.decode_steps, runner.verify_step, runner.draft_step)
+    programs = (runner.mixed_step, runner.decode_steps, runner.draft_steps, runner.draft_step)
     sizes = [f._cache_size() for f in programs]
     warm = e.stats().num_programs
     e.run([e.submit(p, max_new_tokens=20, speculative=spec, seed=i)
@@ -346,14 +351,19 @@ def test_int4_draft_sampled_output_equals_plain_with_preemption():
 
 
 def test_adaptive_draft_speculation_tries_both_step_kinds():
-    """Adaptive mode tries a verify step (after the draft's proposals) and a decode call,
-    then runs the faster; after a decode call the draft catches up on its tokens."""
+    """Adaptive mode tries the draft loop and a decode call (the loop's first call is
+    measured after ``warmup`` compiled it), then runs the faster; after a decode call the
+    draft catches up on its tokens."""
     model = _model()
     prompts = [[5, 6, 5, 6, 5, 6, 5]] * 2
-    options = dict(max_new_tokens=40, ignore_eos=True)
+    options = dict(max_new_tokens=120, ignore_eos=True)
     plain = _plain(model, options, prompts, **SIZING)
-    e, spec = _draft_run(model, model, options, prompts, adaptive=True)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    e = Engine(model, verbose=False, **SIZING)
+    spec = Speculative(method="draft", draft=model, num_tokens=4)
+    e.warmup(speculative=spec)
+    out = e.run([e.submit(p, **options, seed=i, speculative=spec)
+                 for i, p in enumerate(prompts)])
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     assert e.stats().verify_steps >= 1 and e.stats().decode_calls >= 1
 
 
