@@ -111,8 +111,8 @@ VERIFY_MAX_ROWS = 64
 """Largest row bucket a verify step runs (it samples ``rows x (k + 1)`` vocabulary rows);
 beyond it the engine decodes without speculation."""
 
-NGRAM_RETRY = 16
-"""Plain decode calls after which adaptive n-gram speculation that did not pay is tried
+SPECULATION_RETRY = 16
+"""Plain decode calls after which an adaptive speculation loop that did not pay is tried
 again."""
 
 
@@ -1212,7 +1212,7 @@ class Engine(StepLoop):
     def _plan_decode(self, max_steps: int, widths: dict[int, int] | None = None) -> int:
         """Reserve pages for up to ``k`` iterations per running sequence; return ``k``.
 
-        An iteration takes one token, or ``widths[rid]`` (n-gram speculation: its last token
+        An iteration takes one token, or ``widths[rid]`` (a speculation loop: its last token
         and its proposals); no sequence reserves past its ``max_new_tokens``. Halves ``k``
         until the reservation fits the free pages, then preempts the youngest sequence if
         even one iteration each does not fit.
@@ -1344,7 +1344,7 @@ class Engine(StepLoop):
         """Whether the ``method`` speculation loop is expected to yield more tokens per second
         than a plain decode call over the ``b`` row bucket: tried first, then one decode call
         is measured, then the faster runs; a losing loop is tried again every
-        ``NGRAM_RETRY`` decode calls (acceptance changes as outputs go on)."""
+        ``SPECULATION_RETRY`` decode calls (acceptance changes as outputs go on)."""
         if not all(s.req.sampling.speculative.adaptive
                    for s in self._running if s.req.sampling.speculative):
             return True
@@ -1354,7 +1354,7 @@ class Engine(StepLoop):
         if self._loop_gain[key] / self._loop_s[key] > 1 / self._iteration_s[b]:
             return True
         self._loop_skips[key] = self._loop_skips.get(key, 0) + 1
-        if self._loop_skips[key] < NGRAM_RETRY:
+        if self._loop_skips[key] < SPECULATION_RETRY:
             return False
         self._loop_skips[key] = 0
         return True
@@ -1432,7 +1432,7 @@ class Engine(StepLoop):
                 d = self._draft
                 self.pool, self._draft_pool, self._counts, out = draft_steps(
                     self.model.params, d.params, self.pool, self._draft_pool, self._counts,
-                    self._put(inp), self._put(np.zeros(b, np.int32)), draft_config=d.config,
+                    self._put(inp), draft_config=d.config,
                     draft_backend=self._draft_backend, draft_dtype=d.dtype,
                     draft_deterministic=d.deterministic, **kw)
         return out

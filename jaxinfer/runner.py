@@ -521,7 +521,6 @@ def draft_steps(
     draft_pool: PagePool,
     counts: jax.Array,
     inp: SpecInputs,
-    draft_lag: jax.Array,
     *,
     config: LlamaConfig,
     backend: Backend,
@@ -537,14 +536,13 @@ def draft_steps(
     draft_deterministic: bool = False,
 ) -> tuple[PagePool, PagePool, jax.Array, dict[str, jax.Array]]:
     """``ngram_steps`` with a draft model's greedy proposals (``draft_step``) instead of
-    prompt lookups: every iteration the draft reads the tokens it has not seen (its row's
-    last token, and the one before when the previous iteration accepted every proposal:
-    ``draft_lag [B]`` is 0 or 1 such tokens before the last, 0 on entry being the caller's
-    promise) and proposes ``num_tokens`` tokens on its own pool (the target's block tables),
-    then the target verifies them. The history (``inp.history``, ``inp.ngram_*`` unused) gives
-    the token before the last. Returns ``(pool, draft_pool, counts, out)``, ``out`` as
-    ``ngram_steps``'s plus ``out["draft_lag"] [B]``: tokens the draft has not seen before each
-    row's last token after the call.
+    prompt lookups. Every iteration the draft reads the tokens it has not seen (its row's
+    last token, and the one before when the previous iteration accepted every proposal; on
+    entry the draft must have read every token before the last), proposes ``num_tokens``
+    tokens on its own pool (addressed by the target's block tables), and the target verifies
+    them. The history gives the token before the last (``inp.ngram_*`` are unused). Returns
+    ``(pool, draft_pool, counts, out)``: ``out`` as ``ngram_steps``'s, plus
+    ``out["draft_lag"] [B]``: tokens before each row's last that the draft has not read.
     """
     b = inp.decode.tokens.shape[0]
     rows = jnp.arange(b)
@@ -589,7 +587,8 @@ def draft_steps(
         return pool_k, pool_v, jnp.where(e > 0, jnp.clip(e - jnp.maximum(num, 1), 0, 1), lag)
 
     pool, counts, (dk, dv, lag), out = _speculation_loop(
-        params, pool, counts, inp, (draft_pool.k, draft_pool.v, draft_lag), propose, settle,
+        params, pool, counts, inp, (draft_pool.k, draft_pool.v, jnp.zeros(b, jnp.int32)),
+        propose, settle,
         config=config, backend=backend, dtype=dtype, width=width, max_steps=max_steps,
         chunk=chunk, stochastic=stochastic, deterministic=deterministic)
     return pool, PagePool(k=dk, v=dv), counts, {**out, "draft_lag": lag}

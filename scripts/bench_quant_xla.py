@@ -122,11 +122,14 @@ def apply_u4_xla(x, w):
     return x @ wd.reshape(2 * w["q"].shape[0], n)
 
 
-def apply_fp8_act(x, w):
+def apply_fp8_act(x, w, w_in_axis: int = 0):
+    """An fp8 x fp8 GEMM: each row of ``x`` scaled into e4m3, the weight's input axis
+    ``w_in_axis`` contracted, row and column scales applied to the float32 result."""
     x32 = x.astype(jnp.float32)
     xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12) / 448
     out = jax.lax.dot_general((x32 / xs).astype(jnp.float8_e4m3fn), w["q"],
-                              (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                              (((1,), (w_in_axis,)), ((), ())),
+                              preferred_element_type=jnp.float32)
     return (out * xs * w["s"]).astype(jnp.bfloat16)
 
 
@@ -135,14 +138,6 @@ def make_fp8_nk(key, k, n):
     GEMM)."""
     w = make_fp8(key, k, n)
     return dict(q=w["q"].T.copy(), s=w["s"])
-
-
-def apply_fp8_act_nk(x, w):
-    x32 = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12) / 448
-    out = jax.lax.dot_general((x32 / xs).astype(jnp.float8_e4m3fn), w["q"],
-                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (out * xs * w["s"]).astype(jnp.bfloat16)
 
 
 VARIANTS: dict[str, tuple[Make, Apply, int]] = {
@@ -170,7 +165,7 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
         (x @ w["q"].astype(jnp.bfloat16)).astype(jnp.float32) * w["s"][0]).astype(jnp.bfloat16),
         0),
     "fp8_act": (make_fp8, apply_fp8_act, 0),
-    "fp8_act_nk": (make_fp8_nk, apply_fp8_act_nk, 0),
+    "fp8_act_nk": (make_fp8_nk, lambda x, w: apply_fp8_act(x, w, w_in_axis=1), 0),
     "fp8_weight_only": (make_fp8, lambda x, w: (
         (x @ w["q"].astype(jnp.bfloat16)).astype(jnp.float32) * w["s"]).astype(jnp.bfloat16),
         0),

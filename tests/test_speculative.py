@@ -296,39 +296,29 @@ def test_draft_model_greedy_output_equals_plain(kind, top):
     e.blocks.check_all_free()
 
 
-def test_draft_speculation_compiles_nothing_after_warmup():
-    """``warmup(speculative=...)`` compiles every program a draft-speculating request runs:
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_compiles_nothing_after_warmup(method):
+    """``warmup(speculative=...)`` compiles every program a speculating request runs:
     steps take their inputs as host arrays, and a program traced for device arrays would
     compile again on the first request (tens of seconds for an 8B model on a GPU)."""
     from jaxinfer import runner
 
-    model = _model()
-    draft = tiny_engine_model(seed=3)
+    if method == "draft":
+        model, prompts = _model(), PROMPTS
+        spec = Speculative(method="draft", draft=tiny_engine_model(seed=3), num_tokens=4,
+                           adaptive=False)
+        programs = (runner.mixed_step, runner.decode_steps, runner.draft_steps,
+                    runner.draft_step)
+    else:
+        model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
+        prompts, spec = REPEATING, SPEC
+        programs = (runner.mixed_step, runner.decode_steps, runner.ngram_steps)
     e = Engine(model, verbose=False, **SIZING)
-    spec = Speculative(method="draft", draft=draft, num_tokens=4, adaptive=False)
     e.warmup(speculative=spec)
-    programs = (runner.mixed_step, runner.decode_steps, runner.draft_steps, runner.draft_step)
     sizes = [f._cache_size() for f in programs]
     warm = e.stats().num_programs
-    e.run([e.submit(p, max_new_tokens=20, speculative=spec, seed=i)
-           for i, p in enumerate(PROMPTS)])
-    assert e.stats().verify_steps > 0
-    assert e.stats().num_programs == warm
-    assert [f._cache_size() for f in programs] == sizes
-
-
-def test_ngram_speculation_compiles_nothing_after_warmup():
-    """``warmup(speculative=...)`` compiles the n-gram loop a request of usual length runs."""
-    from jaxinfer import runner
-
-    model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
-    e = Engine(model, verbose=False, **SIZING)
-    e.warmup(speculative=SPEC)
-    programs = (runner.mixed_step, runner.decode_steps, runner.ngram_steps)
-    sizes = [f._cache_size() for f in programs]
-    warm = e.stats().num_programs
-    e.run([e.submit(p, max_new_tokens=40, speculative=SPEC, seed=i)
-           for i, p in enumerate(REPEATING)])
+    e.run([e.submit(p, max_new_tokens=40, speculative=spec, seed=i)
+           for i, p in enumerate(prompts)])
     assert e.stats().verify_steps > 0
     assert e.stats().num_programs == warm
     assert [f._cache_size() for f in programs] == sizes
