@@ -99,9 +99,9 @@ def _int4_row_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int,
     Groups of up to 32 rows accumulate their products elementwise in a ``[G / 2, block_n]``
     tile, summed over its rows once after the loop (a sum over rows inside the loop is a
     cross-thread reduction per group); larger groups sum each group's products at once (their
-    tile would take too many registers). Measured on an H100 (bench/NOTES.md r51, r60): an 8B
-    layer at group 32 in 228.8 us with the deferred sum (255.7 us without), at group 128 in
-    178.5 us with the per-group sum (217.7 us deferred), ~20% of the read floor either way.
+    tile would take too many registers). Measured on an H100 (bench/NOTES.md r51, r60, r62): an
+    8B layer at group 32 in 229-237 us with the deferred sum (255.7 us without), at group 128
+    in 178 us with the per-group sum (217.7 us deferred), ~20% of the read floor either way.
     """
     split = pl.program_id(2)
     half = group // 2
