@@ -489,8 +489,10 @@ def report_speculative(b1: dict[str, Any]) -> None:
           f"{b1['accepted_tokens']} of {b1['draft_tokens']} proposals accepted, "
           f"{b1['decode_calls']} decode calls", flush=True)
     if b1["projected_speedup"]:
-        print(f"   a cycle: draft {b1['draft_ms_per_verify']:.2f} ms + verify "
-              f"{b1['verify_ms_per_step']:.2f} ms (plain {1e3 / plain['decode_tok_per_s']:.2f} "
+        cycle = (f"draft {b1['draft_ms_per_verify']:.2f} ms + verify "
+                 f"{b1['verify_ms_per_step']:.2f} ms" if b1["draft_ms_per_verify"] else
+                 f"{b1['verify_ms_per_step']:.2f} ms per loop iteration (proposals included)")
+        print(f"   a cycle: {cycle} (plain {1e3 / plain['decode_tok_per_s']:.2f} "
               "ms/token); projected speed-up at acceptance "
               + ", ".join(f"{a}: {x:.2f}x" for a, x in b1["projected_speedup"].items()),
               flush=True)
