@@ -6,7 +6,7 @@ requests with staggered arrivals, chunked prefill and a pool small enough to pre
 meshes (1, 8), (2, 4) and (2, 1); every request's tokens must equal the single-device
 engine's, and ``generate`` on the (2, 4) mesh must equal single-device ``generate``. Meshes
 with data > 1 run one engine per replica (``DataParallelEngine``), each with its share of
-the requests.
+the requests. n-gram speculation (its device loop) on the (1, 8) mesh gives the same tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def test_engine_on_meshes_matches_single_device():
         assert min(r["tokens_per_replica"]) > 0, mesh  # every replica took a share
         assert r["pool_devices"] == r["replica_devices"], mesh  # each pool on its replica
     assert res["engine_on_data_mesh_error"].startswith("the model's mesh has data=2")
+    spec = res["speculative"]  # n-gram speculation on the (1, 8) mesh
+    assert spec["tokens"] == ref and spec["verify_steps"] > 0, spec
     # load_model on a data-only mesh: every device holds the whole model in the requested
     # single-device layout; generate and score equal the single-device model's.
     dp = res["data_only_load"]
@@ -58,13 +60,14 @@ def _workload(n: int = 14) -> list[tuple[list[int], int, int]]:
              int(rng.integers(4, 13)), int(rng.integers(0, 12))) for _ in range(n)]
 
 
-def _serve(engine, work) -> list[list[int]]:
+def _serve(engine, work, speculative=None) -> list[list[int]]:
     ids: dict[int, int] = {}
     step = 0
     while len(ids) < len(work) or engine.has_unfinished():
         for i, (prompt, max_new, arrival) in enumerate(work):
             if arrival == step:
-                ids[i] = engine.submit(prompt, max_new_tokens=max_new, temperature=0.0)
+                ids[i] = engine.submit(prompt, max_new_tokens=max_new, temperature=0.0,
+                                       speculative=speculative)
         engine.step()
         step += 1
     return [engine.result(ids[i]).token_ids for i in range(len(work))]
@@ -134,6 +137,11 @@ def _worker() -> None:
             "replica_devices": [sorted(d.id for d in row) for row in mesh.devices.tolist()],
         }
     m = models[(1, 8)]
+    # n-gram speculation's device loop on the model-split mesh: the plain tokens.
+    engine = Engine(m, **kw)
+    out["speculative"] = {
+        "tokens": _serve(engine, work, jaxinfer.Speculative(num_tokens=3, adaptive=False)),
+        "verify_steps": engine.stats().verify_steps}
     fast = dataclasses.replace(m, params=prepare_params(m.params, fuse=True, unstack=True,
                                                         shards=8))
     engine = Engine(fast, **kw)

@@ -231,6 +231,27 @@ def test_device_ngram_loop_with_preemption_and_mixed_rows():
     e.blocks.check_all_free()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_loops_fill_max_seq_len_exactly(method):
+    """Requests whose prompt and max_new_tokens fill the engine's max_seq_len: the loops
+    propose fewer tokens near the end and write no K/V past the reserved positions."""
+    model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
+    prompts = [[40, 41, 42] * 7, [10, 11] * 9, [5, 6, 7, 8] * 4]
+    kw = dict(num_pages=16, max_batch=4, page_size=4, max_seq_len=48, verbose=False)
+    options = [dict(max_new_tokens=48 - len(p), ignore_eos=True) for p in prompts]
+    e = Engine(model, **kw)
+    plain = e.run([e.submit(p, **o) for p, o in zip(prompts, options, strict=True)])
+    spec = Speculative(num_tokens=4, adaptive=False, method=method,
+                       draft=model if method == "draft" else None)
+    e = Engine(model, **kw)
+    out = e.run([e.submit(p, **o, speculative=spec)
+                 for p, o in zip(prompts, options, strict=True)])
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert all(len(p) + len(r.token_ids) == 48 for p, r in zip(prompts, out, strict=True))
+    assert e.stats().verify_steps > 0 and e.stats().accepted_tokens > 0
+    e.blocks.check_all_free()
+
+
 def test_ngram_speculation_end_to_end_matches_generate():
     """The real proposer, on a model whose greedy continuation falls into a loop."""
     model = dataclasses.replace(tiny_engine_model(seed=2), tokenizer=LetterTokenizer())
