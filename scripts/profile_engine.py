@@ -63,7 +63,7 @@ def top_kernels(events: list[tuple[str, float, float]], n: int
 
 def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str,
                    spec: jaxinfer.Speculative | None = None) -> None:
-    """Trace one request's decode calls (with ``spec``: its draft and verify steps); print
+    """Trace one request's decode calls (with ``spec``: its speculation loop calls); print
     and record its kernels per generated token (on the first device of a mesh: each device
     runs the same kernels on its shard), and the host's wall time per engine step."""
     prompt = list(range(100, 228))
