@@ -128,7 +128,8 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
 def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     """``x [..., in]`` times an fp8 ``w`` (``[in, out]``, or fused ``[in, shards, out /
     shards]``): the e4m3 values converted to ``x.dtype`` inside the matmul, float32
-    accumulation, the column scales applied to the result, in ``out_dtype``.
+    accumulation, the column scales applied to the result (per group of rows when the rows
+    are split over a mesh), in ``out_dtype``.
 
     On a GPU XLA fuses the convert into its Triton GEMM, so only the fp8 bytes are read, at
     every row count (H100, bench/NOTES.md r54, per 8B layer: 154 us at 1 row and 174 us at 64
@@ -139,9 +140,18 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     where XLA does not fuse it, leaving a wide copy of every layer's weight).
     """
     x, q = jax.lax.optimization_barrier((x, w.q))
-    spec = "...d,df->...f" if q.ndim == 2 else "...d,dsf->...sf"
-    out = jnp.einsum(spec, x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (out * w.scale[0]).astype(out_dtype)
+    groups = w.scale.shape[0]  # scale [G, *out]: 1, or one group per device's rows
+    cols = "f" if q.ndim == 2 else "sf"
+    if groups == 1:
+        out = jnp.einsum(f"...d,d{cols}->...{cols}", x, q.astype(x.dtype),
+                         preferred_element_type=jnp.float32)
+        return (out * w.scale[0]).astype(out_dtype)
+    # Rows split over a mesh: each device multiplies its rows and scales its partial product.
+    xg = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    qg = q.reshape(groups, q.shape[0] // groups, *q.shape[1:])
+    out = jnp.einsum(f"...gd,gd{cols}->...g{cols}", xg, qg.astype(x.dtype),
+                     preferred_element_type=jnp.float32)
+    return jnp.sum(out * w.scale, axis=-1 - len(cols)).astype(out_dtype)
 
 
 def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False

@@ -15,7 +15,8 @@ layout):
   (``checkpoints.gguf``), and a kernel multiplies the low and the high halves of a group by
   two contiguous halves of the activations, without interleaving.
 * ``"fp8"``: ``q`` float8_e4m3fn ``[..., in, *out]``, ``scale`` float32 ``[..., 1, *out]``
-  (one scale per output column: ``group`` is the whole input size).
+  (one scale per output column: ``group`` is the whole input size; a weight whose input rows
+  are split over a mesh has one scale per column and device, ``group`` = rows / devices).
 
 ``perm`` (int32 ``[..., in]``, any kind; None for nearly every weight) says that the stored
 input rows are the weight's rows in another order: stored row ``r`` is row ``perm[r]``, so
@@ -221,6 +222,8 @@ def quantize_weight(w: jax.Array | np.ndarray, name: str, method: str) -> Quanti
     spec = tuple(sharding.spec) + (None,) * (w.ndim - len(sharding.spec))
     names = spec[a] if isinstance(spec[a], tuple) else (spec[a],)
     shards = math.prod(sharding.mesh.shape[n] for n in names if n is not None)
+    if kind == "fp8":  # one scale per column and device's rows: each device scales its shard
+        group = w.shape[a] // shards
     g = group if group and w.shape[a] % group == 0 else w.shape[a]
     if (w.shape[a] // shards) % g:
         raise InputError(f"quantize={method!r} cannot split {name}: its {w.shape[a]} input rows"

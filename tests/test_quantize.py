@@ -116,6 +116,14 @@ def test_fp8_weights_multiply_unrounded_activations_plain_and_fused():
                 and e.outvars[0].aval.size >= w.q.size]
     assert not [e for e in eqns if e.primitive.name == "convert_element_type"
                 and e.params["new_dtype"] == jnp.float8_e4m3fn]
+    # One scale per column and group of rows, as a weight split on its rows over a mesh
+    # holds it (each device scales its own rows).
+    rows = jax.random.normal(kw, (2, 64, 48), jnp.float32)  # [groups, rows, out]
+    scale = jnp.max(jnp.abs(rows), axis=1) / 448
+    grouped = QuantizedWeight(q=(rows / scale[:, None]).astype(jnp.float8_e4m3fn)
+                              .reshape(128, 48), scale=scale, group=64, kind="fp8")
+    np.testing.assert_allclose(_dense(x, grouped), x @ grouped.dequantize(), rtol=1e-5,
+                               atol=1e-5)
     # A fused [in, shards, out / shards] weight, as a tensor-parallel mesh holds it.
     fused = quantize_params({"w_gate_up": jax.random.normal(kw, (128, 2, 24), jnp.float32)},
                             "fp8")["w_gate_up"]

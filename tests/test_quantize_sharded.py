@@ -58,6 +58,8 @@ def test_int4_on_a_model_split_mesh_equals_one_device(tmp_path):
     # Fused per shard: [in / 2 bytes, 1 of 2 shards, (64 + 16 + 16) / 2 columns].
     assert res["wqkv_q_shard"] == [32, 1, 48]
     assert "cannot split wo" in res["int8_error"]
+    # fp8: w_down [128, 64] split on its rows has a scale row per device.
+    assert res["fp8_max_err"] < 1e-4 and res["fp8_down_scale"] == [[2, 64], [1, 64]], res
     # Act-order GPTQ: HF's logits; wo's 64 input rows, 32 a device, its row order replicated.
     assert res["gptq_max_err"] < 1e-4, res
     assert res["gptq_wo_q_shard"] == [16, 64] and res["gptq_wo_perm_shard"] == [64]
@@ -90,6 +92,21 @@ def _worker(folders: str) -> None:
            "wo_q_shard": list(layer["wo"].q.addressable_shards[0].data.shape),
            "wo_scale_shard": list(layer["wo"].scale.addressable_shards[0].data.shape),
            "wqkv_q_shard": list(layer["wqkv"].q.addressable_shards[0].data.shape)}
+    # fp8 on the same mesh: a row-split weight gets one scale per column and device; the
+    # split model's logits equal one device running the same quantized weights.
+    import dataclasses
+
+    fp8 = jaxinfer.load_model(path, dtype="float32", backend="reference", layout="fast",
+                              quantize="fp8", mesh=make_mesh(data=1, model=2))
+    gathered = jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]),
+                            fp8.params)
+    fp8_one = dataclasses.replace(fp8, params=gathered, mesh=None)
+    out["fp8_max_err"] = float(np.abs(np.asarray(jaxinfer.compute_logits(fp8, prompt))
+                                      - np.asarray(jaxinfer.compute_logits(fp8_one, prompt))
+                                      ).max())
+    down = fp8.params["layers"][0]["w_down"]
+    out["fp8_down_scale"] = [list(down.scale.shape),
+                             list(down.scale.addressable_shards[0].data.shape)]
     try:
         jaxinfer.load_model(path, dtype="float32", quantize="int8",
                             mesh=make_mesh(data=1, model=2))
