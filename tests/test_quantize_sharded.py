@@ -60,6 +60,7 @@ def test_int4_on_a_model_split_mesh_equals_one_device(tmp_path):
     assert "cannot split wo" in res["int8_error"]
     # fp8: w_down [128, 64] split on its rows has a scale row per device.
     assert res["fp8_max_err"] < 1e-4 and res["fp8_down_scale"] == [[2, 64], [1, 64]], res
+    assert res["fp8_generate_equal"], res  # through the engine too
     # Act-order GPTQ: HF's logits; wo's 64 input rows, 32 a device, its row order replicated.
     assert res["gptq_max_err"] < 1e-4, res
     assert res["gptq_wo_q_shard"] == [16, 64] and res["gptq_wo_perm_shard"] == [64]
@@ -104,6 +105,9 @@ def _worker(folders: str) -> None:
     out["fp8_max_err"] = float(np.abs(np.asarray(jaxinfer.compute_logits(fp8, prompt))
                                       - np.asarray(jaxinfer.compute_logits(fp8_one, prompt))
                                       ).max())
+    gen = [[c.token_ids for c in jaxinfer.generate(m, [prompt], max_new_tokens=6,
+                                                    temperature=0.0)] for m in (fp8, fp8_one)]
+    out["fp8_generate_equal"] = gen[0] == gen[1]
     down = fp8.params["layers"][0]["w_down"]
     out["fp8_down_scale"] = [list(down.scale.shape),
                              list(down.scale.addressable_shards[0].data.shape)]
