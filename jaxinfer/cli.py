@@ -138,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="requests that may wait for a slot before new ones get 429")
     sv.add_argument("--shutdown-grace", type=float, default=30.0,
                     help="seconds running requests get to finish at shutdown (then cancelled)")
+    sv.add_argument("--speculative", choices=["ngram"], default=None,
+                    help="n-gram speculative decoding for every request (same outputs; the "
+                         "engine runs it only while it is faster)")
+    sv.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="tokens proposed per verification (with --speculative)")
     sv.add_argument("--no-warmup", action="store_true",
                     help="on an accelerator, compile the engine's step programs on first use "
                          "instead of at start (on CPU they always are)")
@@ -273,10 +278,12 @@ def _serve(args: argparse.Namespace) -> None:
         raise InputError(f"--max-queue={args.max_queue} must be >= 0")
     if not 0 < args.port < 65536:
         raise InputError(f"--port={args.port} must be in [1, 65535]")
+    speculative = (Speculative(method=args.speculative, num_tokens=args.num_speculative_tokens)
+                   if args.speculative else None)
     # The model loads in the engine process (create_app starts it); this one serves HTTP.
     spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
                       kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
-                      warmup=not args.no_warmup)
+                      warmup=not args.no_warmup, speculative=speculative)
     app = create_app(spec, name=args.served_model_name or args.model,
                      max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)
     # uvicorn stops on SIGINT/SIGTERM: it closes the listening socket, lets open responses

@@ -81,6 +81,8 @@ class EngineSpec:
         ...); empty: the model's own engine (``engine_for``) with its default sizes.
       warmup: on an accelerator, compile the step programs (greedy and sampled) before
         serving; on CPU they compile on first use (minutes in all otherwise).
+      speculative: n-gram speculation every generation request gets (``Speculative(
+        method="ngram")``; adaptive, so it runs only while it pays); None: none.
     """
 
     model: str
@@ -92,6 +94,7 @@ class EngineSpec:
     dp: int = 1
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     warmup: bool = True
+    speculative: Any = None  # jaxinfer.Speculative (n-gram) or None
 
     def load(self) -> Model:
         """The model (``load_model``), on the mesh ``tp`` and ``dp`` name."""
@@ -119,7 +122,7 @@ class EngineSpec:
         else:
             engine = engine_for(model)
         if self.warmup and jax.default_backend() != "cpu":
-            engine.warmup(sampled=True)  # seconds per program there
+            engine.warmup(sampled=True, speculative=self.speculative)  # seconds a program
         return engine
 
 

@@ -327,6 +327,10 @@ class ServerMetrics:
         self.finished = Counter("jaxinfer_requests_finished", "Engine requests finished, by "
                                 "finish reason (cancelled: the client went away)",
                                 ["finish_reason"], registry=r)
+        self.draft_tokens = Counter("jaxinfer_spec_decode_draft_tokens", "Tokens proposed by "
+                                    "speculative decoding for finished requests", registry=r)
+        self.accepted_tokens = Counter("jaxinfer_spec_decode_accepted_tokens", "Of those, "
+                                       "accepted", registry=r)
         self.rejected = Counter("jaxinfer_requests_rejected", "HTTP requests answered 429 "
                                 "(queue full) or 503 (shutting down)", ["status"], registry=r)
 
@@ -348,6 +352,8 @@ class ServerMetrics:
         self.finished.labels(result.finish_reason).inc()
         self.prompt_tokens.inc(len(result.prompt_token_ids))
         self.generated_tokens.inc(len(result.token_ids))
+        self.draft_tokens.inc(result.draft_tokens)
+        self.accepted_tokens.inc(result.accepted_tokens)
         if result.token_ids:
             self.ttft.observe(result.time_to_first_token)
         if len(result.token_ids) > 1:
@@ -467,6 +473,7 @@ class Server:
     def __init__(self, spec: EngineSpec, name: str | None, max_queue: int,
                  max_decode_steps: int | None) -> None:
         self.metrics = ServerMetrics()
+        self.speculative = spec.speculative  # every generation request's
         self.engine = EngineProcess(spec, self.deliver, max_queue, max_decode_steps)
         info = self.engine.start()
         self.model: Model = info.model()
@@ -521,7 +528,7 @@ class Server:
                        logprobs=body.wants_logprobs(), top_logprobs=body.num_top_logprobs(),
                        presence_penalty=body.presence_penalty,
                        frequency_penalty=body.frequency_penalty,
-                       response_format=body.response_format)
+                       response_format=body.response_format, speculative=self.speculative)
         return SamplingParams(**options)
 
     def generation_jobs(self, body: _Sampling, prompts: Sequence[Any], chat: bool,

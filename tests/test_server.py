@@ -396,6 +396,32 @@ def test_models_health_and_metrics_move(served):
     assert total == SIZES["num_pages"]
 
 
+def test_server_wide_ngram_speculation_gives_the_plain_tokens(folder, model):
+    """``jaxinfer serve --speculative ngram``: every request speculates (forced here), the
+    texts are the plain greedy ones, and /metrics counts the proposals."""
+    spec = dataclasses.replace(spec_of(folder), speculative=jaxinfer.Speculative(
+        num_tokens=3, adaptive=False))
+    prompts = ["a b a b a b a b", "1, 2, 1, 2, 1, 2,", *PROMPTS[:2]]
+    want = jaxinfer.generate(model, prompts, max_new_tokens=12, temperature=0.0)
+    with serving(create_app(spec, name="tiny", max_decode_steps=8)) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompts,
+                                                      "max_tokens": 12, "temperature": 0},
+                       timeout=120).json()
+        m = wait_idle(url)
+    choices = sorted(r["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == [w.text for w in want]
+    proposed = m[("jaxinfer_spec_decode_draft_tokens_total", ())]
+    assert proposed > 0 and 0 <= m[("jaxinfer_spec_decode_accepted_tokens_total", ())] <= proposed
+
+
+def test_serve_speculative_flag_checks_before_loading(capsys):
+    from jaxinfer.cli import main
+
+    assert main(["serve", "--speculative", "ngram", "--num-speculative-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "num_tokens=0 must be an integer in [1, 16]" in err and err.count("\n") == 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SlowSpec(EngineSpec):
     """An engine that sleeps 20 ms per step (pickled into the engine process, which imports
