@@ -381,8 +381,8 @@ def test_models_health_and_metrics_move(served):
                    timeout=60).json()
     after = wait_idle(url)
 
-    def moved(name: str, labels: tuple = ()) -> float:
-        return after[(name, labels)] - before.get((name, labels), 0.0)
+    def moved(name: str, labels: tuple = ()) -> float:  # a label appears when first counted
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
     assert moved("jaxinfer_generation_tokens_total") == r["usage"]["completion_tokens"]
     assert moved("jaxinfer_prompt_tokens_total") == r["usage"]["prompt_tokens"]
