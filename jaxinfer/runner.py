@@ -357,6 +357,33 @@ class SpecState:
     history_len: jax.Array  # Int: tokens in its history
 
 
+def _pack_rows(feed: jax.Array, fpos: jax.Array, q_lens: jax.Array, block_tables: jax.Array,
+               page_size: int, num_pages: int, gen: jax.Array, active: jax.Array,
+               sampling: SamplingArrays) -> MixedInputs:
+    """The ragged inputs of up to ``W`` tokens per row, on the device: row ``r`` feeds
+    ``feed[r, :q_lens[r]]`` (``[B, W]``) at positions ``fpos[r]`` (``[B, W]``, consecutive),
+    packed row after row into ``B * W`` slots; its K/V go to its pages, and it samples after
+    its last token when ``active``."""
+    b, w = feed.shape
+    t = b * w
+    wide = jnp.arange(w)
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
+    dest = jnp.where(wide < q_lens[:, None], cu[:-1, None] + wide, t).reshape(-1)
+
+    def packed(values: jax.Array, fill: int) -> jax.Array:
+        return jnp.full(t, fill, jnp.int32).at[dest].set(values.reshape(-1).astype(jnp.int32),
+                                                         mode="drop")
+
+    page = block_tables[jnp.arange(b)[:, None],
+                        jnp.clip(fpos // page_size, 0, block_tables.shape[1] - 1)]
+    return MixedInputs(
+        tokens=packed(feed, 0), positions=packed(fpos, 0), write_pages=packed(page, num_pages),
+        write_offsets=packed(fpos % page_size, 0), targets=jnp.full(t, -1, jnp.int32),
+        block_tables=block_tables, kv_lens=jnp.where(active, fpos[:, 0] + q_lens, 0),
+        cu_q_lens=cu, last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=gen, samples=active,
+        sampling=sampling)
+
+
 def _speculation_loop(params: Params, pool: PagePool, counts: jax.Array, inp: SpecInputs,
                       extra: Any, propose: Any, settle: Any, *, config: LlamaConfig,
                       backend: Backend, dtype: Any, width: int, max_steps: int, chunk: int,
@@ -377,7 +404,6 @@ def _speculation_loop(params: Params, pool: PagePool, counts: jax.Array, inp: Sp
     ps, num_pages = pool.page_size, pool.num_pages
     rows = jnp.arange(b)
     wide = jnp.arange(width + 1)
-    packed_t = b * (width + 1)
     out_len = max_steps * (width + 1)
     hist_len = inp.history.shape[1]
 
@@ -390,24 +416,9 @@ def _speculation_loop(params: Params, pool: PagePool, counts: jax.Array, inp: Sp
             inp.num_tokens, jnp.minimum(st.remaining - 1, d.limit - st.pos - 1)), 0), 0)
         props, num, extra = propose(st, room, extra)
         num = jnp.where(st.active, jnp.minimum(num, room), 0)
-        q_lens = jnp.where(st.active, num + 1, 0)
-        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
         feed = jnp.concatenate([st.last[:, None], props], axis=1)  # [B, width + 1]
-        fpos = st.pos[:, None] + wide  # [B, width + 1]
-        dest = jnp.where(wide < q_lens[:, None], cu[:-1, None] + wide, packed_t).reshape(-1)
-
-        def packed(values: jax.Array, fill: int) -> jax.Array:
-            return jnp.full(packed_t, fill, jnp.int32).at[dest].set(
-                values.reshape(-1).astype(jnp.int32), mode="drop")
-
-        page = d.block_tables[rows[:, None], jnp.minimum(fpos // ps, d.block_tables.shape[1] - 1)]
-        mixed = MixedInputs(
-            tokens=packed(feed, 0), positions=packed(fpos, 0),
-            write_pages=packed(page, num_pages), write_offsets=packed(fpos % ps, 0),
-            targets=jnp.full(packed_t, -1, jnp.int32), block_tables=d.block_tables,
-            kv_lens=jnp.where(st.active, st.pos + q_lens, 0), cu_q_lens=cu,
-            last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=st.gen, samples=st.active,
-            sampling=d.sampling)
+        mixed = _pack_rows(feed, st.pos[:, None] + wide, jnp.where(st.active, num + 1, 0),
+                           d.block_tables, ps, num_pages, st.gen, st.active, d.sampling)
         pool_k, pool_v, counts, v = _verify(
             p, pool_k, pool_v, counts, mixed, props, num, config=config, backend=backend,
             dtype=dtype, max_q_len=width + 1, stochastic=stochastic,
@@ -495,8 +506,9 @@ def ngram_steps(
 
     Returns ``(pool, counts, out)``: ``out["tokens"]``, ``out["logprobs"]`` ``[max_steps *
     (width + 1), B]``: each row's emitted tokens in order, then -1; ``out["proposed"]``,
-    ``out["accepted"]``, ``out["verified"]`` ``[B]``: proposals made, accepted (and
-    emitted) and iterations run per row; ``out["iterations"]``: iterations with a row active.
+    ``out["accepted"]``, ``out["verified"]`` ``[B]``: proposals made, accepted (equal to the
+    target's samples; those past a stop are not emitted) and iterations run per row;
+    ``out["iterations"]``: iterations with a row active.
     """
     def propose(st: SpecState, room: jax.Array, extra: Any) -> tuple:
         props, num = propose_ngram_rows(st.history, st.history_len, room, inp.ngram_max,
@@ -546,34 +558,17 @@ def draft_steps(
     """
     b = inp.decode.tokens.shape[0]
     rows = jnp.arange(b)
-    two = jnp.arange(2)
 
     def propose(st: SpecState, room: jax.Array, extra: Any) -> tuple:
         pool_k, pool_v, lag = extra
         dp = _in_loop(draft_params)
-        q_lens = jnp.where(st.active, lag + 1, 0)
-        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
         before = st.history[rows, jnp.maximum(st.history_len - 2, 0)]
         feed = jnp.where(lag[:, None] == 1, jnp.stack([before, st.last], 1),
                          jnp.stack([st.last, st.last], 1))  # [B, 2]
-        fpos = st.pos[:, None] - lag[:, None] + two
-        dest = jnp.where(two < q_lens[:, None], cu[:-1, None] + two, 2 * b).reshape(-1)
-
-        def packed(values: jax.Array, fill: int) -> jax.Array:
-            return jnp.full(2 * b, fill, jnp.int32).at[dest].set(
-                values.reshape(-1).astype(jnp.int32), mode="drop")
-
-        tables = inp.decode.block_tables
-        page = tables[rows[:, None], jnp.clip(fpos // draft_pool.page_size, 0,
-                                              tables.shape[1] - 1)]
-        mixed = MixedInputs(
-            tokens=packed(feed, 0), positions=packed(fpos, 0),
-            write_pages=packed(page, draft_pool.num_pages),
-            write_offsets=packed(fpos % draft_pool.page_size, 0),
-            targets=jnp.full(2 * b, -1, jnp.int32), block_tables=tables,
-            kv_lens=jnp.where(st.active, st.pos + 1, 0), cu_q_lens=cu,
-            last_index=jnp.maximum(cu[1:] - 1, 0), gen_index=st.gen, samples=st.active,
-            sampling=inp.decode.sampling)
+        mixed = _pack_rows(feed, st.pos[:, None] - lag[:, None] + jnp.arange(2),
+                           jnp.where(st.active, lag + 1, 0), inp.decode.block_tables,
+                           draft_pool.page_size, draft_pool.num_pages, st.gen, st.active,
+                           inp.decode.sampling)
         pool_k, pool_v, props = _draft_proposals(
             dp, draft_config, pool_k, pool_v, mixed, room, num_pages=draft_pool.num_pages,
             page_size=draft_pool.page_size, num_steps=width, max_q_len=2,
@@ -727,7 +722,8 @@ def _verify(params: Params, pool_k: Any, pool_v: Any, counts: jax.Array, inp: Mi
             proposals: jax.Array, num_proposed: jax.Array, *, config: LlamaConfig,
             backend: Backend, dtype: Any, max_q_len: int, stochastic: bool,
             deterministic: bool, num_top: int) -> tuple[Any, Any, jax.Array, dict]:
-    """``verify_step`` on the pool's arrays (also the body of ``ngram_steps``)."""
+    """``verify_step`` on the pool's arrays (also the verification of the speculation
+    loops)."""
     b, k = proposals.shape
     h, pool_k, pool_v = forward_ragged(
         params, config, inp.tokens, inp.positions, pool_k, pool_v, inp.write_pages,
