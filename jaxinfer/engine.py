@@ -164,7 +164,7 @@ class EngineStats:
     step_seconds: float  # wall time inside step()
     device_seconds: float  # of which: from launching a step program to its results on the host
     decode_seconds: float  # of which: in plain multi-step decode calls (the rest: mixed and
-    # verify steps, n-gram speculation loops included)
+    # verify steps, speculation loops included)
     pages_total: int
     pages_used: int  # referenced by live sequences
     pages_cached: int  # unreferenced, kept for the prefix cache (evictable)
@@ -432,11 +432,11 @@ class Engine(StepLoop):
         self._unordered = False  # requests arrived since the waiting queue was last ordered
         self._iteration_s: dict[int, float] = {}  # row bucket -> measured s per iteration
         self._verify_s: dict[int, float] = {}  # row bucket -> measured s per verify step
-        # Speculation loops, by (method, row bucket): seconds per iteration, tokens per row
-        # and iteration, plain decode calls since the loop was last tried.
-        self._loop_s: dict[tuple[str, int], float] = {}
-        self._loop_gain: dict[tuple[str, int], float] = {}
-        self._loop_skips: dict[tuple[str, int], int] = {}
+        # Speculation loops, by method, then row bucket: seconds per iteration, tokens per
+        # row and iteration, plain decode calls since the loop was last tried.
+        self._loop_s: dict[str, dict[int, float]] = collections.defaultdict(dict)
+        self._loop_gain: dict[str, dict[int, float]] = collections.defaultdict(dict)
+        self._loop_skips: dict[str, dict[int, int]] = collections.defaultdict(dict)
         self._acceptance = 0.5  # running mean of accepted / proposed tokens (verify steps)
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings,
                                cfg.max_position_embeddings, capacity)
@@ -1312,7 +1312,7 @@ class Engine(StepLoop):
         ran = int(np.count_nonzero((out_t >= 0).any(axis=1)))
         if ran and not call.compiled:  # a compile's seconds would shorten later calls
             per = seconds / ran
-            self._iteration_s[b] = 0.5 * (self._iteration_s.get(b, per) + per)
+            _update_mean(self._iteration_s, b, per)
         self._decode_calls += 1
         self._padded += call.padded
         return self._emit_columns(call.rows, out)
@@ -1348,15 +1348,15 @@ class Engine(StepLoop):
         if not all(s.req.sampling.speculative.adaptive
                    for s in self._running if s.req.sampling.speculative):
             return True
-        key = (method, b)
-        if key not in self._loop_s or b not in self._iteration_s:
-            return key not in self._loop_s
-        if self._loop_gain[key] / self._loop_s[key] > 1 / self._iteration_s[b]:
+        loop_s, skips = self._loop_s[method], self._loop_skips[method]
+        if b not in loop_s or b not in self._iteration_s:
+            return b not in loop_s
+        if self._loop_gain[method][b] / loop_s[b] > 1 / self._iteration_s[b]:
             return True
-        self._loop_skips[key] = self._loop_skips.get(key, 0) + 1
-        if self._loop_skips[key] < SPECULATION_RETRY:
+        skips[b] = skips.get(b, 0) + 1
+        if skips[b] < SPECULATION_RETRY:
             return False
-        self._loop_skips[key] = 0
+        skips[b] = 0
         return True
 
     def _launch_loop(self, method: str, b: int, max_steps: int | None) -> _Call | None:
@@ -1366,8 +1366,7 @@ class Engine(StepLoop):
         not seen but the newest (``_draft_catch_up``)."""
         specs = {s.rid: s.req.sampling.speculative for s in self._running}
         widths = {rid: sp.num_tokens + 1 for rid, sp in specs.items() if sp}
-        k = self._plan_decode(self._call_length(b, max_steps, {
-            rb: v for (m, rb), v in self._loop_s.items() if m == method}), widths)
+        k = self._plan_decode(self._call_length(b, max_steps, self._loop_s[method]), widths)
         if k == 0:
             return None
         rows = list(self._running)  # planning may have preempted some
@@ -1440,28 +1439,20 @@ class Engine(StepLoop):
     def _collect_loop(self, call: _Call) -> list[Event]:
         out, seconds = self._results_of(call)  # verify time (not ``decode_seconds``)
         b = out["tokens"].shape[1]
-        key = (call.loop, b)
         iterations = int(out["iterations"])
         slots = [s.slot for s in call.rows]
         verified = int(out["verified"][slots].sum())
         proposed = int(out["proposed"][slots].sum())
         accepted = int(out["accepted"][slots].sum())
         if iterations and not call.compiled:  # a compile's seconds would shorten later calls
-            per = seconds / iterations
-            self._loop_s[key] = 0.5 * (self._loop_s.get(key, per) + per)
+            _update_mean(self._loop_s[call.loop], b, seconds / iterations)
         emitted = int((out["tokens"][:, slots] >= 0).sum())
         if verified:
-            gain = emitted / verified
-            self._loop_gain[key] = 0.5 * (self._loop_gain.get(key, gain) + gain)
+            _update_mean(self._loop_gain[call.loop], b, emitted / verified)
         for s in call.rows:
             s.progress.draft_tokens += int(out["proposed"][s.slot])
             s.progress.accepted_tokens += int(out["accepted"][s.slot])
-        self._verify_steps += iterations
-        self._verified_rows += verified
-        self._draft_tokens += proposed
-        self._accepted_tokens += accepted
-        if proposed:
-            self._acceptance = 0.5 * (self._acceptance + accepted / proposed)
+        self._count_verified(iterations, verified, proposed, accepted)
         self._padded += call.padded
         # Run through the model: each row's last token and proposals per iteration (the
         # emitted tokens are counted as they are emitted).
@@ -1541,7 +1532,7 @@ class Engine(StepLoop):
         self._device_time += seconds
         self._draft_time += seconds
         if not compiled:
-            self._draft_s[b] = 0.5 * (self._draft_s.get(b, seconds) + seconds)
+            _update_mean(self._draft_s, b, seconds)
         for s, k in rows:
             s.draft_computed = len(s.tokens) + k - 1
         return {s.rid: out[s.slot, :k].tolist() for s, k in rows}
@@ -1739,9 +1730,8 @@ class Engine(StepLoop):
         out, seconds = self._results_of(call)
         b = out["tokens"].shape[0]
         if not call.compiled:
-            self._verify_s[b] = 0.5 * (self._verify_s.get(b, seconds) + seconds)
+            _update_mean(self._verify_s, b, seconds)
         now = time.perf_counter()
-        self._verify_steps += 1
         self._padded += call.padded
         proposed = accepted = 0
         events: list[Event] = []
@@ -1762,12 +1752,24 @@ class Engine(StepLoop):
                                      out["logprobs"][s.slot, : a + 1].tolist(), now, top))
             if s.slot >= 0 and s.num_computed // self.page_size > start // self.page_size:
                 self.blocks.commit(s.rid, s.tokens, s.num_computed)
-        self._verified_rows += len(call.proposals)
+        self._count_verified(1, len(call.proposals), proposed, accepted)
+        return events
+
+    def _count_verified(self, steps: int, rows: int, proposed: int, accepted: int) -> None:
+        """Add verify passes (``rows`` sequences advanced over ``steps`` passes) to the
+        engine's counters and the running acceptance rate."""
+        self._verify_steps += steps
+        self._verified_rows += rows
         self._draft_tokens += proposed
         self._accepted_tokens += accepted
         if proposed:
             self._acceptance = 0.5 * (self._acceptance + accepted / proposed)
-        return events
+
+def _update_mean(means: dict[Any, float], key: Any, value: float) -> None:
+    """``means[key]``: the running mean (each new value weighs half) of measurements that
+    drift as the batch changes; the first value as it is."""
+    means[key] = 0.5 * (means.get(key, value) + value)
+
 
 def _num_top(seqs: Iterator[_Seq] | Sequence[_Seq]) -> int:
     """Most likely tokens a step returns per row: ``MAX_TOP_LOGPROBS`` when any of its
