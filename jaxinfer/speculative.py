@@ -133,7 +133,8 @@ def propose_ngram_rows(history: jax.Array, length: jax.Array, num_tokens: jax.Ar
     ``ngram_min[b]`` tokens. ``width`` (static) is the largest ``num_tokens`` and
     ``longest`` (static) the largest ``ngram_max``. Returns ``(proposals [B, width], num
     [B])``: row ``b``'s proposals are ``proposals[b, :num[b]]``, the tokens ``propose_ngram``
-    returns for ``history[b, :length[b]]``.
+    returns for ``history[b, :length[b]]`` (which searches its last ``NGRAM_WINDOW``
+    tokens; the device loop's history holds at most that many plus a call's output).
     """
     b, n_hist = history.shape
     padded = jnp.pad(history, ((0, 0), (0, longest + width)), constant_values=-1)
@@ -147,8 +148,8 @@ def propose_ngram_rows(history: jax.Array, length: jax.Array, num_tokens: jax.Ar
             suffix = padded[rows[:, 0], jnp.maximum(length - n + i, 0)]  # [B]
             match &= padded[:, i: i + n_hist] == suffix[:, None]
         latest = jnp.max(jnp.where(match, starts, -1), axis=1)  # [B]
-        hit = (~found & (latest >= 0) & (n <= ngram_max) & (n >= ngram_min)
-               & (n <= length - 1))
+        # A match (latest >= 0) implies n <= length - 1, as propose_ngram's range does.
+        hit = ~found & (latest >= 0) & (n <= ngram_max) & (n >= ngram_min)
         start = jnp.where(hit, latest + n, start)
         found |= hit
     proposals = padded[rows, start[:, None] + jnp.arange(width)[None, :]]  # [B, width]

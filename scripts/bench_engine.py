@@ -440,7 +440,7 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     floor_tok_per_s = read_bytes_per_s / step_bytes
     verify_steps = s.verify_steps - before.verify_steps
     draft_s = s.draft_seconds - before.draft_seconds
-    # Device time of the verify steps (n-gram loop iterations included): all of it but the
+    # Device time of the verify steps (speculation loop iterations included): all of it but the
     # prompt's step, plain decode calls and the draft's proposals.
     verify_s = (s.device_seconds - before.device_seconds - m.time_to_first_token
                 - (s.decode_seconds - before.decode_seconds) - draft_s)

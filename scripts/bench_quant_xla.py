@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,9 +33,9 @@ import numpy as np
 
 from pallas_kernels import int4_matmul, int8_matmul
 
-# (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
-SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
-             ("down", 14336, 4096)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_int4 import SHAPES_8B  # noqa: E402 - the sibling script, importable once its folder is on the path
+
 HIDDEN = 4096
 
 Weight = dict[str, jax.Array]
