@@ -8,10 +8,11 @@ row ``j`` holds input row ``j`` (low nibble) and row ``j + G / 2`` (high nibble)
 Q4_0 / Q4_1 order. So a group's low nibbles multiply the first half of the group's slice of
 ``x`` and its high nibbles the second half: two contiguous slices, no interleaving.
 
-Per group the kernel takes ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds
-``d * scale + sum(x over the group) * zero``: the scale and zero multiply a ``[rows, N]``
-result instead of every weight (one row: multiply-adds, ``_int4_row_kernel``; more rows: a
-tensor-core dot per nibble half). A batch-1 GEMV has too few column blocks to fill a GPU, so,
+Up to ``WORD_ROWS`` rows (batch-1 decode runs two) go to ``pallas_kernels.word_gemv``, which
+reads the packed bytes as 32-bit words and unpacks them on the CUDA cores. More rows run the
+tensor-core kernel here: per group it takes ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds
+``d * scale + sum(x over the group) * zero``, so the scale and zero multiply a ``[rows, N]``
+result instead of every weight. A decode GEMV has too few column blocks to fill a GPU, so,
 like ``pallas_kernels.int8_matmul``'s decode path, K is also split over programs, each
 writing a float32 partial that is summed afterwards.
 
@@ -29,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import MIN_DOT, cdiv, check, check_dtype, gpu_params
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
@@ -44,7 +46,8 @@ class Int4Tiles:
     target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
     num_warps: int = 4
     num_stages: int = 3
-    row_kernel: bool = True  # one row: multiply-adds (``_int4_row_kernel``), not a dot
+    word_rows: int = WORD_ROWS  # up to this many rows: ``word_gemv`` (0: always the dot)
+    word: WordTiles = WordTiles()  # ``word_gemv``'s tiling
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
@@ -90,46 +93,6 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
     o_ref[...] = lax.fori_loop(0, steps_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def _int4_row_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int,
-                     groups_per_step: int, steps_per_split: int) -> None:
-    """One row (batch-1 decode): a ``[1, block_n]`` float32 partial over this program's
-    split of K, by multiply-adds on the CUDA cores instead of a tensor-core dot that pads the
-    row to 16 and moves every dequantized weight into its operand layout.
-
-    Groups of up to 32 rows accumulate their products elementwise in a ``[G / 2, block_n]``
-    tile, summed over its rows once after the loop (a sum over rows inside the loop is a
-    cross-thread reduction per group); larger groups sum each group's products at once (their
-    tile would take too many registers). Measured on an H100 (bench/NOTES.md r51, r60, r62): an
-    8B layer at group 32 in 229-237 us with the deferred sum (255.7 us without), at group 128
-    in 178 us with the per-group sum (217.7 us deferred), ~20% of the read floor either way.
-    """
-    split = pl.program_id(2)
-    half = group // 2
-    deferred = half <= 16
-
-    def body(i, acc):
-        first = (split * steps_per_split + i) * groups_per_step
-        for j in range(groups_per_step):  # unrolled: independent loads in flight together
-            g = first + j
-            b = q_ref[pl.ds(g * half, half), :].astype(jnp.int32)  # [G / 2, block_n]
-            x_lo = x_ref[0, pl.ds(g * group, half)].astype(jnp.float32)  # [G / 2]
-            x_hi = x_ref[0, pl.ds(g * group + half, half)].astype(jnp.float32)
-            d = (x_lo[:, None] * (b & 15).astype(jnp.float32)
-                 + x_hi[:, None] * (b >> 4).astype(jnp.float32))  # [G / 2, block_n]
-            scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)  # [1, block_n]
-            zero = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
-            if deferred:
-                acc = acc + d * scale + (x_lo + x_hi)[:, None] * zero
-            else:
-                acc = (acc + jnp.sum(d, axis=0) * scale[0]
-                       + (jnp.sum(x_lo) + jnp.sum(x_hi)) * zero[0])
-        return acc
-
-    shape = (half, o_ref.shape[1]) if deferred else o_ref.shape[1:]
-    acc = lax.fori_loop(0, steps_per_split, body, jnp.zeros(shape, jnp.float32))
-    o_ref[0, :] = jnp.sum(acc, axis=0) if deferred else acc
-
-
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
 
@@ -139,10 +102,10 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
-    # Rows: one row on the CUDA cores (``_int4_row_kernel``), else the smallest tensor-core
-    # tile holding the step's tokens.
-    rows = 1 if m == 1 and tiles.row_kernel else 16 if m <= 16 else INT4_GEMV_ROWS
-    kernel = _int4_row_kernel if rows == 1 else _int4_kernel
+    if m <= tiles.word_rows:
+        return word_gemv(x, q, scale, zero, bits=4, offset=0, flip=0, interpret=interpret,
+                         tiles=tiles.word).astype(out_dtype)
+    rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them
     block_n = tiles.block_n
     groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
@@ -155,7 +118,7 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     sp = jnp.pad(scale, ((0, 0), (0, np_ - n)))
     zp = jnp.pad(zero, ((0, 0), (0, np_ - n)))
     partial = pl.pallas_call(
-        functools.partial(kernel, group=group, groups_per_step=groups_per_step,
+        functools.partial(_int4_kernel, group=group, groups_per_step=groups_per_step,
                           steps_per_split=steps // splits),
         grid=(mp // rows, col_blocks, splits),
         in_specs=[pl.BlockSpec((rows, k), lambda i, j, t: (i, 0)),

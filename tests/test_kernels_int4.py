@@ -39,11 +39,11 @@ def test_int4_matmul_equals_reference(m, k, n, group, dtype):
     np.testing.assert_allclose(got, want, **tol)
 
 
-@pytest.mark.parametrize("m", [1, 3])  # one row: the multiply-add kernel; three: the dot
+@pytest.mark.parametrize("m", [1, 5])  # one row: word_gemv (unless word_rows=0); five: the dot
 @pytest.mark.parametrize("tiles", [
     Int4Tiles(block_n=256, step_rows=256, target_programs=64, num_warps=8, num_stages=4),
     Int4Tiles(block_n=64, step_rows=32, target_programs=2048, num_warps=2, num_stages=2),
-    Int4Tiles(row_kernel=False),  # one row through the dot kernel
+    Int4Tiles(word_rows=0),  # few rows through the dot kernel
 ])
 def test_int4_matmul_tilings_equal_the_reference(tiles, m):
     """The tilings ``scripts/bench_int4.py`` sweeps: wider and narrower column blocks, loop
@@ -85,7 +85,7 @@ def test_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
 
     f = jax.jit(lambda x, q, s, z: int4_matmul(x, q, s, z))
     no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for m, k, n, group in ((1, 4096, 6144, 32), (48, 14336, 4096, 128)):
+    for m, k, n, group in ((16, 4096, 6144, 32), (48, 14336, 4096, 128)):  # the dot kernel
         x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
         q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
         s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)

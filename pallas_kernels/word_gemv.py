@@ -1,0 +1,193 @@
+"""Weight-only matmul for a few rows (batch-1 decode) on the CUDA cores, reading the packed
+weight as 32-bit words: the kernel behind ``int8_matmul`` and ``int4_matmul`` up to
+``WORD_ROWS`` rows.
+
+Why words: a byte-typed tile makes Triton load and convert one byte per register, and a
+tensor-core dot pads one row to 16 and moves every dequantized weight into its operand
+layout; both left the int4 / int8 GEMVs at ~20% of the read floor on an H100 (bench/NOTES.md
+r50-r62). Here a weight ``q [R, N]`` of bytes (R byte rows) is read as ``uint32 [R, N / 4]``:
+word ``j`` of a byte row holds columns ``4j .. 4j + 3``, one per byte lane (the reinterpretation
+is free; the bytes do not move).
+
+Why no int-to-float conversion: each field (an 8-bit value, or a 4-bit nibble) is shifted into
+the top mantissa bits of a float32 and or-ed with the exponent of 1.0, giving the float
+``f = 1 + u / 2^bits`` exactly, for two integer instructions (a shift and a fused and-or) and
+no conversion unit. For a group's stored value ``u`` the weight is
+``w = scale * (u + offset) + zero``, so over a group ``g`` of input rows
+
+    sum_k x_k w_k = scale * 2^bits * sum_k x_k f_k + (scale * (offset - 2^bits) + zero) * sum_k x_k
+
+The kernel accumulates ``x * f`` for each group (one multiply-add per weight), then applies the
+group's scale and the ``sum x`` term (``xs``, per group and row, summed by the caller).
+
+Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
+128``, ``offset = -128``, no zero); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the
+low nibble and row ``j + G / 2`` in the high one (``offset = 0``, ``w = scale * v + zero``).
+
+GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import cdiv, gpu_params
+
+WORD_ROWS = 4
+"""Rows (tokens) up to which ``int8_matmul`` / ``int4_matmul`` run this kernel: each row adds
+one multiply-add per weight to the integer work of unpacking it, shared by the rows."""
+
+_ONE = 0x3F800000  # float32 1.0: exponent bits of the floats the fields become
+
+
+@dataclasses.dataclass(frozen=True)
+class WordTiles:
+    """The GPU tiling (``scripts/bench_int4.py`` times it on a device)."""
+
+    block_n: int = 256  # output columns per program (block_n / 4 words per byte row)
+    sub_rows: int = 16  # byte rows per load (a divisor of a group's byte rows)
+    step_rows: int = 128  # input rows per loop iteration (whole groups, unrolled)
+    target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
+                        *, bits: int, offset: int, flip: int) -> jax.Array:
+    """``word_gemv`` in plain jnp: the fields of ``q [K * bits / 8, N]`` unpacked to their
+    input rows (field ``i`` of a group's byte row ``j`` is the group's row ``i * G * bits / 8 +
+    j``), dequantized in float32 and multiplied with float32 accumulation: ``[M, N]`` float32."""
+    groups, n = scale.shape
+    u = q.astype(jnp.uint8) ^ jnp.uint8(flip)  # [groups * byte_rows, N]
+    u = u.reshape(groups, 1, -1, n)  # [groups, 1, byte_rows, N]
+    mask = (1 << bits) - 1
+    fields = [(u >> (bits * i)) & mask for i in range(8 // bits)]
+    v = jnp.concatenate(fields, axis=1).astype(jnp.float32)  # [groups, fields, byte_rows, N]
+    w = (v.reshape(groups, -1, n) + offset) * scale[:, None].astype(jnp.float32)
+    if zero is not None:
+        w = w + zero[:, None].astype(jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), w.reshape(-1, n), precision=lax.Precision.HIGHEST)
+
+
+def _field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
+    """The ``bits``-wide field that ``shift`` (left if positive) moves to the top of a float32
+    mantissa, as the float ``1 + field / 2^bits``: words ``uint32 [...]`` to float32 ``[...]``."""
+    moved = (lax.shift_left(w, jnp.uint32(shift)) if shift >= 0
+             else lax.shift_right_logical(w, jnp.uint32(-shift)))
+    mask = ((1 << bits) - 1) << (23 - bits)
+    return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
+
+
+def _word_kernel(x_ref, xs_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int,
+                 group: int, sub: int, groups_per_step: int, steps_per_split: int) -> None:
+    """One ``[rows, block_n]`` float32 partial over this program's split of K.
+
+    x_ref ``[rows, K]`` float32; xs_ref ``[rows, K / G]`` float32 (x summed per group);
+    q_ref ``[R, block_n / 4]`` uint32 words; s_ref and, for a format with zeros, z_ref
+    ``[K / G, block_n]``; o_ref ``[rows, block_n]``.
+    """
+    z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    rows = x_ref.shape[0]
+    words = q_ref.shape[1]
+    split = pl.program_id(1)
+    byte_rows = group * bits // 8  # byte rows per group
+    fields = 8 // bits  # fields per byte: field i holds group rows i * byte_rows + j
+    lanes = [(c, i) for c in range(4) for i in range(fields)]  # (byte lane, field)
+    f32 = jnp.float32
+
+    def body(step, acc):  # acc[r][c]: [sub, words] float32
+        acc = [list(a) for a in acc]
+        first = (split * steps_per_split + step) * groups_per_step
+        for j in range(groups_per_step):  # unrolled: independent loads in flight together
+            g = first + j
+            d = [[None] * 4 for _ in range(rows)]  # this group's sum of x * f
+            for t in range(byte_rows // sub):
+                w = q_ref[pl.ds(g * byte_rows + t * sub, sub), :]  # [sub, words] uint32
+                if flip:
+                    w = w ^ jnp.uint32(flip * 0x01010101)
+                xv = [[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)][:, None]
+                       for i in range(fields)] for r in range(rows)]  # [sub, 1] each
+                for c, i in lanes:
+                    f = _field_as_float(w, 23 - bits - (8 * c + bits * i), bits)
+                    for r in range(rows):
+                        p = xv[r][i] * f
+                        d[r][c] = p if d[r][c] is None else d[r][c] + p
+            for c in range(4):
+                cols = pl.ds(c, words, stride=4)  # the columns of byte lane c
+                s = s_ref[pl.ds(g, 1), cols].astype(f32)  # [1, words]
+                const = s * float(offset - (1 << bits))
+                if z_ref is not None:
+                    const = const + z_ref[pl.ds(g, 1), cols].astype(f32)
+                for r in range(rows):
+                    xs = xs_ref[pl.ds(r, 1), pl.ds(g, 1)]  # [1, 1]
+                    # The per-group constant is spread over the sub rows (sub: a power of two,
+                    # so the division is exact) and summed with them at the end.
+                    acc[r][c] = (acc[r][c] + (s * float(1 << bits)) * d[r][c]
+                                 + const * (xs / sub))
+        return acc
+
+    init = [[jnp.zeros((sub, words), f32) for _ in range(4)] for _ in range(rows)]
+    acc = lax.fori_loop(0, steps_per_split, body, init)
+    for r in range(rows):
+        for c in range(4):
+            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = jnp.sum(acc[r][c], axis=0)[None, :]
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles"))
+def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
+              bits: int, offset: int, flip: int, interpret: bool, tiles: WordTiles
+              ) -> jax.Array:
+    """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
+    N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
+    ``[K / G, N]``: ``[M, N]`` float32. Callers check the operands (``int8_matmul``,
+    ``int4_matmul``); ``G * bits / 8`` must be a multiple of ``tiles.sub_rows``."""
+    m, k = x.shape
+    groups, n = scale.shape
+    group = k // groups
+    byte_rows = group * bits // 8
+    sub = min(tiles.sub_rows, byte_rows)
+    block_n = min(tiles.block_n, cdiv(n, 4) * 4)
+    col_blocks = cdiv(n, block_n)
+    np_ = col_blocks * block_n
+    groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
+    steps = groups // groups_per_step
+    splits = _largest_divisor(steps, tiles.target_programs // col_blocks)
+    if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
+        q = jnp.pad(q, ((0, 0), (0, np_ - n)))
+        scale = jnp.pad(scale, ((0, 0), (0, np_ - n)))
+        zero = None if zero is None else jnp.pad(zero, ((0, 0), (0, np_ - n)))
+    words = lax.bitcast_convert_type(q.reshape(q.shape[0], np_ // 4, 4), jnp.uint32)
+    xf = x.astype(jnp.float32)
+    xs = jnp.sum(xf.reshape(m, groups, group), axis=2)  # [M, K / G]
+    specs = [pl.BlockSpec((m, k), lambda j, t: (0, 0)),
+             pl.BlockSpec((m, groups), lambda j, t: (0, 0)),
+             pl.BlockSpec((q.shape[0], block_n // 4), lambda j, t: (0, j)),
+             pl.BlockSpec((groups, block_n), lambda j, t: (0, j))]
+    operands = [xf, xs, words, scale]
+    if zero is not None:
+        specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
+        operands.append(zero)
+    kernel = functools.partial(
+        _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
+        groups_per_step=groups_per_step, steps_per_split=steps // splits)
+    partial = pl.pallas_call(
+        kernel,
+        grid=(col_blocks, splits),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((None, m, block_n), lambda j, t: (t, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, m, np_), jnp.float32),
+        compiler_params=gpu_params(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name=f"jaxinfer_word_gemv_{bits}bit",
+    )(*operands)
+    return jnp.sum(partial, axis=0)[:, :n]

@@ -1,0 +1,114 @@
+"""pallas_kernels.word_gemv (Pallas interpreter on CPU): the few-row weight-only kernel behind
+int8_matmul and int4_matmul, against its jnp reference and against the two formats'
+dequantize-then-matmul references, over row counts, tilings, group sizes and odd column
+counts; and its lowering for a GPU at 8B shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
+from pallas_kernels.matmul import int8_matmul, int8_matmul_reference
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv, word_gemv_reference
+
+INT4 = dict(bits=4, offset=0, flip=0)
+INT8 = dict(bits=8, offset=-128, flip=0x80)
+
+
+def _int4(m, k, n, group, seed):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    q = jnp.asarray(rng.integers(0, 256, size=(k // 2, n)), jnp.uint8)
+    scale = jnp.asarray(rng.random((k // group, n)) * 0.02, jnp.float16)
+    zero = jnp.asarray(-rng.random((k // group, n)) * 0.15, jnp.float16)
+    return x, q, scale, zero
+
+
+def _int8(m, k, n, seed):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    q = jnp.asarray(rng.integers(-128, 128, size=(k, n)), jnp.int8)
+    scale = jnp.asarray(rng.random((k // 64, n)) * 0.02, jnp.float32)
+    return x, q, scale
+
+
+@pytest.mark.parametrize("m, k, n, group", [(1, 256, 200, 32), (2, 512, 256, 128),
+                                            (WORD_ROWS, 384, 132, 64), (3, 1024, 36, 32)])
+def test_int4_word_kernel_equals_the_format_reference(m, k, n, group):
+    """Every row count up to WORD_ROWS, columns that fill no block, one to 32 groups."""
+    x, q, scale, zero = _int4(m, k, n, group, seed=m + k + n)
+    got = int4_matmul(x, q, scale, zero, out_dtype=jnp.float32, interpret=True)
+    want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(word_gemv_reference(x, q, scale, zero, **INT4), want,
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 2, WORD_ROWS])
+def test_int8_word_kernel_equals_the_format_reference(m):
+    x, q, scale = _int8(m, 512, 260, seed=m)
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True)
+    want = int8_matmul_reference(x, q, scale, out_dtype=jnp.float32)
+    # float32 sums of values up to ~127 * 0.02 over 512 rows: a few ulps of ~40.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-4)
+    np.testing.assert_allclose(word_gemv_reference(x, q, scale, None, **INT8), want,
+                               rtol=1e-5, atol=2e-4)
+    # The tensor-core path (word=None) is the same product.
+    np.testing.assert_allclose(int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True,
+                                           word=None), want, rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("tiles", [
+    WordTiles(block_n=64, sub_rows=8, step_rows=32, target_programs=4096, num_warps=2),
+    WordTiles(block_n=512, sub_rows=32, step_rows=512, target_programs=8, num_warps=8,
+              num_stages=4),
+])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_word_tilings_equal_the_reference(tiles, fmt):
+    """The tilings ``scripts/bench_int4.py`` times: narrow and wide column blocks, loads of a
+    part of a group or several groups per loop step, many or few K splits."""
+    if fmt == "int4":
+        x, q, scale, zero = _int4(2, 1024, 300, 64, seed=7)
+        kw = INT4
+    else:
+        (x, q, scale), zero, kw = _int8(2, 1024, 300, seed=7), None, INT8
+    got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **kw)
+    np.testing.assert_allclose(got, word_gemv_reference(x, q, scale, zero, **kw),
+                               rtol=1e-5, atol=2e-4)
+
+
+def test_more_rows_take_the_tensor_core_kernel():
+    """Past WORD_ROWS (and with word_rows=0) int4_matmul runs its dot kernel: same product."""
+    x, q, scale, zero = _int4(WORD_ROWS + 1, 256, 64, 32, seed=1)
+    want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
+    for tiles in (Int4Tiles(), Int4Tiles(word_rows=0)):
+        got = int4_matmul(x[:2], q, scale, zero, out_dtype=jnp.float32, interpret=True,
+                          tiles=tiles)
+        np.testing.assert_allclose(got, want[:2], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(int4_matmul(x, q, scale, zero, out_dtype=jnp.float32,
+                                           interpret=True), want, rtol=1e-5, atol=1e-4)
+
+
+def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
+    """Lowering for a GPU (through jax.export on this CPU machine) runs every Pallas Triton
+    rule the kernel needs: the uint32 reinterpretation, shifts, float bitcasts, strided loads
+    of the scales and strided stores of the result."""
+    from jax import export
+
+    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for m, k, n, group in ((2, 4096, 6144, 128), (1, 14336, 4096, 32)):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
+        s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
+        exported = export.export(jax.jit(int4_matmul), platforms=["cuda"],
+                                 disabled_checks=no_check)(x, q, s, s)
+        assert "jaxinfer_word_gemv_4bit" in exported.mlir_module()
+    q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
+    s8 = jax.ShapeDtypeStruct((64, 6144), jnp.float32)
+    x = jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16)
+    exported = export.export(jax.jit(int8_matmul), platforms=["cuda"],
+                             disabled_checks=no_check)(x, q8, s8)
+    assert "jaxinfer_word_gemv_8bit" in exported.mlir_module()
