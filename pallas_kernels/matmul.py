@@ -22,7 +22,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -175,13 +174,10 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "word"))
-def _int8_jit(x, q, scale, *, out_dtype, interpret, word):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _int8_jit(x, q, scale, *, out_dtype, interpret):
     m, k = x.shape
     n = q.shape[1]
-    if word is not None and m <= WORD_ROWS:
-        return word_gemv(x, q, scale, None, bits=8, offset=-128, flip=0x80, interpret=interpret,
-                         tiles=word).astype(out_dtype)
     k_blocks = k // BLOCK_K
     if m <= GEMV_ROWS:
         # Decode rows: one row tile (the smallest tensor-core tile that holds them), and K
@@ -212,14 +208,15 @@ def _int8_jit(x, q, scale, *, out_dtype, interpret, word):
 
 
 def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
-                out_dtype: jnp.dtype | None = None, interpret: bool = False,
-                word: WordTiles | None = WordTiles()) -> jax.Array:  # noqa: B008 - frozen
+                out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for an int8 weight ``q [K, N]`` with one scale per ``BLOCK_K`` (64)
     rows and column, ``scale [K / 64, N]``: the weight is dequantized tile by tile inside the
-    kernel, so only int8 bytes (and the scales) are read from memory. Up to ``WORD_ROWS``
-    rows run ``pallas_kernels.word_gemv`` with the tiling ``word`` (None: never, for
-    benchmarks); up to ``GEMV_ROWS`` rows (decode) a tensor-core kernel that also splits K
-    over programs; more rows 64 x 64 output tiles."""
+    kernel, so only int8 bytes (and the scales) are read from memory. Up to ``GEMV_ROWS``
+    rows (decode) also split K over programs; more rows run 64 x 64 output tiles.
+
+    Decode rows stay on this tensor-core kernel: ``pallas_kernels.word_gemv`` reads int8 too,
+    but ran slower on an H100 (per 8B layer at one / two rows 174 / 255 us against 161 / 160,
+    bench/NOTES.md r64)."""
     check(x.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {x.shape} @ "
           f"{q.shape}")
     check(q.dtype == jnp.int8, f"q must be int8, got {q.dtype}")
@@ -228,5 +225,4 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
           f"int8_matmul needs K a multiple of {BLOCK_K} and scale [K / {BLOCK_K}, N]; got x "
           f"{x.shape}, q {q.shape}, scale {scale.shape}")
     check_dtype("x", x)
-    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret,
-                     word=word)
+    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret)

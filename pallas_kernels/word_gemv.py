@@ -1,6 +1,7 @@
 """Weight-only matmul for a few rows (batch-1 decode) on the CUDA cores, reading the packed
-weight as 32-bit words: the kernel behind ``int8_matmul`` and ``int4_matmul`` up to
-``WORD_ROWS`` rows.
+weight as 32-bit words: the kernel behind ``int4_matmul`` up to ``WORD_ROWS`` rows. It reads
+the int8 format too; ``int8_matmul`` does not use it (slower than its tensor-core kernel on an
+H100, bench/NOTES.md r64).
 
 Why words: a byte-typed tile makes Triton load and convert one byte per register, and a
 tensor-core dot pads one row to 16 and moves every dequantized weight into its operand
@@ -40,8 +41,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import cdiv, gpu_params
 
 WORD_ROWS = 4
-"""Rows (tokens) up to which ``int8_matmul`` / ``int4_matmul`` run this kernel: each row adds
-one multiply-add per weight to the integer work of unpacking it, shared by the rows."""
+"""Rows (tokens) up to which ``int4_matmul`` runs this kernel: each row adds one multiply-add
+per weight to the integer work of unpacking it, shared by the rows."""
 
 _ONE = 0x3F800000  # float32 1.0: exponent bits of the floats the fields become
 
@@ -50,7 +51,8 @@ _ONE = 0x3F800000  # float32 1.0: exponent bits of the floats the fields become
 class WordTiles:
     """The GPU tiling (``scripts/bench_int4.py`` times it on a device)."""
 
-    block_n: int = 256  # output columns per program (block_n / 4 words per byte row)
+    block_n: int = 0  # output columns per program (0: 256 for groups of up to 64 rows, else
+    # 128, the faster of the two for each at two rows on an H100, bench/NOTES.md r64)
     sub_rows: int = 16  # byte rows per load (a divisor of a group's byte rows)
     step_rows: int = 128  # input rows per loop iteration (whole groups, unrolled)
     target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
@@ -156,7 +158,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     group = k // groups
     byte_rows = group * bits // 8
     sub = min(tiles.sub_rows, byte_rows)
-    block_n = min(tiles.block_n, cdiv(n, 4) * 4)
+    block_n = min(tiles.block_n or (256 if group <= 64 else 128), cdiv(n, 4) * 4)
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     groups_per_step = _largest_divisor(groups, tiles.step_rows // group)

@@ -1,5 +1,6 @@
 """Time the int4 GEMV kernels on a GPU: the bandwidth each kernel and tiling reaches on the
-weight shapes of an 8B model's layer at batch 1.
+weight shapes of an 8B model's layer at batch 1 (one and two rows: the engine decodes a lone
+request in a two-row call).
 
 Usage: ``PYTHONPATH=. python scripts/bench_int4.py --json bench/results/<device>/int4.json``
 
@@ -8,10 +9,10 @@ float16 scales and zeros once; at the measured read bandwidth (3.0 TB/s on an H1
 the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) is checked
 against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
 program that calls the kernel ``--calls`` times (random inputs, warmed up). By default it
-compares the default tiling (one row: the multiply-add kernel) with the tensor-core dot
-kernel on every shape and both group sizes. ``--sweep`` also sweeps tilings: stage 1 the
-column block, loop step and split count over the largest shapes; stage 2 warps and pipeline
-stages for the best few on every shape. A record for bench/NOTES.md, not a test.
+compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows) with the
+tensor-core dot kernel (``word_rows=0``) on every shape, both group sizes and each of
+``--rows``. ``--sweep`` also times ``word_gemv`` tilings (column block, rows per load, warps)
+at two rows on the two largest shapes. A record for bench/NOTES.md, not a test.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import functools
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
+from pallas_kernels.word_gemv import WordTiles
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -36,10 +39,10 @@ SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
 
 
 @functools.cache
-def operands(k: int, n: int, group: int, seed: int = 0) -> tuple[jax.Array, ...]:
-    """Random ``x [1, K]`` bf16, ``q [K / 2, N]`` uint8, ``scale``/``zero [K / G, N]`` fp16."""
+def operands(m: int, k: int, n: int, group: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Random ``x [M, K]`` bf16, ``q [K / 2, N]`` uint8, ``scale``/``zero [K / G, N]`` fp16."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(1, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     q = jnp.asarray(rng.integers(0, 256, size=(k // 2, n), dtype=np.uint8))
     scale = jnp.asarray(rng.random((k // group, n)) * 0.02, jnp.float16)
     zero = jnp.asarray(-rng.random((k // group, n)) * 0.15, jnp.float16)
@@ -80,18 +83,18 @@ def max_error(ops: tuple[jax.Array, ...], tiles: Int4Tiles) -> float:
     return float(jnp.max(jnp.abs(got - want)))
 
 
-def measure(name: str, k: int, n: int, group: int, tiles: Int4Tiles, read_tbps: float,
+def measure(name: str, m: int, k: int, n: int, group: int, tiles: Int4Tiles, read_tbps: float,
             calls: int, repeats: int) -> dict:
-    """One shape and tiling: time, bandwidth, fraction of the floor, error."""
-    ops = operands(k, n, group)
+    """One row count, shape and tiling: time, bandwidth, fraction of the floor, error."""
+    ops = operands(m, k, n, group)
     err = max_error(ops, tiles)
     s = time_tiles(ops, tiles, calls, repeats)
     nbytes = weight_bytes(*ops[1:])
     floor_s = nbytes / (read_tbps * 1e12)
-    row = dict(shape=name, k=k, n=n, group=group, tiles=tiles.__dict__, us=s * 1e6,
+    row = dict(shape=name, rows=m, k=k, n=n, group=group, tiles=str(tiles), us=s * 1e6,
                tbps=nbytes / s / 1e12, fraction_of_floor=floor_s / s, floor_us=floor_s * 1e6,
                max_abs_error=err)
-    print(f"{name:8s} g{group:<4d} {tiles}  {s * 1e6:8.1f} us  {row['tbps']:5.2f} TB/s  "
+    print(f"{name:8s} m{m} g{group:<4d} {tiles}  {s * 1e6:8.1f} us  {row['tbps']:5.2f} TB/s  "
           f"{row['fraction_of_floor']:6.1%} of floor  err {err:.3g}", flush=True)
     return row
 
@@ -102,43 +105,35 @@ def main() -> None:
     ap.add_argument("--read-tbps", type=float, default=3.0, help="measured read bandwidth")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sweep", action="store_true", help="also sweep tilings (slow)")
-    ap.add_argument("--top", type=int, default=2, help="stage-1 tilings taken to stage 2")
+    ap.add_argument("--rows", default="1,2", help="row counts to time")
+    ap.add_argument("--sweep", action="store_true", help="also time word_gemv tilings (slow)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
-    def layer(tiles: Int4Tiles) -> list[dict]:
-        return [measure(nm, k, n, g, tiles, args.read_tbps, args.calls, args.repeats)
-                for g in (32, 128) for nm, k, n in SHAPES_8B]
+    def layer(tiles: Int4Tiles, m: int, shapes=SHAPES_8B, groups=(32, 128)) -> dict:
+        rows = [measure(nm, m, k, n, g, tiles, args.read_tbps, args.calls, args.repeats)
+                for g in groups for nm, k, n in shapes]
+        floor = {g: sum(r["floor_us"] for r in rows if r["group"] == g) for g in groups}
+        us = {g: sum(r["us"] for r in rows if r["group"] == g) for g in groups}
+        print(f"layer, {m} row(s): " + ", ".join(
+            f"g{g} {us[g]:.1f} us ({floor[g] / us[g]:.1%} of floor)" for g in groups)
+            + f"  {tiles}", flush=True)
+        return dict(tiles=str(tiles), rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
-    candidates = [dict(tiles=t.__dict__, rows=layer(t))
-                  for t in (Int4Tiles(), Int4Tiles(row_kernel=False))]
-    stage1 = []
+    candidates = [layer(t, m) for m in map(int, args.rows.split(","))
+                  for t in (Int4Tiles(), Int4Tiles(word_rows=0))]
+    sweep = []
     if args.sweep:
-        for block_n, step_rows, programs in itertools.product(
-                (64, 128, 256), (64, 128, 256), (264, 528, 1056)):
-            tiles = Int4Tiles(block_n=block_n, step_rows=step_rows, target_programs=programs)
-            rows = [measure(nm, k, n, 32, tiles, args.read_tbps, args.calls, args.repeats)
-                    for nm, k, n in SHAPES_8B if nm in ("gate_up", "down")]
-            stage1.append(dict(tiles=tiles.__dict__, us=sum(r["us"] for r in rows), rows=rows))
-        stage1.sort(key=lambda r: r["us"])
-        for base, warps, stages in itertools.product(stage1[: args.top], (4, 8), (2, 3, 4)):
-            tiles = Int4Tiles(**{**base["tiles"], "num_warps": warps, "num_stages": stages})
-            candidates.append(dict(tiles=tiles.__dict__, rows=layer(tiles)))
-    floor_us = {g: sum(r["floor_us"] for r in candidates[0]["rows"] if r["group"] == g)
-                for g in (32, 128)}
-    for c in candidates:
-        c["layer_us"] = {g: sum(r["us"] for r in c["rows"] if r["group"] == g)
-                         for g in (32, 128)}
-        print(f"layer: g32 {c['layer_us'][32]:.1f} us ({floor_us[32] / c['layer_us'][32]:.1%} "
-              f"of floor), g128 {c['layer_us'][128]:.1f} us "
-              f"({floor_us[128] / c['layer_us'][128]:.1%})  {c['tiles']}")
-    best = min(candidates, key=lambda c: c["layer_us"][32] + c["layer_us"][128])
+        big = [s for s in SHAPES_8B if s[0] in ("gate_up", "down")]
+        for block_n, sub, warps in itertools.product((128, 256, 512), (16, 32), (4, 8)):
+            tiles = Int4Tiles(word=WordTiles(block_n=block_n, sub_rows=sub, num_warps=warps))
+            sweep.append(layer(tiles, 2, big))
+        sweep.sort(key=lambda c: sum(c["layer_us"].values()))
     record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
-                  candidates=candidates, stage1=stage1, best=best, layer_floor_us=floor_us)
+                  command="python " + " ".join(sys.argv), candidates=candidates, sweep=sweep)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1))

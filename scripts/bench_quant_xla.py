@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import int4_matmul, int8_matmul
+from pallas_kernels.int4_matmul import Int4Tiles
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_int4 import SHAPES_8B  # noqa: E402 - the sibling script, importable once its folder is on the path
@@ -145,6 +147,9 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
     # name: (make, apply, largest M it runs; 0: any)
     "bf16": (make_bf16, lambda x, w: x @ w["w"], 0),
     "int8_g64_kernel": (make_int8(64), lambda x, w: int8_matmul(x, w["q"], w["s"]), 64),
+    "int8_g64_word": (make_int8(64), lambda x, w: word_gemv(
+        x, w["q"], w["s"], None, bits=8, offset=-128, flip=0x80, interpret=False,
+        tiles=WordTiles()).astype(x.dtype), WORD_ROWS),
     "int8_g64_xla_dequant": (make_int8(64), lambda x, w: x @ _grouped_dequant(w["q"], w["s"]), 0),
     "int8_g64_xla_batched": (make_int8(64), lambda x, w: _grouped_batched(x, w["q"], w["s"]), 0),
     "int8_channel_xla": (make_int8(0), lambda x, w: (
@@ -153,6 +158,8 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
     "int4_g128_kernel": (make_uint4(128), lambda x, w: int4_matmul(x, w["q"], w["s"], w["z"]),
                          64),
     "int4_g32_kernel": (make_uint4(32), lambda x, w: int4_matmul(x, w["q"], w["s"], w["z"]), 64),
+    "int4_g128_tensorcore": (make_uint4(128), lambda x, w: int4_matmul(
+        x, w["q"], w["s"], w["z"], tiles=Int4Tiles(word_rows=0)), 64),
     "int4_g128_xla_u8": (make_uint4(128), apply_u4_xla, 0),
     "s4_g128_xla_dequant": (make_s4(128), lambda x, w: x @ _grouped_dequant(w["q"], w["s"],
                                                                              w["z"]), 0),

@@ -1,7 +1,7 @@
 """pallas_kernels.word_gemv (Pallas interpreter on CPU): the few-row weight-only kernel behind
-int8_matmul and int4_matmul, against its jnp reference and against the two formats'
-dequantize-then-matmul references, over row counts, tilings, group sizes and odd column
-counts; and its lowering for a GPU at 8B shapes."""
+int4_matmul (it reads the int8 format too), against its jnp reference and against the two
+formats' dequantize-then-matmul references, over row counts, tilings, group sizes and odd
+column counts; and its lowering for a GPU at 8B shapes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
-from pallas_kernels.matmul import int8_matmul, int8_matmul_reference
+from pallas_kernels.matmul import int8_matmul_reference
 from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv, word_gemv_reference
 
 INT4 = dict(bits=4, offset=0, flip=0)
@@ -50,18 +50,16 @@ def test_int4_word_kernel_equals_the_format_reference(m, k, n, group):
 @pytest.mark.parametrize("m", [1, 2, WORD_ROWS])
 def test_int8_word_kernel_equals_the_format_reference(m):
     x, q, scale = _int8(m, 512, 260, seed=m)
-    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True)
+    got = word_gemv(x, q, scale, None, interpret=True, tiles=WordTiles(), **INT8)
     want = int8_matmul_reference(x, q, scale, out_dtype=jnp.float32)
     # float32 sums of values up to ~127 * 0.02 over 512 rows: a few ulps of ~40.
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-4)
     np.testing.assert_allclose(word_gemv_reference(x, q, scale, None, **INT8), want,
                                rtol=1e-5, atol=2e-4)
-    # The tensor-core path (word=None) is the same product.
-    np.testing.assert_allclose(int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True,
-                                           word=None), want, rtol=1e-5, atol=2e-4)
 
 
 @pytest.mark.parametrize("tiles", [
+    WordTiles(),  # the default: 256 columns for groups of 64 rows
     WordTiles(block_n=64, sub_rows=8, step_rows=32, target_programs=4096, num_warps=2),
     WordTiles(block_n=512, sub_rows=32, step_rows=512, target_programs=8, num_warps=8,
               num_stages=4),
@@ -109,6 +107,7 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
     q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
     s8 = jax.ShapeDtypeStruct((64, 6144), jnp.float32)
     x = jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16)
-    exported = export.export(jax.jit(int8_matmul), platforms=["cuda"],
-                             disabled_checks=no_check)(x, q8, s8)
+    f = jax.jit(lambda x, q, s: word_gemv(x, q, s, None, interpret=False, tiles=WordTiles(),
+                                          **INT8))
+    exported = export.export(f, platforms=["cuda"], disabled_checks=no_check)(x, q8, s8)
     assert "jaxinfer_word_gemv_8bit" in exported.mlir_module()
