@@ -104,7 +104,7 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     group = k // groups
     if m <= tiles.word_rows:
         return word_gemv(x, q, scale, zero, bits=4, offset=0, flip=0, interpret=interpret,
-                         tiles=tiles.word).astype(out_dtype)
+                         tiles=tiles.word, out_dtype=out_dtype)
     rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them
     block_n = tiles.block_n
     groups_per_step = _largest_divisor(groups, tiles.step_rows // group)

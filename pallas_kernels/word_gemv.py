@@ -19,7 +19,7 @@ no conversion unit. For a group's stored value ``u`` the weight is
     sum_k x_k w_k = scale * 2^bits * sum_k x_k f_k + (scale * (offset - 2^bits) + zero) * sum_k x_k
 
 The kernel accumulates ``x * f`` for each group (one multiply-add per weight), then applies the
-group's scale and the ``sum x`` term (``xs``, per group and row, summed by the caller).
+group's scale and the ``sum x`` term.
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, gpu_params
+from pallas_kernels._common import cdiv, gpu_params, next_pow2
 
 WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` runs this kernel: each row adds one multiply-add
@@ -86,13 +86,15 @@ def _field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
-def _word_kernel(x_ref, xs_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int,
-                 group: int, sub: int, groups_per_step: int, steps_per_split: int) -> None:
-    """One ``[rows, block_n]`` float32 partial over this program's split of K.
+def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
+                 sub: int, groups_per_step: int, steps_per_split: int) -> None:
+    """One ``[rows, block_n]`` partial over this program's split of K (the result itself,
+    in its dtype, when K is not split).
 
-    x_ref ``[rows, K]`` float32; xs_ref ``[rows, K / G]`` float32 (x summed per group);
-    q_ref ``[R, block_n / 4]`` uint32 words; s_ref and, for a format with zeros, z_ref
-    ``[K / G, block_n]``; o_ref ``[rows, block_n]``.
+    x_ref ``[rows, K]``; q_ref ``[R, block_n / 4]`` uint32 words; s_ref and, for a format
+    with zeros, z_ref ``[K / G, block_n]``; o_ref ``[rows, block_n]``. Everything is done
+    here, so a call is this one kernel plus, when K is split, the sum of the partials: at a
+    few rows each extra XLA op around it was a launch-bound kernel.
     """
     z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows = x_ref.shape[0]
@@ -109,12 +111,17 @@ def _word_kernel(x_ref, xs_ref, q_ref, s_ref, *refs, bits: int, offset: int, fli
         for j in range(groups_per_step):  # unrolled: independent loads in flight together
             g = first + j
             d = [[None] * 4 for _ in range(rows)]  # this group's sum of x * f
+            x_sum = [None] * rows  # [sub, 1]: summed over the group's loads and fields
             for t in range(byte_rows // sub):
                 w = q_ref[pl.ds(g * byte_rows + t * sub, sub), :]  # [sub, words] uint32
                 if flip:
                     w = w ^ jnp.uint32(flip * 0x01010101)
-                xv = [[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)][:, None]
-                       for i in range(fields)] for r in range(rows)]  # [sub, 1] each
+                xv = [[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
+                       .astype(f32)[:, None] for i in range(fields)]
+                      for r in range(rows)]  # [sub, 1] each
+                for r in range(rows):
+                    for v in xv[r]:
+                        x_sum[r] = v if x_sum[r] is None else x_sum[r] + v
                 for c, i in lanes:
                     f = _field_as_float(w, 23 - bits - (8 * c + bits * i), bits)
                     for r in range(rows):
@@ -127,38 +134,38 @@ def _word_kernel(x_ref, xs_ref, q_ref, s_ref, *refs, bits: int, offset: int, fli
                 if z_ref is not None:
                     const = const + z_ref[pl.ds(g, 1), cols].astype(f32)
                 for r in range(rows):
-                    xs = xs_ref[pl.ds(r, 1), pl.ds(g, 1)]  # [1, 1]
-                    # The per-group constant is spread over the sub rows (sub: a power of two,
-                    # so the division is exact) and summed with them at the end.
-                    acc[r][c] = (acc[r][c] + (s * float(1 << bits)) * d[r][c]
-                                 + const * (xs / sub))
+                    # Both terms stay [sub, words]: the sum over the sub rows is taken once,
+                    # after the loop, instead of a cross-thread reduction per group.
+                    acc[r][c] = acc[r][c] + (s * float(1 << bits)) * d[r][c] + const * x_sum[r]
         return acc
 
     init = [[jnp.zeros((sub, words), f32) for _ in range(4)] for _ in range(rows)]
     acc = lax.fori_loop(0, steps_per_split, body, init)
     for r in range(rows):
         for c in range(4):
-            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = jnp.sum(acc[r][c], axis=0)[None, :]
+            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
+                jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles"))
+@functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
+                                             "out_dtype"))
 def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-              bits: int, offset: int, flip: int, interpret: bool, tiles: WordTiles
-              ) -> jax.Array:
+              bits: int, offset: int, flip: int, interpret: bool, tiles: WordTiles,
+              out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
     N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
-    ``[K / G, N]``: ``[M, N]`` float32. Callers check the operands (``int8_matmul``,
-    ``int4_matmul``); ``G * bits / 8`` must be a multiple of ``tiles.sub_rows``."""
+    ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
+    operands (``int4_matmul``); ``G * bits / 8`` must be a multiple of ``tiles.sub_rows``."""
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
     byte_rows = group * bits // 8
     sub = min(tiles.sub_rows, byte_rows)
-    block_n = min(tiles.block_n or (256 if group <= 64 else 128), cdiv(n, 4) * 4)
+    block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
@@ -169,13 +176,10 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         scale = jnp.pad(scale, ((0, 0), (0, np_ - n)))
         zero = None if zero is None else jnp.pad(zero, ((0, 0), (0, np_ - n)))
     words = lax.bitcast_convert_type(q.reshape(q.shape[0], np_ // 4, 4), jnp.uint32)
-    xf = x.astype(jnp.float32)
-    xs = jnp.sum(xf.reshape(m, groups, group), axis=2)  # [M, K / G]
     specs = [pl.BlockSpec((m, k), lambda j, t: (0, 0)),
-             pl.BlockSpec((m, groups), lambda j, t: (0, 0)),
              pl.BlockSpec((q.shape[0], block_n // 4), lambda j, t: (0, j)),
              pl.BlockSpec((groups, block_n), lambda j, t: (0, j))]
-    operands = [xf, xs, words, scale]
+    operands = [x, words, scale]
     if zero is not None:
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
@@ -187,9 +191,12 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         grid=(col_blocks, splits),
         in_specs=specs,
         out_specs=pl.BlockSpec((None, m, block_n), lambda j, t: (t, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, m, np_), jnp.float32),
+        # Unsplit: the result in its dtype, no XLA op after the kernel.
+        out_shape=jax.ShapeDtypeStruct((splits, m, np_),
+                                       jnp.float32 if splits > 1 else out_dtype),
         compiler_params=gpu_params(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"jaxinfer_word_gemv_{bits}bit",
     )(*operands)
-    return jnp.sum(partial, axis=0)[:, :n]
+    out = partial[0] if splits == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
+    return out if np_ == n else out[:, :n]

@@ -149,7 +149,7 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
     "int8_g64_kernel": (make_int8(64), lambda x, w: int8_matmul(x, w["q"], w["s"]), 64),
     "int8_g64_word": (make_int8(64), lambda x, w: word_gemv(
         x, w["q"], w["s"], None, bits=8, offset=-128, flip=0x80, interpret=False,
-        tiles=WordTiles()).astype(x.dtype), WORD_ROWS),
+        tiles=WordTiles(), out_dtype=x.dtype), WORD_ROWS),
     "int8_g64_xla_dequant": (make_int8(64), lambda x, w: x @ _grouped_dequant(w["q"], w["s"]), 0),
     "int8_g64_xla_batched": (make_int8(64), lambda x, w: _grouped_batched(x, w["q"], w["s"]), 0),
     "int8_channel_xla": (make_int8(0), lambda x, w: (

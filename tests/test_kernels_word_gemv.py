@@ -78,6 +78,18 @@ def test_word_tilings_equal_the_reference(tiles, fmt):
                                rtol=1e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("programs", [1, 512])  # K whole in one program, or split
+def test_word_kernel_writes_the_output_dtype(programs):
+    """Unsplit, the kernel writes the result in its dtype (no XLA op after it); split, the
+    float32 partials are summed and cast."""
+    x, q, scale, zero = _int4(2, 512, 64, 32, seed=3)
+    got = word_gemv(x.astype(jnp.bfloat16), q, scale, zero, interpret=True,
+                    tiles=WordTiles(target_programs=programs), out_dtype=jnp.bfloat16, **INT4)
+    want = word_gemv_reference(x.astype(jnp.bfloat16), q, scale, zero, **INT4)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=1e-2, atol=1e-2)
+
+
 def test_more_rows_take_the_tensor_core_kernel():
     """Past WORD_ROWS (and with word_rows=0) int4_matmul runs its dot kernel: same product."""
     x, q, scale, zero = _int4(WORD_ROWS + 1, 256, 64, 32, seed=1)
