@@ -8,8 +8,9 @@ row ``j`` holds input row ``j`` (low nibble) and row ``j + G / 2`` (high nibble)
 Q4_0 / Q4_1 order. So a group's low nibbles multiply the first half of the group's slice of
 ``x`` and its high nibbles the second half: two contiguous slices, no interleaving.
 
-Up to ``WORD_ROWS`` rows (batch-1 decode runs two) go to ``pallas_kernels.word_gemv``, which
-reads the packed bytes as 32-bit words and unpacks them on the CUDA cores. More rows run the
+Up to ``WORD_ROWS`` rows (batch-1 decode runs two; one row for groups of 32) go to
+``pallas_kernels.word_gemv``, which reads the packed bytes as 32-bit words and unpacks them on
+the CUDA cores. More rows run the
 tensor-core kernel here: per group it takes ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds
 ``d * scale + sum(x over the group) * zero``, so the scale and zero multiply a ``[rows, N]``
 result instead of every weight. A decode GEMV has too few column blocks to fill a GPU, so,
@@ -46,7 +47,9 @@ class Int4Tiles:
     target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
     num_warps: int = 4
     num_stages: int = 3
-    word_rows: int = WORD_ROWS  # up to this many rows: ``word_gemv`` (0: always the dot)
+    # Up to this many rows ``word_gemv`` runs (0: always the dot); groups of 32 rows only for
+    # one row: at two, the dot kernel was as fast (H100, 8B layer: 252 vs 259 us, r68).
+    word_rows: int = WORD_ROWS
     word: WordTiles = WordTiles()  # ``word_gemv``'s tiling
 
 
@@ -102,7 +105,7 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
-    if m <= tiles.word_rows:
+    if m <= (tiles.word_rows if group > 32 else min(tiles.word_rows, 1)):
         return word_gemv(x, q, scale, zero, bits=4, offset=0, flip=0, interpret=interpret,
                          tiles=tiles.word, out_dtype=out_dtype)
     rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them

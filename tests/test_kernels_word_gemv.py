@@ -91,7 +91,8 @@ def test_word_kernel_writes_the_output_dtype(programs):
 
 
 def test_more_rows_take_the_tensor_core_kernel():
-    """Past WORD_ROWS (and with word_rows=0) int4_matmul runs its dot kernel: same product."""
+    """Past WORD_ROWS (and with word_rows=0) int4_matmul runs its dot kernel: same product.
+    Groups of 32 take the word kernel for one row only."""
     x, q, scale, zero = _int4(WORD_ROWS + 1, 256, 64, 32, seed=1)
     want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
     for tiles in (Int4Tiles(), Int4Tiles(word_rows=0)):
@@ -100,6 +101,16 @@ def test_more_rows_take_the_tensor_core_kernel():
         np.testing.assert_allclose(got, want[:2], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(int4_matmul(x, q, scale, zero, out_dtype=jnp.float32,
                                            interpret=True), want, rtol=1e-5, atol=1e-4)
+
+    def kernels(m, group):
+        xs = jax.ShapeDtypeStruct((m, 256), jnp.float32)
+        s = jax.ShapeDtypeStruct((256 // group, 64), jnp.float16)
+        text = str(jax.make_jaxpr(lambda x, s, z: int4_matmul(x, q, s, z, interpret=True))(
+            xs, s, s))
+        return "word" if "name=word_gemv" in text else "dot"
+
+    assert [kernels(1, 32), kernels(2, 32), kernels(2, 64), kernels(WORD_ROWS + 1, 64)] == [
+        "word", "dot", "word", "dot"]
 
 
 def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
