@@ -39,6 +39,11 @@ def cdiv(a: Any, b: int) -> Any:
     return (a + b - 1) // b
 
 
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``at_most`` (at least 1)."""
+    return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
+
+
 def check(cond: bool, msg: str) -> None:
     """Raise a one-line ValueError when `cond` is false (argument validation)."""
     if not cond:

@@ -10,12 +10,11 @@ Q4_0 / Q4_1 order. So a group's low nibbles multiply the first half of the group
 
 Up to ``WORD_ROWS`` rows (batch-1 decode runs two; one row for groups of 32) go to
 ``pallas_kernels.word_gemv``, which reads the packed bytes as 32-bit words and unpacks them on
-the CUDA cores. More rows run the
-tensor-core kernel here: per group it takes ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds
-``d * scale + sum(x over the group) * zero``, so the scale and zero multiply a ``[rows, N]``
-result instead of every weight. A decode GEMV has too few column blocks to fill a GPU, so,
-like ``pallas_kernels.int8_matmul``'s decode path, K is also split over programs, each
-writing a float32 partial that is summed afterwards.
+the CUDA cores. More rows run the tensor-core kernel here: per group it takes
+``d = x_lo @ lo + x_hi @ hi`` (float32) and adds ``d * scale + sum(x over the group) * zero``,
+so the scale and zero multiply a ``[rows, N]`` result instead of every weight. A decode GEMV
+has too few column blocks to fill a GPU, so, like ``pallas_kernels.int8_matmul``'s decode
+path, K is also split over programs, each writing a float32 partial that is summed afterwards.
 
 GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
 """
@@ -30,7 +29,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import MIN_DOT, cdiv, check, check_dtype, gpu_params
+from pallas_kernels._common import (
+    MIN_DOT,
+    cdiv,
+    check,
+    check_dtype,
+    gpu_params,
+    largest_divisor,
+)
 from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 INT4_GEMV_ROWS = 64
@@ -96,10 +102,6 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
     o_ref[...] = lax.fori_loop(0, steps_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
 def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     m, k = x.shape
@@ -110,10 +112,10 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
                          tiles=tiles.word, out_dtype=out_dtype)
     rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them
     block_n = tiles.block_n
-    groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
+    groups_per_step = largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
     col_blocks = cdiv(n, block_n)
-    splits = _largest_divisor(steps, tiles.target_programs // col_blocks)
+    splits = largest_divisor(steps, tiles.target_programs // col_blocks)
     mp, np_ = cdiv(m, rows) * rows, col_blocks * block_n
     # Padded rows and columns are sliced off the result (zero scales: padded columns are 0).
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))

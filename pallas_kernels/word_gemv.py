@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, gpu_params, next_pow2
+from pallas_kernels._common import cdiv, gpu_params, largest_divisor, next_pow2
 
 WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` runs this kernel: each row adds one multiply-add
@@ -147,10 +147,6 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
                 jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, max(1, at_most)) + 1) if n % d == 0)
-
-
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
                                              "out_dtype"))
 def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
@@ -168,9 +164,9 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
-    groups_per_step = _largest_divisor(groups, tiles.step_rows // group)
+    groups_per_step = largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
-    splits = _largest_divisor(steps, tiles.target_programs // col_blocks)
+    splits = largest_divisor(steps, tiles.target_programs // col_blocks)
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
         q = jnp.pad(q, ((0, 0), (0, np_ - n)))
         scale = jnp.pad(scale, ((0, 0), (0, np_ - n)))
