@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, gpu_params, largest_divisor, next_pow2
+from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
 
 WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` runs this kernel: each row adds one multiply-add
@@ -161,6 +161,8 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     group = k // groups
     byte_rows = group * bits // 8
     sub = min(tiles.sub_rows, byte_rows)
+    check(byte_rows % sub == 0, f"WordTiles.sub_rows {tiles.sub_rows} must divide a group's "
+          f"{byte_rows} byte rows")
     block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n

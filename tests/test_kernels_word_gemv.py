@@ -78,6 +78,12 @@ def test_word_tilings_equal_the_reference(tiles, fmt):
                                rtol=1e-5, atol=2e-4)
 
 
+def test_a_tiling_that_splits_a_group_unevenly_is_refused():
+    x, q, scale, zero = _int4(1, 256, 64, 128, seed=0)
+    with pytest.raises(ValueError, match="must divide"):
+        word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(sub_rows=24), **INT4)
+
+
 @pytest.mark.parametrize("programs", [1, 512])  # K whole in one program, or split
 def test_word_kernel_writes_the_output_dtype(programs):
     """Unsplit, the kernel writes the result in its dtype (no XLA op after it); split, the
