@@ -54,25 +54,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, deterministic: bool = 
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def add_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float,
-             backend: str, deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
-    """``(h + delta, rms_norm(h + delta))`` for ``h``, ``delta [1, T, hidden]`` (``h`` alone
-    when ``delta`` is None). A decode step with the Pallas backend runs one kernel
-    (``pallas_kernels.add_rms_norm``; interpreted off a GPU) where XLA runs two (the add, and
-    the norm as one Triton fusion): at a few rows each is a launch-bound kernel. On an H100
-    this left 8B batch 1 unchanged (160 tok/s, r66-r67); 1B ran 733 tok/s against 667-699
-    before (bench/NOTES.md)."""
-    t, d = h.shape[1], h.shape[2]
-    if (backend == "pallas" and not deterministic and t <= pallas_kernels.NORM_ROWS
-            and d & (d - 1) == 0 and not model_split()):
-        h2, normed = pallas_kernels.add_rms_norm(
-            h[0], None if delta is None else delta[0], weight, eps,
-            interpret=jax.default_backend() != "gpu")
-        return h2[None], normed[None]
-    h = h if delta is None else h + delta
-    return h, rms_norm(h, weight, eps, deterministic)
-
-
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     """Inverse RoPE frequencies ``[head_dim // 2]`` float32, with llama3 scaling if configured."""
     dim = config.head_dim
@@ -480,7 +461,7 @@ def decoder_layer(
     c = config
     t = h.shape[1]
     inv_freq = rope_inv_freq(config)
-    _, x = add_norm(h, None, lp["attn_norm"], c.rms_norm_eps, backend, deterministic)
+    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps, deterministic)
     q, k, v = _qkv(x, lp, c, deterministic)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
@@ -497,9 +478,8 @@ def decoder_layer(
     attn = mesh_ragged_attention(q[0], k_l, v_l, batch["kv_lens"], batch["block_tables"],
                                  batch["cu_q_lens"], backend=backend, max_q_len=max_q_len,
                                  deterministic=deterministic)
-    h, x = add_norm(h, _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"],
-                              deterministic), lp["mlp_norm"], c.rms_norm_eps, backend,
-                    deterministic)
+    h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
+    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
     return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),
             k_pages, v_pages)
 

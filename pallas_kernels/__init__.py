@@ -1,7 +1,7 @@
 """Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic),
-the batch-invariant matmul of deterministic mode, the int8 / int4 weight matmuls and the
-decode steps' residual add + RMSNorm (GPU Triton), and the int8 / fp8 K/V page format the
-paged and ragged kernels read (``kv_quant``)."""
+the batch-invariant matmul of deterministic mode and the int8 / int4 weight matmuls (GPU
+Triton), and the int8 / fp8 K/V page format the paged and ragged kernels read
+(``kv_quant``)."""
 
 from pallas_kernels._common import SUPPORTED_HEAD_DIMS, combine_splits, combine_splits_reference
 from pallas_kernels.decode_attention import (
@@ -31,17 +31,13 @@ from pallas_kernels.matmul import (
 )
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
-from pallas_kernels.rms_norm import NORM_ROWS, add_rms_norm, add_rms_norm_reference
 
 __all__ = [
     "GEMV_ROWS",
     "KV_CACHE_DTYPES",
     "SCALE_DTYPE",
     "INT4_GEMV_ROWS",
-    "NORM_ROWS",
     "SUPPORTED_HEAD_DIMS",
-    "add_rms_norm",
-    "add_rms_norm_reference",
     "combine_splits",
     "combine_splits_reference",
     "decode_attention",
