@@ -77,7 +77,7 @@ def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.
     return jnp.dot(x.astype(jnp.float32), w.reshape(-1, n), precision=lax.Precision.HIGHEST)
 
 
-def _field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
+def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     """The ``bits``-wide field that ``shift`` (left if positive) moves to the top of a float32
     mantissa, as the float ``1 + field / 2^bits``: words ``uint32 [...]`` to float32 ``[...]``."""
     moved = (lax.shift_left(w, jnp.uint32(shift)) if shift >= 0
@@ -123,7 +123,7 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
                     for v in xv[r]:
                         x_sum[r] = v if x_sum[r] is None else x_sum[r] + v
                 for c, i in lanes:
-                    f = _field_as_float(w, 23 - bits - (8 * c + bits * i), bits)
+                    f = field_as_float(w, 23 - bits - (8 * c + bits * i), bits)
                     for r in range(rows):
                         p = xv[r][i] * f
                         d[r][c] = p if d[r][c] is None else d[r][c] + p

@@ -9,20 +9,23 @@ float16 scales and zeros once; at the measured read bandwidth (3.0 TB/s on an H1
 the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) is checked
 against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
 program that calls the kernel ``--calls`` times (random inputs, warmed up). By default it
-compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows) with the
-tensor-core dot kernel (``word_rows=0``) on every shape, both group sizes and each of
-``--rows``. ``--sweep`` also times ``word_gemv`` tilings (column block, rows per load, warps)
-at two rows on the two largest shapes. A record for bench/NOTES.md, not a test.
+compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows), the
+tensor-core dot kernel (``word_rows=0``) and the transposed-layout experiment
+(``pallas_kernels.int4_gemv_nk``, on ``[N, K / 2]`` operands) on every shape, both group sizes
+and each of ``--rows``. ``--sweep`` also times ``int4_gemv_nk`` tilings (column block, loop
+step, warps) at one row on the two largest shapes. A record for bench/NOTES.md, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -30,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.int4_gemv_nk import int4_gemv_nk
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
-from pallas_kernels.word_gemv import WordTiles
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -54,8 +57,32 @@ def weight_bytes(q: jax.Array, scale: jax.Array, zero: jax.Array) -> int:
     return q.nbytes + scale.nbytes + zero.nbytes
 
 
-def time_tiles(ops: tuple[jax.Array, ...], tiles: Int4Tiles, calls: int, repeats: int
-               ) -> float:
+Call = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A kernel to time: ``call(x, q, scale, zero)`` on the ``[K / 2, N]`` operands, or, with
+    ``transposed``, on ``q.T``, ``scale.T``, ``zero.T`` (``int4_gemv_nk``'s layout)."""
+
+    label: str
+    call: Call
+    transposed: bool = False
+
+
+def for_tiles(tiles: Int4Tiles) -> Candidate:
+    """``int4_matmul`` with ``tiles``."""
+    return Candidate(str(tiles), functools.partial(int4_matmul, tiles=tiles))
+
+
+@functools.cache
+def transposed(m: int, k: int, n: int, group: int) -> tuple[jax.Array, ...]:
+    """``operands(...)`` in the ``[N, K / 2]`` layout (copied once, outside any timing)."""
+    x, q, scale, zero = operands(m, k, n, group)
+    return x, jnp.asarray(q.T.copy()), jnp.asarray(scale.T.copy()), jnp.asarray(zero.T.copy())
+
+
+def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
     """Median seconds per kernel call: ``calls`` calls in one program (each on a slightly
     different ``x``, so none is folded away), ``repeats`` timed runs after a warm-up."""
     x, q, scale, zero = ops
@@ -63,7 +90,7 @@ def time_tiles(ops: tuple[jax.Array, ...], tiles: Int4Tiles, calls: int, repeats
     @jax.jit
     def run(x):
         def body(i, acc):
-            out = int4_matmul(x + i.astype(x.dtype), q, scale, zero, tiles=tiles)
+            out = call(x + i.astype(x.dtype), q, scale, zero)
             return acc + out[0, :8].astype(jnp.float32)
         return lax.fori_loop(0, calls, body, jnp.zeros(8, jnp.float32))
 
@@ -76,26 +103,22 @@ def time_tiles(ops: tuple[jax.Array, ...], tiles: Int4Tiles, calls: int, repeats
     return float(np.median(times)) / calls
 
 
-def max_error(ops: tuple[jax.Array, ...], tiles: Int4Tiles) -> float:
-    """Largest absolute difference from the float32-dequantized reference."""
-    got = int4_matmul(*ops, out_dtype=jnp.float32, tiles=tiles)
-    want = int4_matmul_reference(*ops, out_dtype=jnp.float32)
-    return float(jnp.max(jnp.abs(got - want)))
-
-
-def measure(name: str, m: int, k: int, n: int, group: int, tiles: Int4Tiles, read_tbps: float,
+def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read_tbps: float,
             calls: int, repeats: int) -> dict:
-    """One row count, shape and tiling: time, bandwidth, fraction of the floor, error."""
+    """One row count, shape and kernel: time, bandwidth, fraction of the floor, and the
+    largest difference from the float32-dequantized reference."""
     ops = operands(m, k, n, group)
-    err = max_error(ops, tiles)
-    s = time_tiles(ops, tiles, calls, repeats)
+    want = int4_matmul_reference(*ops, out_dtype=jnp.float32)
+    run_ops = transposed(m, k, n, group) if cand.transposed else ops
+    err = float(jnp.max(jnp.abs(cand.call(*run_ops).astype(jnp.float32) - want)))
+    s = time_call(cand.call, run_ops, calls, repeats)
     nbytes = weight_bytes(*ops[1:])
     floor_s = nbytes / (read_tbps * 1e12)
-    row = dict(shape=name, rows=m, k=k, n=n, group=group, tiles=str(tiles), us=s * 1e6,
+    row = dict(shape=name, rows=m, k=k, n=n, group=group, kernel=cand.label, us=s * 1e6,
                tbps=nbytes / s / 1e12, fraction_of_floor=floor_s / s, floor_us=floor_s * 1e6,
                max_abs_error=err)
-    print(f"{name:8s} m{m} g{group:<4d} {tiles}  {s * 1e6:8.1f} us  {row['tbps']:5.2f} TB/s  "
-          f"{row['fraction_of_floor']:6.1%} of floor  err {err:.3g}", flush=True)
+    print(f"{name:8s} m{m} g{group:<4d} {cand.label}  {s * 1e6:8.1f} us  {row['tbps']:5.2f} "
+          f"TB/s  {row['fraction_of_floor']:6.1%} of floor  err {err:.3g}", flush=True)
     return row
 
 
@@ -106,30 +129,34 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2", help="row counts to time")
-    ap.add_argument("--sweep", action="store_true", help="also time word_gemv tilings (slow)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time int4_gemv_nk tilings (slow)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
-    def layer(tiles: Int4Tiles, m: int, shapes=SHAPES_8B, groups=(32, 128)) -> dict:
-        rows = [measure(nm, m, k, n, g, tiles, args.read_tbps, args.calls, args.repeats)
+    def layer(cand: Candidate, m: int, shapes=SHAPES_8B, groups=(32, 128)) -> dict:
+        rows = [measure(nm, m, k, n, g, cand, args.read_tbps, args.calls, args.repeats)
                 for g in groups for nm, k, n in shapes]
         floor = {g: sum(r["floor_us"] for r in rows if r["group"] == g) for g in groups}
         us = {g: sum(r["us"] for r in rows if r["group"] == g) for g in groups}
         print(f"layer, {m} row(s): " + ", ".join(
             f"g{g} {us[g]:.1f} us ({floor[g] / us[g]:.1%} of floor)" for g in groups)
-            + f"  {tiles}", flush=True)
-        return dict(tiles=str(tiles), rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
+            + f"  {cand.label}", flush=True)
+        return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
-    candidates = [layer(t, m) for m in map(int, args.rows.split(","))
-                  for t in (Int4Tiles(), Int4Tiles(word_rows=0))]
+    nk = Candidate("int4_gemv_nk", int4_gemv_nk, transposed=True)
+    candidates = [layer(c, m) for m in map(int, args.rows.split(","))
+                  for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)), nk)]
     sweep = []
     if args.sweep:
         big = [s for s in SHAPES_8B if s[0] in ("gate_up", "down")]
-        for block_n, sub, warps in itertools.product((128, 256, 512), (16, 32), (4, 8)):
-            tiles = Int4Tiles(word=WordTiles(block_n=block_n, sub_rows=sub, num_warps=warps))
-            sweep.append(layer(tiles, 2, big))
+        for block_n, step_rows, warps in itertools.product((32, 64, 128), (128, 512), (4, 8)):
+            call = functools.partial(int4_gemv_nk, block_n=block_n, step_rows=step_rows,
+                                     num_warps=warps)
+            label = f"int4_gemv_nk(block_n={block_n}, step_rows={step_rows}, warps={warps})"
+            sweep.append(layer(Candidate(label, call, transposed=True), 1, big))
         sweep.sort(key=lambda c: sum(c["layer_us"].values()))
     record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
