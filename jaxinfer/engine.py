@@ -1079,15 +1079,12 @@ class Engine(StepLoop):
             write_offsets[idx] = starts[one] % ps
             for i in np.flatnonzero(~one):
                 q, n, o, start = plan[i][0], int(ns[i]), int(off[i]), int(starts[i])
-                pos = np.arange(start, start + n, dtype=np.int32)
-                sl = slice(o, o + n)
                 seq_tokens = np.asarray(q.tokens[start: start + n + 1], np.int32)
-                tokens[sl] = seq_tokens[:n]
-                positions[sl] = pos
-                write_pages[sl] = self._tables[q.slot, pos // ps]
-                write_offsets[sl] = pos % ps
+                pos = self._fill_row(tokens, positions, write_pages, write_offsets, q.slot, o,
+                                     start, seq_tokens[:n])
                 if q.req.is_score:  # position p predicts token p + 1 from first_output on
-                    targets[sl] = np.where(pos >= q.first_output, seq_tokens[1: n + 1], -1)
+                    targets[o: o + n] = np.where(pos >= q.first_output, seq_tokens[1: n + 1],
+                                                 -1)
         else:
             cu = np.zeros(s_rows + 1, np.int32)
         constrained = [(q.progress.matcher, q.slot) for q, _ in plan
@@ -1692,12 +1689,27 @@ class Engine(StepLoop):
                                    for s, p in proposals], b, t)
         return inp, drafts, counts
 
+    def _fill_row(self, tokens: np.ndarray, positions: np.ndarray, write_pages: np.ndarray,
+                  write_offsets: np.ndarray, slot: int, offset: int, start: int,
+                  toks: Sequence[int]) -> np.ndarray:
+        """Write one sequence's ``toks`` into packed step inputs ``[T]`` from index
+        ``offset``, at positions from ``start`` (K/V to their slots of ``slot``'s pages);
+        returns the positions ``[len(toks)]``."""
+        n = len(toks)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        sl = slice(offset, offset + n)
+        tokens[sl] = toks
+        positions[sl] = pos
+        write_pages[sl] = self._tables[slot, pos // self.page_size]
+        write_offsets[sl] = pos % self.page_size
+        return pos
+
     def _packed_inputs(self, rows: list[tuple[_Seq, int, Sequence[int]]], b: int, t: int
                        ) -> MixedInputs:
         """Packed inputs over slots ``[0, b)`` (``t`` tokens): each ``(sequence, start,
         tokens)`` row feeds ``tokens`` at positions from ``start``, writes their K/V and
         samples (``samples``, ``last_index``) after the last; other slots feed nothing."""
-        ps, n_pages = self.page_size, self.blocks.num_pages
+        n_pages = self.blocks.num_pages
         q_lens = np.zeros(b, np.int32)
         kv_lens = np.zeros(b, np.int32)
         gen = np.zeros(b, np.int32)
@@ -1714,12 +1726,8 @@ class Engine(StepLoop):
         write_pages = np.full(t, n_pages, np.int32)
         write_offsets = np.zeros(t, np.int32)
         for s, start, toks in rows:
-            o, n = cu[s.slot], len(toks)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[o: o + n] = toks
-            positions[o: o + n] = pos
-            write_pages[o: o + n] = self._tables[s.slot, pos // ps]
-            write_offsets[o: o + n] = pos % ps
+            self._fill_row(tokens, positions, write_pages, write_offsets, s.slot,
+                           int(cu[s.slot]), start, toks)
         return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
             write_offsets=write_offsets, targets=np.full(t, -1, np.int32),
