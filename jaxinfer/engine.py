@@ -1773,6 +1773,7 @@ class Engine(StepLoop):
         if proposed:
             self._acceptance = 0.5 * (self._acceptance + accepted / proposed)
 
+
 def _update_mean(means: dict[Any, float], key: Any, value: float) -> None:
     """``means[key]``: the running mean (each new value weighs half) of measurements that
     drift as the batch changes; the first value as it is."""

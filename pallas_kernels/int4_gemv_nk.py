@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor
+from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
 from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.word_gemv import WORD_ROWS, field_as_float
 
@@ -86,7 +86,7 @@ def _nk_jit(x, qt, scale_t, zero_t, *, block_n, step_rows, target_programs, num_
     m, k = x.shape
     n, groups = scale_t.shape
     group = k // groups
-    block_n = min(block_n, 1 << max(n - 1, 1).bit_length())
+    block_n = min(block_n, next_pow2(max(n, 2)))
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     groups_per_step = largest_divisor(groups, step_rows // group)
