@@ -13,7 +13,11 @@ compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows), th
 tensor-core dot kernel (``word_rows=0``) and the transposed-layout experiment
 (``pallas_kernels.int4_gemv_nk``, on ``[N, K / 2]`` operands) on every shape, both group sizes
 and each of ``--rows``. ``--sweep`` also times ``int4_gemv_nk`` tilings (column block, loop
-step, warps) at one row on the two largest shapes. A record for bench/NOTES.md, not a test.
+step, warps) at one row on the two largest shapes. ``--probe`` times two stripped kernels
+that read the packed weight exactly as ``word_gemv`` does: one only xors the words (the read
+rate Pallas/Triton reaches with that access pattern), one also makes every nibble a float
+(the cost of the unpacking). Their results are not products, so they get no error check. A
+record for bench/NOTES.md, not a test.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.int4_gemv_nk import int4_gemv_nk
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
+from pallas_kernels.word_gemv import field_as_float
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -68,6 +75,7 @@ class Candidate:
     label: str
     call: Call
     transposed: bool = False
+    probe: bool = False  # a stripped kernel (``--probe``): timed, not checked
 
 
 def for_tiles(tiles: Int4Tiles) -> Candidate:
@@ -80,6 +88,55 @@ def transposed(m: int, k: int, n: int, group: int) -> tuple[jax.Array, ...]:
     """``operands(...)`` in the ``[N, K / 2]`` layout (copied once, outside any timing)."""
     x, q, scale, zero = operands(m, k, n, group)
     return x, jnp.asarray(q.T.copy()), jnp.asarray(scale.T.copy()), jnp.asarray(zero.T.copy())
+
+
+def _probe_kernel(x_ref, q_ref, o_ref, *, sub: int, unroll: int, steps: int, unpack: bool) -> None:
+    """Read this program's ``[R / splits, block_n / 4]`` words in ``[sub, words]`` loads,
+    ``unroll`` loads per loop step; xor them (or sum every nibble as a float)."""
+    split = pl.program_id(1)
+    words = q_ref.shape[1]
+
+    def body(step, acc):
+        for j in range(unroll):
+            w = q_ref[pl.ds(((split * steps + step) * unroll + j) * sub, sub), :]
+            if unpack:
+                for f in range(8):
+                    acc = acc + field_as_float(w, 19 - 4 * f, 4)
+            else:
+                acc = acc ^ w
+        return acc
+
+    dtype = jnp.float32 if unpack else jnp.uint32
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((sub, words), dtype))
+    # x joins the result so that the timing loop cannot hoist the call out of itself.
+    o_ref[...] = (jnp.sum(acc.astype(jnp.float32), axis=0)
+                  + x_ref[0, 0].astype(jnp.float32))[None, :]
+
+
+def stream_probe(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                 unpack: bool, block_n: int = 128, sub: int = 16, step_rows: int = 64,
+                 target_programs: int = 512) -> jax.Array:
+    """``word_gemv``'s grid and loads over ``q [R, N]`` (uint8) without its arithmetic:
+    ``[splits, N]`` float32 of no meaning, for timing only."""
+    del scale, zero
+    r, n = q.shape
+    col_blocks = -(-n // block_n)
+    unroll = step_rows // sub
+    total = r // step_rows
+    splits = max(d for d in range(1, total + 1)
+                 if total % d == 0 and d <= max(1, target_programs // col_blocks))
+    words = lax.bitcast_convert_type(q.reshape(r, n // 4, 4), jnp.uint32)
+    return pl.pallas_call(
+        functools.partial(_probe_kernel, sub=sub, unroll=unroll, steps=total // splits,
+                          unpack=unpack),
+        grid=(col_blocks, splits),
+        in_specs=[pl.BlockSpec(x.shape, lambda j, t: (0, 0)),
+                  pl.BlockSpec((r, block_n // 4), lambda j, t: (0, j))],
+        out_specs=pl.BlockSpec((None, 1, block_n // 4), lambda j, t: (t, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, 1, n // 4), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        name="bench_stream_probe",
+    )(x, words)[:, 0]
 
 
 def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
@@ -110,7 +167,8 @@ def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read
     ops = operands(m, k, n, group)
     want = int4_matmul_reference(*ops, out_dtype=jnp.float32)
     run_ops = transposed(m, k, n, group) if cand.transposed else ops
-    err = float(jnp.max(jnp.abs(cand.call(*run_ops).astype(jnp.float32) - want)))
+    err = (float("nan") if cand.probe else
+           float(jnp.max(jnp.abs(cand.call(*run_ops).astype(jnp.float32) - want))))
     s = time_call(cand.call, run_ops, calls, repeats)
     nbytes = weight_bytes(*ops[1:])
     floor_s = nbytes / (read_tbps * 1e12)
@@ -131,6 +189,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2", help="row counts to time")
     ap.add_argument("--sweep", action="store_true",
                     help="also time int4_gemv_nk tilings (slow)")
+    ap.add_argument("--probe", action="store_true",
+                    help="also time the stripped read / unpack kernels (one row)")
+    ap.add_argument("--only-probe", action="store_true",
+                    help="time the probes only, not the kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
@@ -147,8 +209,17 @@ def main() -> None:
         return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
     nk = Candidate("int4_gemv_nk", int4_gemv_nk, transposed=True)
-    candidates = [layer(c, m) for m in map(int, args.rows.split(","))
-                  for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)), nk)]
+    candidates = [] if args.only_probe else [
+        layer(c, m) for m in map(int, args.rows.split(","))
+        for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)), nk)]
+    if args.probe or args.only_probe:
+        for unpack, block_n, step_rows in itertools.product((False, True), (128, 256),
+                                                            (64, 256)):
+            label = f"probe({'unpack' if unpack else 'read'}, block_n={block_n}, " \
+                    f"step_rows={step_rows})"
+            call = functools.partial(stream_probe, unpack=unpack, block_n=block_n,
+                                     step_rows=step_rows)
+            candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
     if args.sweep:
         big = [s for s in SHAPES_8B if s[0] in ("gate_up", "down")]
