@@ -5,12 +5,13 @@ pool, backends ``"reference"`` (plain jnp) and ``"pallas"`` (the kernels in
 q ``[tokens, q_heads, head_dim]`` packs prefill chunks and decode tokens of many sequences
 and attends to one layer's page pool ``[kv_heads, num_pages, page_size, head_dim]`` through
 ``block_tables``; ``lengths`` are the keys per sequence including its new tokens, ``cu_q_lens``
-the cumulative query counts.
+the cumulative query counts. ``write_and_attend`` also stores the step's new K/V into the
+pool first (the model's entry point).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 
@@ -123,3 +124,84 @@ def attention(
     # Any head_dim here (the kernels' restriction does not apply to the reference).
     return pallas_kernels.ragged_attention_reference(q, k_pages, v_pages, block_tables,
                                                      lengths, cu_q_lens, **scales)
+
+
+def write_kv(pages: jax.Array | QuantizedPages, layer: int | jax.Array | None, new: jax.Array,
+             write_pages: jax.Array, write_offsets: jax.Array) -> jax.Array | QuantizedPages:
+    """Scatter ``new [T, KVH, D]`` into one layer's pages, in place.
+
+    ``pages`` is that layer's ``[KVH, P, page_size, D]`` buffer (``layer`` None) or the
+    stacked ``[L, KVH, P, page_size, D]`` pool with ``layer`` its index. Padding tokens name
+    page ``P`` and are dropped. ``QuantizedPages``: ``new`` is quantized per token and head
+    (``pallas_kernels.quantize_kv``), values and scales scattered to the same slots.
+    """
+    if isinstance(pages, QuantizedPages):
+        values, scales = pallas_kernels.quantize_kv(new, pages.values.dtype)  # [T,KVH,D], [T,KVH]
+        return QuantizedPages(
+            values=write_kv(pages.values, layer, values, write_pages, write_offsets),
+            scales=write_kv(pages.scales, layer, scales, write_pages, write_offsets))
+    new = new.astype(pages.dtype)
+    if layer is None:  # index (:, page[T], offset[T]) keeps heads first: updates [KVH, T(, D)]
+        return pages.at[:, write_pages, write_offsets].set(new.swapaxes(0, 1), mode="drop")
+    # (layer, :, page[T], offset[T]): the scalar splits the advanced indices, so T comes first.
+    return pages.at[layer, :, write_pages, write_offsets].set(new, mode="drop")
+
+
+def _decode_write(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: Any, v_pages: Any,
+                  batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, Any]:
+    """A decode-only step on the Pallas backend: ``pallas_kernels.paged_attention_write``
+    stores each row's K/V and attends in one kernel (quantized pools: the new K/V quantized
+    first, as ``write_kv`` does)."""
+    kw: dict[str, Any] = {"interpret": jax.default_backend() != "gpu"}
+    if isinstance(k_pages, QuantizedPages):
+        dtype = k_pages.values.dtype
+        (k, k_scale), (v, v_scale) = (pallas_kernels.quantize_kv(x, dtype) for x in (k, v))
+        kw.update(k_scales=k_pages.scales, v_scales=v_pages.scales, k_new_scales=k_scale,
+                  v_new_scales=v_scale)
+        k_vals, v_vals = k_pages.values, v_pages.values
+    else:
+        k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
+        k_vals, v_vals = k_pages, v_pages
+    out, k_vals, v_vals, *scales = pallas_kernels.paged_attention_write(
+        q, k, v, k_vals, v_vals, batch["block_tables"], batch["kv_lens"], batch["write_pages"],
+        batch["write_offsets"], **kw)
+    if scales:
+        return (out, QuantizedPages(values=k_vals, scales=scales[0]),
+                QuantizedPages(values=v_vals, scales=scales[1]))
+    return out, k_vals, v_vals
+
+
+def write_and_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
+    layer: int | jax.Array | None,
+    batch: dict[str, jax.Array],
+    *,
+    backend: Literal["reference", "pallas"] = "reference",
+    max_q_len: int | None = None,
+    deterministic: bool = False,
+) -> tuple[jax.Array, Any, Any]:
+    """Store a step's new K/V into the pool, then attend: the model's one attention call.
+
+    ``q [T, H, D]``, ``k``/``v [T, KVH, D]`` (after RoPE); the pool and ``layer`` as in
+    ``write_kv``; ``batch`` holds the packed step's ``write_pages``, ``write_offsets [T]``,
+    ``kv_lens [S]``, ``block_tables [S, P]`` and ``cu_q_lens [S + 1]``. Other arguments as
+    ``attention``. A decode-only step (one token per sequence, ``max_q_len`` 1) on the Pallas
+    backend with a per-layer pool runs one kernel that stores and attends (at batch 1 the
+    two scatters before the attention were two of ~15 kernels per layer); every other step
+    scatters with ``write_kv``, then calls ``attention``. Returns ``(out [T, H, D], k_pages,
+    v_pages)``.
+    """
+    decode = max_q_len == 1 and q.shape[0] == batch["block_tables"].shape[0]
+    if backend == "pallas" and decode and layer is None and not deterministic:
+        return _decode_write(q, k, v, k_pages, v_pages, batch)
+    k_pages = write_kv(k_pages, layer, k, batch["write_pages"], batch["write_offsets"])
+    v_pages = write_kv(v_pages, layer, v, batch["write_pages"], batch["write_offsets"])
+    k_l = k_pages if layer is None else k_pages[layer]
+    v_l = v_pages if layer is None else v_pages[layer]
+    out = attention(q, k_l, v_l, batch["kv_lens"], batch["block_tables"], batch["cu_q_lens"],
+                    backend=backend, max_q_len=max_q_len, deterministic=deterministic)
+    return out, k_pages, v_pages

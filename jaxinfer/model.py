@@ -36,7 +36,7 @@ from jaxinfer.config import LlamaConfig
 from jaxinfer.paged_cache import QuantizedPages
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
 from jaxinfer.quantize import QuantizedWeight, fuse_quantized
-from sharding.attention import gather_vocab, mesh_ragged_attention, model_split
+from sharding.attention import gather_vocab, mesh_write_and_attend, model_split
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, deterministic: bool = False
@@ -415,27 +415,6 @@ def layer_params(layers: Params | list[Params], i: int) -> Params:
     return {name: jax.tree.map(lambda a: a[i], w) for name, w in layers.items()}
 
 
-def _write_kv(pages: jax.Array | QuantizedPages, layer: int | jax.Array | None, new: jax.Array,
-              write_pages: jax.Array, write_offsets: jax.Array) -> jax.Array | QuantizedPages:
-    """Scatter ``new [T, KVH, D]`` into one layer's pages, in place.
-
-    ``pages`` is that layer's ``[KVH, P, page_size, D]`` buffer (``layer`` None) or the
-    stacked ``[L, KVH, P, page_size, D]`` pool with ``layer`` its index. Padding tokens name
-    page ``P`` and are dropped. ``QuantizedPages``: ``new`` is quantized per token and head
-    (``pallas_kernels.quantize_kv``), values and scales scattered to the same slots.
-    """
-    if isinstance(pages, QuantizedPages):
-        values, scales = pallas_kernels.quantize_kv(new, pages.values.dtype)  # [T,KVH,D], [T,KVH]
-        return QuantizedPages(
-            values=_write_kv(pages.values, layer, values, write_pages, write_offsets),
-            scales=_write_kv(pages.scales, layer, scales, write_pages, write_offsets))
-    new = new.astype(pages.dtype)
-    if layer is None:  # index (:, page[T], offset[T]) keeps heads first: updates [KVH, T(, D)]
-        return pages.at[:, write_pages, write_offsets].set(new.swapaxes(0, 1), mode="drop")
-    # (layer, :, page[T], offset[T]): the scalar splits the advanced indices, so T comes first.
-    return pages.at[layer, :, write_pages, write_offsets].set(new, mode="drop")
-
-
 def decoder_layer(
     lp: Params,
     config: LlamaConfig,
@@ -453,7 +432,7 @@ def decoder_layer(
     """The one layer body: ``h [1, T, hidden]`` -> ``h``, K/V written to pages, attended.
 
     A pure function of the layer's weights ``lp`` and its inputs. ``k_pages``/``v_pages``
-    and ``layer`` as in ``_write_kv``; ``batch`` holds the packed step's ``write_pages``,
+    and ``layer`` as in ``attention.write_kv``; ``batch`` holds the packed step's ``write_pages``,
     ``write_offsets`` ``[T]``, ``block_tables [S, P]``, ``kv_lens [S]``, ``cu_q_lens
     [S + 1]``. ``deterministic``: batch-invariant matmuls and attention (``load_model``).
     Returns ``(h, k_pages, v_pages)``.
@@ -469,15 +448,11 @@ def decoder_layer(
         # int8 keys are stored Hadamard-rotated, queries rotated alike: q . k is unchanged and
         # the keys' outlier channels no longer set every channel's step (kv_quant).
         q, k = pallas_kernels.hadamard_rotate(q), pallas_kernels.hadamard_rotate(k)
-    # Scatter first, then attend: a chunk's queries see its own keys through the pages.
-    k_pages = _write_kv(k_pages, layer, k[0], batch["write_pages"], batch["write_offsets"])
-    v_pages = _write_kv(v_pages, layer, v[0], batch["write_pages"], batch["write_offsets"])
-    k_l = k_pages if layer is None else k_pages[layer]
-    v_l = v_pages if layer is None else v_pages[layer]
-    # Per model shard under a mesh (shard_map); plain ``attention`` on one device.
-    attn = mesh_ragged_attention(q[0], k_l, v_l, batch["kv_lens"], batch["block_tables"],
-                                 batch["cu_q_lens"], backend=backend, max_q_len=max_q_len,
-                                 deterministic=deterministic)
+    # Stored, then attended: a chunk's queries see its own keys through the pages. Per model
+    # shard under a mesh (shard_map); plain ``write_and_attend`` on one device.
+    attn, k_pages, v_pages = mesh_write_and_attend(
+        q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
+        deterministic=deterministic)
     h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
     x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
     return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),

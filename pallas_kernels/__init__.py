@@ -29,7 +29,13 @@ from pallas_kernels.matmul import (
     row_sum,
     row_sum_reference,
 )
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    paged_attention_write,
+    paged_attention_write_reference,
+    store_new_tokens,
+)
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
 __all__ = [
@@ -58,8 +64,11 @@ __all__ = [
     "row_sum_reference",
     "paged_attention",
     "paged_attention_reference",
+    "paged_attention_write",
+    "paged_attention_write_reference",
     "quantize_kv",
     "ragged_attention",
     "ragged_attention_reference",
     "rotates_keys",
+    "store_new_tokens",
 ]

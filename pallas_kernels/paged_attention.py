@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     LOG2E,
@@ -137,16 +138,33 @@ def paged_attention_reference(
 
 def _paged_gpu_kernel(
     len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, pages_per_block: int,
-    page_size: int, num_pages: int, num_splits: int, quantized: bool,
+    page_size: int, num_pages: int, num_splits: int, quantized: bool, writes: bool,
+    group: int, q_heads: int,
 ) -> None:
-    # Quantized pages bring their scale pools: refs = (ks_ref, vs_ref, acc_ref, m_ref, l_ref).
-    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
-    acc_ref, m_ref, l_ref = refs[-3:]
-    split = pl.program_id(2)
-    q = q_ref[...]
-    rows, d = q.shape
+    """One (sequence, kv head, split) of Flash-Decoding; refs after ``v_ref``, in order:
+    quantized pages' ``ks_ref, vs_ref``; with ``writes``, the new token's ``page_ref,
+    offset_ref [1]``, ``nk_ref, nv_ref [d]`` (and ``nks_ref, nvs_ref [1]`` when quantized);
+    the partials ``acc_ref [gp, d]``, ``m_ref, l_ref [gp]``; with ``writes``, the pools again
+    (outputs aliased to the inputs) that the new token's K/V are stored into."""
+    refs = list(refs)
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    if writes:
+        page_ref, offset_ref, nk_ref, nv_ref = refs[:4]
+        nks_ref, nvs_ref = refs[4:6] if quantized else (None, None)
+        refs = refs[6 if quantized else 4:]
+    acc_ref, m_ref, l_ref, *pool_out = refs
+    bi, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, d = acc_ref.shape
+    # q is unpadded [batch * q_heads, d]: this kv head's `group` query rows, and zero rows up
+    # to the `rows` a dot needs (masked, so no padded copy of q is made before the kernel).
+    row = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
+    q = plgpu.load(q_ref.at[pl.ds(bi * q_heads + h * group, rows), :], mask=row < group,
+                   other=0.0)
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
+    # With `writes` the newest key is not read from the pool (this kernel stores it there);
+    # it is taken from nk_ref below.
+    pool_len = seq_len - 1 if writes else seq_len
     n_blocks = cdiv(seq_len, block_k)
     per_split = cdiv(n_blocks, num_splits)
     lo = split * per_split
@@ -162,8 +180,8 @@ def _paged_gpu_kernel(
         start = j * block_k
         kpos = start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         return key_block_step(
-            acc, m, l_sum, q, k, v, scale=scale, valid=kpos < seq_len, key_start=start,
-            key_end=seq_len,
+            acc, m, l_sum, q, k, v, scale=scale, valid=kpos < pool_len, key_start=start,
+            key_end=pool_len,
             k_scale=ks_ref[pages].reshape(block_k) if quantized else None,
             v_scale=vs_ref[pages].reshape(block_k) if quantized else None,
         )
@@ -176,13 +194,41 @@ def _paged_gpu_kernel(
             jnp.zeros((rows,), jnp.float32),
         ),
     )
+    if writes:
+        # Split 0 adds the new key as a block of MIN_DOT copies of which one counts, and
+        # stores the new K/V (values and scales) into their slot; inactive rows (length 0, or
+        # an out-of-range page) do neither.
+        page = page_ref[0]
+        first = (split == 0) & (seq_len > 0)
+        end = first.astype(jnp.int32)
+        nk = jnp.broadcast_to(nk_ref[...][None, :], (MIN_DOT, d))
+        nv = jnp.broadcast_to(nv_ref[...][None, :], (MIN_DOT, d))
+        col = lax.broadcasted_iota(jnp.int32, (rows, MIN_DOT), 1)
+        acc, m, l_sum = key_block_step(
+            acc, m, l_sum, q, nk, nv, scale=scale, valid=col < end, key_start=0, key_end=end,
+            k_scale=jnp.broadcast_to(nks_ref[...], (MIN_DOT,)) if quantized else None,
+            v_scale=jnp.broadcast_to(nvs_ref[...], (MIN_DOT,)) if quantized else None,
+        )
+
+        @pl.when(first & (page >= 0) & (page < num_pages))
+        def _store():
+            offset = offset_ref[0]
+            news = [nk_ref, nv_ref] + ([nks_ref, nvs_ref] if quantized else [])
+            for out_ref, new_ref in zip(pool_out, news, strict=True):
+                if out_ref.ndim == 2:  # a scale pool [pages, page_size], new_ref [1]
+                    out_ref[pl.ds(page, 1), pl.ds(offset, 1)] = new_ref[...][None, :]
+                else:  # [pages, page_size, d], new_ref [d]
+                    out_ref[page, offset, :] = new_ref[...]
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l_sum
 
 
-def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, pages_per_block,
-               num_splits, num_warps, num_stages, interpret):
+def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale,
+               pages_per_block, num_splits, num_warps, num_stages, interpret):
+    """The GPU kernel and the combine. ``new``: ``()`` or the write's ``(write_pages,
+    write_offsets, k_new, v_new[, k_new_scales, v_new_scales])`` (see
+    ``paged_attention_write``); returns ``out`` or ``(out, *pools written)``."""
     b, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
@@ -204,41 +250,58 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, pag
         block_tables.astype(jnp.int32), ((0, 0), (0, n_blocks_max * pages_per_block - pps))
     )
     gp = max(MIN_DOT, next_pow2(group))
-    qg = q.reshape(b, hkv, group, d)
-    if gp != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    writes = bool(new)
     kernel = functools.partial(
         _paged_gpu_kernel, scale=scale * LOG2E, pages_per_block=pages_per_block,
         page_size=page_size, num_pages=num_pages, num_splits=num_splits,
-        quantized=bool(scales),
+        quantized=bool(scales), writes=writes, group=group, q_heads=hq,
     )
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
     scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda bi, h, s: (h, 0, 0))
-    acc, m, l_sum = pl.pallas_call(
+    per_seq = pl.BlockSpec((1,), lambda bi, h, s: (bi,))
+    in_specs = [
+        per_seq,
+        pl.BlockSpec((None, bt.shape[1]), lambda bi, h, s: (bi, 0)),
+        pl.BlockSpec((b * hq, d), lambda bi, h, s: (0, 0)),
+        pool, pool, *[scale_pool] * len(scales),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+    ]
+    operands = [lengths, bt, q.reshape(b * hq, d), k_pages, v_pages, *scales]
+    aliases = {}
+    if writes:
+        write_pages, write_offsets, *new_kv = new
+        head = pl.BlockSpec((None, None, d), lambda bi, h, s: (bi, h, 0))
+        head_scale = pl.BlockSpec((None, None, 1), lambda bi, h, s: (bi, h, 0))
+        in_specs += [per_seq, per_seq, head, head, *[head_scale] * len(scales)]
+        operands += [write_pages.astype(jnp.int32), write_offsets.astype(jnp.int32),
+                     new_kv[0], new_kv[1], *[x[..., None] for x in new_kv[2:]]]
+        pools = [k_pages, v_pages, *scales]
+        out_specs += [pool, pool, *[scale_pool] * len(scales)]
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
+        aliases = {3 + i: 3 + i for i in range(len(pools))}
+    acc, m, l_sum, *written = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda bi, h, s: (bi,)),
-            pl.BlockSpec((None, bt.shape[1]), lambda bi, h, s: (bi, 0)),
-            pl.BlockSpec((None, None, gp, d), lambda bi, h, s: (bi, h, 0, 0)),
-            pool, pool, *[scale_pool] * len(scales),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=gpu_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_paged_decode",
-    )(lengths, bt, qg, k_pages, v_pages, *scales)
+    )(*operands)
     out = combine_splits(acc, m, l_sum, group, q.dtype, interpret)  # [b, hkv, group, d]
-    return out.reshape(b, hq, d)
+    out = out.reshape(b, hq, d)
+    return (out, *written) if writes else out
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
@@ -310,19 +373,23 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, int
         "backend",
     ),
 )
-def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, scales, *, sm_scale,
-                         pages_per_block, num_splits, num_warps, num_stages, interpret,
-                         backend):
+def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, scales, new, *,
+                         sm_scale, pages_per_block, num_splits, num_warps, num_stages,
+                         interpret, backend):
     lengths = jnp.minimum(
         lengths.astype(jnp.int32), block_tables.shape[1] * k_pages.shape[2]
     )
     scale = default_scale(sm_scale, q.shape[-1])
     if backend == "tpu":
-        return _paged_tpu(
-            q, k_pages, v_pages, block_tables, lengths, scales, scale=scale, interpret=interpret
-        )
+        pools = (k_pages, v_pages, *scales)
+        if new:  # the TPU kernel reads the pools as they are: store the new token first
+            pools = tuple(store_new_tokens(p, x, new[0], new[1])
+                          for p, x in zip(pools, new[2:], strict=True))
+        out = _paged_tpu(q, pools[0], pools[1], block_tables, lengths, pools[2:], scale=scale,
+                         interpret=interpret)
+        return (out, *pools) if new else out
     return _paged_gpu(
-        q, k_pages, v_pages, block_tables, lengths, scales, scale=scale,
+        q, k_pages, v_pages, block_tables, lengths, scales, new, scale=scale,
         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
     )
@@ -379,7 +446,109 @@ def paged_attention(
     )
     return _paged_attention_jit(
         q, k_pages, v_pages, block_tables, lengths, (k_scales, v_scales) if quantized else (),
-        sm_scale=sm_scale,
+        (), sm_scale=sm_scale,
+        pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, backend=backend,
+    )
+
+
+def store_new_tokens(pages: jax.Array, new: jax.Array, write_pages: jax.Array,
+                     write_offsets: jax.Array) -> jax.Array:
+    """``pages [kv_heads, num_pages, page_size, *rest]`` with ``new [batch, kv_heads, *rest]``
+    stored at slot ``(write_pages[b], write_offsets[b])``; pages at or past ``num_pages``
+    are dropped (padding rows). The plain-jnp form of ``paged_attention_write``'s store."""
+    return pages.at[:, write_pages, write_offsets].set(
+        jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
+
+
+def _validate_write(q, k_new, v_new, k_pages, write_pages, write_offsets, k_new_scales,
+                    v_new_scales, quantized) -> None:
+    b, _, d = q.shape
+    shape = (b, k_pages.shape[0], d)
+    check(k_new.shape == shape and v_new.shape == shape,
+          f"k_new and v_new must be [batch, kv_heads, head_dim] = {shape}, got {k_new.shape} "
+          f"and {v_new.shape}")
+    check(k_new.dtype == k_pages.dtype and v_new.dtype == k_pages.dtype,
+          f"k_new and v_new must be in the pool's dtype {k_pages.dtype} (quantize them first, "
+          f"kv_quant.quantize_kv), got {k_new.dtype} and {v_new.dtype}")
+    check(write_pages.shape == (b,) and write_offsets.shape == (b,),
+          f"write_pages and write_offsets must have shape ({b},), got {write_pages.shape} and "
+          f"{write_offsets.shape}")
+    given = k_new_scales is not None and v_new_scales is not None
+    check(given == quantized, "k_new_scales and v_new_scales go with quantized pages, and "
+          "only with them")
+    check(not given or (k_new_scales.shape == shape[:2] and v_new_scales.shape == shape[:2]),
+          f"k_new_scales and v_new_scales must be [batch, kv_heads] = {shape[:2]}")
+
+
+def paged_attention_write_reference(
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+    block_tables: jax.Array, lengths: jax.Array, write_pages: jax.Array,
+    write_offsets: jax.Array, *, k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None, k_new_scales: jax.Array | None = None,
+    v_new_scales: jax.Array | None = None, sm_scale: float | None = None,
+) -> tuple[jax.Array, ...]:
+    """``paged_attention_write`` in plain jnp: ``store_new_tokens`` into each pool, then
+    ``paged_attention_reference``. Returns ``(out, k_pages, v_pages[, k_scales, v_scales])``."""
+    quantized = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    _validate_write(q, k_new, v_new, k_pages, write_pages, write_offsets, k_new_scales,
+                    v_new_scales, quantized)
+    pools = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
+    news = [k_new, v_new] + ([k_new_scales, v_new_scales] if quantized else [])
+    pools = [store_new_tokens(p, x, write_pages, write_offsets)
+             for p, x in zip(pools, news, strict=True)]
+    scales = {"k_scales": pools[2], "v_scales": pools[3]} if quantized else {}
+    out = paged_attention_reference(q, pools[0], pools[1], block_tables, lengths, **scales,
+                                    sm_scale=sm_scale)
+    return (out, *pools)
+
+
+def paged_attention_write(
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+    block_tables: jax.Array, lengths: jax.Array, write_pages: jax.Array,
+    write_offsets: jax.Array, *, k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None, k_new_scales: jax.Array | None = None,
+    v_new_scales: jax.Array | None = None, sm_scale: float | None = None,
+    pages_per_block: int | None = None, num_splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 3, interpret: bool = False, backend: str = "gpu",
+) -> tuple[jax.Array, ...]:
+    """A decode step's attention that also stores the step's K/V: each sequence's new key
+    and value go to their slot, and the sequence attends over its pages including them.
+
+    The same result as ``store_new_tokens`` into every pool followed by ``paged_attention``,
+    in one kernel on GPU: the program that attends a sequence's first key block stores the
+    new K/V into the (aliased) pools and takes the new key from its input, never from the
+    pool, so no program reads a slot while it is written. At batch 1 this removes the two
+    scatters before the attention kernel (bench/NOTES.md, tenth session). TPU: the store,
+    then ``paged_attention``.
+
+    Args:
+      q, k_pages, v_pages, block_tables, k_scales, v_scales, sm_scale and the tiling: as
+        ``paged_attention``.
+      k_new, v_new: ``[batch, kv_heads, head_dim]`` in the pool's dtype (quantized pools:
+        ``kv_quant.quantize_kv``'s values, with ``k_new_scales``/``v_new_scales [batch,
+        kv_heads]``).
+      lengths: int [batch], keys per sequence including the new one, which is the last key
+        (lengths 0: the row is inactive and stores nothing).
+      write_pages, write_offsets: int [batch], the new token's slot; a page at or past
+        ``num_pages`` stores nothing (padding rows).
+
+    Returns:
+      ``(out [batch, q_heads, head_dim], k_pages, v_pages)``, then ``k_scales, v_scales``
+      for quantized pools. Donate the pools to the enclosing ``jit`` so the store is in place.
+    """
+    check_backend(backend)
+    quantized = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    _validate_write(q, k_new, v_new, k_pages, write_pages, write_offsets, k_new_scales,
+                    v_new_scales, quantized)
+    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
+    check(backend == "tpu" or k_pages.shape[2] == next_pow2(k_pages.shape[2]),
+          f"page_size must be a power of two on GPU, got {k_pages.shape[2]}")
+    scales = (k_scales, v_scales) if quantized else ()
+    new = (write_pages, write_offsets, k_new, v_new,
+           *((k_new_scales, v_new_scales) if quantized else ()))
+    return _paged_attention_jit(
+        q, k_pages, v_pages, block_tables, lengths, scales, new, sm_scale=sm_scale,
         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, backend=backend,
     )

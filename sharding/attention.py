@@ -9,12 +9,13 @@ unchanged kernel on each shard's slice is exact and needs no communication.
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.attention import attention
+from jaxinfer.attention import write_and_attend
 from sharding.mesh import DATA, MODEL
 
 
@@ -50,43 +51,55 @@ def gather_vocab(logits: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, P(DATA, *lead, None))
 
 
-def mesh_ragged_attention(
+def mesh_write_and_attend(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: Any,
+    v_pages: Any,
+    layer: int | jax.Array | None,
+    batch: dict[str, jax.Array],
     *,
     backend: Literal["reference", "pallas"] = "reference",
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
     max_q_len: int | None = None,
     deterministic: bool = False,
-) -> jax.Array:
-    """Ragged paged attention (the engine's), per ``model`` shard inside ``shard_map``.
+) -> tuple[jax.Array, Any, Any]:
+    """``jaxinfer.attention.write_and_attend`` (store the step's K/V, then ragged paged
+    attention), per ``model`` shard inside ``shard_map``.
 
     Args:
-      q: ``[T, H, D]`` packed tokens, H split on model.
-      k_pages, v_pages: one layer's pool ``[KVH, num_pages, page_size, D]``, KVH split on
+      q: ``[T, H, D]`` packed tokens, H split on model; ``k``, ``v``: ``[T, KVH, D]``.
+      k_pages, v_pages: one layer's pool ``[KVH, num_pages, page_size, D]`` (``layer``
+        None) or the stacked ``[L, KVH, ...]`` pool with ``layer`` its index; KVH split on
         model, pages whole (the engine's pool is not split on data, see
         ``sharding.rules.engine_pool_spec``); or ``QuantizedPages``, split alike.
-      kv_lens, block_tables, cu_q_lens: replicated scheduler inputs.
-      mesh: defaults to the context mesh; without one this is plain ``attention``.
-      max_q_len: static bound on any sequence's query count, for the Pallas kernel's
-        query blocks (see ``attention``); None means the token count.
-      deterministic: batch-invariant kernel choice (see ``attention``).
+      batch: the step's replicated scheduler inputs (``write_and_attend``).
+      mesh: defaults to the context mesh; without one this is plain ``write_and_attend``.
+      max_q_len, deterministic: as ``write_and_attend``.
 
-    Both backends run per shard under a mesh: every shard attends with its own heads over
-    the same block tables, so the result is exact and needs no communication, and GSPMD
-    never sees the page gather (or the Pallas custom call it cannot split).
+    Every shard stores and attends with its own heads over the same block tables, so the
+    result is exact and needs no communication, and GSPMD never sees the page scatter and
+    gather (or the Pallas custom call it cannot split).
     """
-    fn = functools.partial(attention, backend=backend, max_q_len=max_q_len,
+    fn = functools.partial(write_and_attend, backend=backend, max_q_len=max_q_len,
                            deterministic=deterministic)
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
-        return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
-    # P(MODEL) splits the head axis of every leaf: pages, and a quantized pool's scales.
-    q_spec, kv_spec = P(None, MODEL, None), P(MODEL)
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()),
-                           out_specs=q_spec, check_vma=False)
-    return mapped(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)
+        return fn(q, k, v, k_pages, v_pages, layer, batch)
+    # The head axis of every pool leaf (pages, and a quantized pool's scales) is split:
+    # axis 0 of a layer's pool, axis 1 of a stacked one.
+    heads = P(None, MODEL, None)
+    pool = P(MODEL) if layer is None else P(None, MODEL)
+    if layer is None:
+        def per_shard(q, k, v, k_pages, v_pages, batch):
+            return fn(q, k, v, k_pages, v_pages, None, batch)
+        operands = (q, k, v, k_pages, v_pages, batch)
+        in_specs = (heads, heads, heads, pool, pool, P())
+    else:
+        per_shard = fn
+        operands = (q, k, v, k_pages, v_pages, jnp.asarray(layer, jnp.int32), batch)
+        in_specs = (heads, heads, heads, pool, pool, P(), P())
+    mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
+                           out_specs=(heads, pool, pool), check_vma=False)
+    return mapped(*operands)

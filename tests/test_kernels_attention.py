@@ -25,6 +25,8 @@ from pallas_kernels import (
     flash_attention_reference,
     paged_attention,
     paged_attention_reference,
+    paged_attention_write,
+    paged_attention_write_reference,
     quantize_kv,
     ragged_attention,
     ragged_attention_reference,
@@ -400,6 +402,69 @@ def test_paged_attention_quantized(backend, dtype, kv_dtype, b, hq, hkv, d, page
     _assert_close(out, ref, dtype)
 
 
+WRITE_CASES = [
+    # backend, q dtype, kv dtype (None: the pool in q's dtype), batch, q_heads, kv_heads,
+    # head_dim, page_size, pages/seq, splits (None: the default)
+    ("gpu", jnp.float32, None, 4, 8, 2, 64, 8, 7, None),
+    ("gpu", jnp.bfloat16, None, 3, 8, 1, 128, 16, 5, 2),
+    ("gpu", jnp.float32, None, 3, 4, 4, 64, 4, 9, 3),  # one query row per kv head
+    ("gpu", jnp.float32, jnp.int8, 3, 8, 2, 64, 8, 7, 2),
+    ("gpu", jnp.bfloat16, jnp.float8_e4m3fn, 3, 8, 1, 128, 16, 3, None),
+    ("tpu", jnp.float32, None, 3, 8, 2, 64, 8, 5, None),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,kv_dtype,b,hq,hkv,d,page_size,pps,num_splits", WRITE_CASES,
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{c[2] and jnp.dtype(c[2]).name}-ps{c[7]}"
+         f"-g{c[4] // c[5]}" for c in WRITE_CASES],
+)
+def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps,
+                               num_splits):
+    """The kernel stores each row's new K/V at its slot and attends over them, as the store
+    followed by paged attention does. The slot holds NaN before the call, so a kernel that
+    read the new key from the pool (instead of its input) gives NaN. Row 1 is inactive
+    (length 0, its page out of range): it stores nothing and gives zeros."""
+    rng = _rng(10, b, hq, hkv, page_size, pps)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+    k, v, table, lengths = _make_paged(rng, b, hkv, d, page_size, pps, jnp.float32)
+    k, v, lengths = (np.array(x) for x in (k, v, lengths))
+    lengths[1] = 0
+    last = np.maximum(lengths - 1, 0)
+    pages = np.asarray(table)[np.arange(b), last // page_size]
+    pages[1] = k.shape[1]  # out of range: dropped
+    offsets = last % page_size
+    for i in (0, *range(2, b)):
+        k[:, pages[i], offsets[i]] = np.nan
+        v[:, pages[i], offsets[i]] = np.nan
+    k_new = rng.standard_normal((b, hkv, d)).astype(np.float32)
+    v_new = rng.standard_normal((b, hkv, d)).astype(np.float32)
+    if kv_dtype is None:
+        pools = [jnp.asarray(k, dtype), jnp.asarray(v, dtype)]
+        news = [jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype)]
+        kw_pools, kw_news = {}, {}
+    else:
+        (kq, ks), (vq, vs) = _quantize_pool(k, v, kv_dtype)
+        (nk, nks), (nv, nvs) = (quantize_kv(jnp.asarray(x), kv_dtype) for x in (k_new, v_new))
+        pools, news = [kq, vq], [nk, nv]
+        kw_pools, kw_news = {"k_scales": ks, "v_scales": vs}, {"k_new_scales": nks,
+                                                               "v_new_scales": nvs}
+    args = (*news, *pools, table, jnp.asarray(lengths), jnp.asarray(pages),
+            jnp.asarray(offsets, jnp.int32))
+    out, *written = paged_attention_write(q, *args, **kw_pools, **kw_news, pages_per_block=2,
+                                          num_splits=num_splits, interpret=True,
+                                          backend=backend)
+    wide = _f32(*news, *pools) if kv_dtype is None else [*news, *pools]  # reference: float32
+    ref, *ref_written = paged_attention_write_reference(q.astype(jnp.float32), *wide,
+                                                        *args[4:], **kw_pools, **kw_news)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype)
+    assert not np.asarray(out[1], np.float32).any()
+    assert len(written) == len(ref_written) == (2 if kv_dtype is None else 4)
+    for got, want in zip(written, ref_written, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 QUANT_RAGGED_CASES = [
     # backend, q dtype, kv dtype, q_heads, kv_heads, head_dim, page_size, pages/seq, query
     # counts, padding tokens (as RAGGED_CASES: empty sequences in the middle and at the end,
@@ -485,3 +550,31 @@ def test_bad_arguments_raise_one_line_value_error():
     _raises(lambda: ragged_attention(qd, q8, q8, table, jnp.ones((2,), jnp.int32),
                                      jnp.asarray([0, 1, 2], jnp.int32), k_scales=scales,
                                      v_scales=scales[:, :3]), "v_scales must have shape")
+
+
+@pytest.mark.parametrize("kv_dtype", [None, jnp.int8], ids=["bf16", "int8"])
+def test_paged_attention_write_lowers_to_triton_for_cuda(kv_dtype):
+    """Lowering for a GPU (jax.export on this CPU machine) runs the Triton lowering rules the
+    storing kernel needs (masked q load, scalar-indexed stores into aliased pools) at 8B
+    decode shapes (32 q heads over 8 kv heads, two rows)."""
+    from jax import export
+
+    b, hq, hkv, d, pages, page_size = 2, 32, 8, 128, 64, 16
+    dt = jnp.bfloat16
+    spec = jax.ShapeDtypeStruct
+    pool_dt = dt if kv_dtype is None else kv_dtype
+    args = [spec((b, hq, d), dt), spec((b, hkv, d), pool_dt), spec((b, hkv, d), pool_dt),
+            spec((hkv, pages, page_size, d), pool_dt), spec((hkv, pages, page_size, d), pool_dt),
+            spec((b, 8), jnp.int32), spec((b,), jnp.int32), spec((b,), jnp.int32),
+            spec((b,), jnp.int32)]
+    if kv_dtype is None:
+        f = jax.jit(paged_attention_write)
+    else:
+        args += [spec((hkv, pages, page_size), dt)] * 2 + [spec((b, hkv), dt)] * 2
+
+        def f(*a):
+            return paged_attention_write(*a[:9], k_scales=a[9], v_scales=a[10],
+                                         k_new_scales=a[11], v_new_scales=a[12])
+    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=no_check)(*args)
+    assert "jaxinfer_paged_decode" in exported.mlir_module()

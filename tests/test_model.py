@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import jaxinfer
+import pallas_kernels
 from jaxinfer import benchmark, runner
 from jaxinfer.model import init_params, prepare_params
 
@@ -209,17 +210,28 @@ def test_config_rejects_unsupported_fields():
     assert cfg.num_kv_heads == 2
 
 
-def test_pallas_backend_gives_the_same_tokens():
+def test_pallas_backend_gives_the_same_tokens(monkeypatch):
+    """The Pallas kernels (interpreted) give the reference's tokens and logits, in the stacked
+    and the fast layout. Both run per-layer pools on this backend, so decode steps take the
+    kernel that stores the new K/V itself (``paged_attention_write``)."""
     cfg = jaxinfer.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=160,
                                num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64,
                                max_position_embeddings=256)
-    params = init_params(cfg, jax.random.PRNGKey(4), jnp.float32)
-    model = jaxinfer.Model(cfg, params, None, dtype=jnp.float32, backend="reference")
-    pallas = dataclasses.replace(model, backend="pallas")
+    weights = init_params(cfg, jax.random.PRNGKey(4), jnp.float32)
+    model = jaxinfer.Model(cfg, weights, None, dtype=jnp.float32, backend="reference")
     prompts = [[3, 14, 15, 92, 65, 35], list(range(3, 40)), [7]]
     params = [jaxinfer.SamplingParams(max_new_tokens=n) for n in (5, 3, 6)]
     ref = jaxinfer.generate(model, prompts, sampling=params)
-    got = jaxinfer.generate(pallas, prompts, sampling=params)
-    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
-    np.testing.assert_allclose(jaxinfer.compute_logits(pallas, prompts[1]),
-                               jaxinfer.compute_logits(model, prompts[1]), atol=1e-4)
+    fast = prepare_params(weights, fuse=True, unstack=True)
+    traced = []  # layers traced with the storing decode kernel, per model
+    kernel = pallas_kernels.paged_attention_write
+    monkeypatch.setattr(pallas_kernels, "paged_attention_write",
+                        lambda *a, **k: traced.append(1) or kernel(*a, **k))
+    for pallas in (dataclasses.replace(model, backend="pallas"),
+                   dataclasses.replace(model, backend="pallas", params=fast)):
+        traced.clear()
+        got = jaxinfer.generate(pallas, prompts, sampling=params)
+        assert traced
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+        np.testing.assert_allclose(jaxinfer.compute_logits(pallas, prompts[1]),
+                                   jaxinfer.compute_logits(model, prompts[1]), atol=1e-4)

@@ -115,7 +115,9 @@ def test_meshes_match_single_device():
     assert "repeating each K/V head 4 times" in res["meshes"]["1x8"]["log"]
     assert "repeating each K/V head 2 times" in res["meshes"]["2x4"]["log"]
     assert res["meshes"]["2x1"]["log"] == ""
-    assert res["mesh_ragged_attention_err"] < 1e-5
+    for name in ("layer_pool", "stacked_pool"):
+        assert res[f"{name}_attention_err"] < 1e-5, name
+        assert res[f"{name}_pools_equal"], name
 
 
 def _worker() -> None:
@@ -127,7 +129,7 @@ def _worker() -> None:
 
     import jaxinfer
     from sharding import make_mesh
-    from sharding.attention import mesh_ragged_attention
+    from sharding.attention import mesh_write_and_attend
     from sharding.testing import write_tiny_model
 
     assert jax.device_count() == 8, jax.devices()
@@ -166,21 +168,33 @@ def _worker() -> None:
             "log": "\n".join(records),
         }
 
-    # shard_map wrapper of ragged attention (per model shard), checked against one device.
-    from jaxinfer.attention import attention
+    # shard_map wrapper of the K/V store and ragged attention (per model shard), checked
+    # against one device, on a layer's pool and on a stacked pool.
+    from jaxinfer.attention import write_and_attend
 
     mesh = make_mesh(data=2, model=4)
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((7, 8, 16)), jnp.float32)  # 4 + 2 + 1 tokens
+    k_new = jnp.asarray(rng.standard_normal((7, 4, 16)), jnp.float32)
+    v_new = k_new * 0.5 - 1
     k = jnp.asarray(rng.standard_normal((4, 12, 4, 16)), jnp.float32)  # [KVH, pages, ps, D]
     v = k * 0.5 + 1
-    kv_lens = jnp.asarray([4, 9, 6], jnp.int32)
-    tables = jnp.asarray([[0, 1, 2], [5, 3, 7], [11, 4, 8]], jnp.int32)
-    cu = jnp.asarray([0, 4, 6, 7], jnp.int32)
-    want = attention(q, k, v, kv_lens, tables, cu)
-    with jax.set_mesh(mesh):
-        got = jax.jit(mesh_ragged_attention)(q, k, v, kv_lens, tables, cu)
-    out["mesh_ragged_attention_err"] = float(jnp.abs(got - want).max())
+    tables = np.asarray([[0, 1, 2], [5, 3, 7], [11, 4, 8]], np.int32)
+    positions = np.asarray([0, 1, 2, 3, 7, 8, 5])
+    seq = np.asarray([0, 0, 0, 0, 1, 1, 2])
+    batch = {"write_pages": jnp.asarray(tables[seq, positions // 4]),
+             "write_offsets": jnp.asarray(positions % 4, jnp.int32),
+             "kv_lens": jnp.asarray([4, 9, 6], jnp.int32), "block_tables": jnp.asarray(tables),
+             "cu_q_lens": jnp.asarray([0, 4, 6, 7], jnp.int32)}
+    for name, k_pool, v_pool, layer in (
+            ("layer_pool", k, v, None),
+            ("stacked_pool", jnp.stack([k * 2, k]), jnp.stack([v * 2, v]), jnp.int32(1))):
+        want = write_and_attend(q, k_new, v_new, k_pool, v_pool, layer, batch)
+        with jax.set_mesh(mesh):
+            got = jax.jit(mesh_write_and_attend)(q, k_new, v_new, k_pool, v_pool, layer, batch)
+        out[f"{name}_attention_err"] = float(jnp.abs(got[0] - want[0]).max())
+        out[f"{name}_pools_equal"] = all(bool(jnp.array_equal(a, b))
+                                         for a, b in zip(got[1:], want[1:], strict=True))
     print(json.dumps(out))
 
 
