@@ -14,9 +14,10 @@ kernel time, and the kernels that take the most time. A record for bench/NOTES.m
 ``--batch1 N`` profiles single-request decode instead: one 128-token prompt, its N new
 tokens traced after the prompt step, every kernel reported per generated token (count and
 microseconds), with the kernel-time and first-to-last-kernel span per token (bench/NOTES.md
-r37). ``--tp N`` shards the model over N local devices (``make_mesh(data=1, model=N)``,
-weights made in shards); kernels are then counted on the first device, where the
-collectives show up beside the GEMMs.
+r37). ``--quantize int4-g128`` (any of ``jaxinfer.quantize.QUANTIZATIONS``) profiles random
+weights quantized at those shapes (one device). ``--tp N`` shards the model over N local
+devices (``make_mesh(data=1, model=N)``, weights made in shards); kernels are then counted
+on the first device, where the collectives show up beside the GEMMs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 import jaxinfer
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
+from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
 from jaxinfer.requests import Model
 from sharding import make_mesh
 from sharding.random_init import random_params
@@ -118,6 +120,8 @@ def main() -> None:
     ap.add_argument("--batch1", type=int, default=0, metavar="N",
                     help="profile one request's N decode tokens instead of the workload")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a mesh)")
+    ap.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                    help="random weights quantized so (one device)")
     ap.add_argument("--draft", default=None, metavar="PRESET",
                     help="with --batch1: speculate with a draft model of this preset's shapes "
                          "(random weights; 'self' = the target), every step (not adaptive)")
@@ -125,13 +129,17 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.tp <= jax.local_device_count():
         ap.error(f"--tp {args.tp}: this machine has {jax.local_device_count()} devices")
+    if args.quantize is not None and args.tp > 1:
+        ap.error("--quantize profiles one device: leave --tp at 1")
     if args.draft is not None and not args.batch1:
         ap.error("--draft profiles single-request decode: pass --batch1 N too")
 
     # An 8k context, as bench_engine's presets: block tables are as wide as the context.
     cfg = dataclasses.replace(preset_config(args.model), max_position_embeddings=8192)
     mesh = make_mesh(data=1, model=args.tp) if args.tp > 1 else None
-    if mesh is None:
+    if args.quantize is not None:  # quantized a layer at a time: no bf16 copy of the model
+        params = random_quantized_params(cfg, args.quantize, jax.random.PRNGKey(0))
+    elif mesh is None:
         params = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     else:  # made in shards; the config may repeat K/V heads to fill the model axis
         cfg, params = random_params(cfg, mesh, jnp.bfloat16)
