@@ -8,7 +8,8 @@ Floor: a batch-1 int4 matmul must read its packed weight (half a byte per weight
 float16 scales and zeros once; at the measured read bandwidth (3.0 TB/s on an H100) that is
 the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) is checked
 against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
-program that calls the kernel ``--calls`` times (random inputs, warmed up). By default it
+program that calls the kernel ``--calls`` times, unrolled, cycling through weight copies
+larger than the L2 cache (random inputs, warmed up; ``time_call``). By default it
 compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows), the
 tensor-core dot kernel (``word_rows=0``) and the transposed-layout experiment
 (``pallas_kernels.int4_gemv_nk``, on ``[N, K / 2]`` operands) on every shape, both group sizes
@@ -139,23 +140,34 @@ def stream_probe(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, 
     )(x, words)[:, 0]
 
 
+COLD_BYTES = 256 << 20
+"""Weight bytes a timing program cycles through (over 5x the H100's 50 MB L2), so no call
+reads its weight from the cache a previous call filled."""
+
+
 def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
-    """Median seconds per kernel call: ``calls`` calls in one program (each on a slightly
-    different ``x``, so none is folded away), ``repeats`` timed runs after a warm-up."""
-    x, q, scale, zero = ops
+    """Median seconds per kernel call: ``calls`` calls unrolled in one program, each on its
+    own ``x`` (so none is folded away) and on one of enough weight copies to fill
+    ``COLD_BYTES``; ``repeats`` timed runs after a warm-up.
+
+    Unrolled, not a ``fori_loop``: an XLA GPU while loop syncs with the host every
+    iteration, which added ~20 us to every call (r71: a kernel that only reads an 8 MB
+    weight took 26 us)."""
+    x, *weight = ops
+    copies = max(1, min(calls, -(-COLD_BYTES // sum(w.nbytes for w in weight))))
+    weights = [weight] + [[jnp.array(w, copy=True) for w in weight] for _ in range(copies - 1)]
+    xs = [x + jnp.asarray(i, x.dtype) for i in range(calls)]
 
     @jax.jit
-    def run(x):
-        def body(i, acc):
-            out = call(x + i.astype(x.dtype), q, scale, zero)
-            return acc + out[0, :8].astype(jnp.float32)
-        return lax.fori_loop(0, calls, body, jnp.zeros(8, jnp.float32))
+    def run(xs, weights):
+        outs = [call(xi, *weights[i % copies])[0, :8] for i, xi in enumerate(xs)]
+        return jnp.stack(outs).astype(jnp.float32).sum(axis=0)
 
-    run(x).block_until_ready()
+    run(xs, weights).block_until_ready()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run(x).block_until_ready()
+        run(xs, weights).block_until_ready()
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / calls
 
