@@ -10,11 +10,10 @@ the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) i
 against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
 program that calls the kernel ``--calls`` times, unrolled, cycling through weight copies
 larger than the L2 cache (random inputs, warmed up; ``time_call``). By default it
-compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows), the
-tensor-core dot kernel (``word_rows=0``) and the transposed-layout experiment
-(``pallas_kernels.int4_gemv_nk``, on ``[N, K / 2]`` operands) on every shape, both group sizes
-and each of ``--rows``. ``--sweep`` also times ``int4_gemv_nk`` tilings (column block, loop
-step, warps) at one row on the two largest shapes. ``--probe`` times two stripped kernels
+compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows) and the
+tensor-core dot kernel (``word_rows=0``) on every shape, both group sizes and each of
+``--rows``. ``--sweep`` also times ``word_gemv`` tilings (column block, rows per load, warps)
+at one row on the two largest shapes. ``--probe`` times two stripped kernels
 that read the packed weight exactly as ``word_gemv`` does: one only xors the words (the read
 rate Pallas/Triton reaches with that access pattern), one also makes every nibble a float
 (the cost of the unpacking). Their results are not products, so they get no error check. A
@@ -40,9 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.int4_gemv_nk import int4_gemv_nk
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
-from pallas_kernels.word_gemv import field_as_float
+from pallas_kernels.word_gemv import WordTiles, field_as_float
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -70,25 +68,16 @@ Call = Callable[..., jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A kernel to time: ``call(x, q, scale, zero)`` on the ``[K / 2, N]`` operands, or, with
-    ``transposed``, on ``q.T``, ``scale.T``, ``zero.T`` (``int4_gemv_nk``'s layout)."""
+    """A kernel to time: ``call(x, q, scale, zero)`` on the ``[K / 2, N]`` operands."""
 
     label: str
     call: Call
-    transposed: bool = False
     probe: bool = False  # a stripped kernel (``--probe``): timed, not checked
 
 
 def for_tiles(tiles: Int4Tiles) -> Candidate:
     """``int4_matmul`` with ``tiles``."""
     return Candidate(str(tiles), functools.partial(int4_matmul, tiles=tiles))
-
-
-@functools.cache
-def transposed(m: int, k: int, n: int, group: int) -> tuple[jax.Array, ...]:
-    """``operands(...)`` in the ``[N, K / 2]`` layout (copied once, outside any timing)."""
-    x, q, scale, zero = operands(m, k, n, group)
-    return x, jnp.asarray(q.T.copy()), jnp.asarray(scale.T.copy()), jnp.asarray(zero.T.copy())
 
 
 def _probe_kernel(x_ref, q_ref, o_ref, *, sub: int, unroll: int, steps: int, unpack: bool) -> None:
@@ -178,10 +167,9 @@ def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read
     largest difference from the float32-dequantized reference."""
     ops = operands(m, k, n, group)
     want = int4_matmul_reference(*ops, out_dtype=jnp.float32)
-    run_ops = transposed(m, k, n, group) if cand.transposed else ops
     err = (float("nan") if cand.probe else
-           float(jnp.max(jnp.abs(cand.call(*run_ops).astype(jnp.float32) - want))))
-    s = time_call(cand.call, run_ops, calls, repeats)
+           float(jnp.max(jnp.abs(cand.call(*ops).astype(jnp.float32) - want))))
+    s = time_call(cand.call, ops, calls, repeats)
     nbytes = weight_bytes(*ops[1:])
     floor_s = nbytes / (read_tbps * 1e12)
     row = dict(shape=name, rows=m, k=k, n=n, group=group, kernel=cand.label, us=s * 1e6,
@@ -200,7 +188,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2", help="row counts to time")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time int4_gemv_nk tilings (slow)")
+                    help="also time word_gemv tilings (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -220,10 +208,9 @@ def main() -> None:
             + f"  {cand.label}", flush=True)
         return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
-    nk = Candidate("int4_gemv_nk", int4_gemv_nk, transposed=True)
     candidates = [] if args.only_probe else [
         layer(c, m) for m in map(int, args.rows.split(","))
-        for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)), nk)]
+        for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)))]
     if args.probe or args.only_probe:
         for unpack, block_n, step_rows in itertools.product((False, True), (128, 256),
                                                             (64, 256)):
@@ -235,11 +222,10 @@ def main() -> None:
     sweep = []
     if args.sweep:
         big = [s for s in SHAPES_8B if s[0] in ("gate_up", "down")]
-        for block_n, step_rows, warps in itertools.product((32, 64, 128), (128, 512), (4, 8)):
-            call = functools.partial(int4_gemv_nk, block_n=block_n, step_rows=step_rows,
-                                     num_warps=warps)
-            label = f"int4_gemv_nk(block_n={block_n}, step_rows={step_rows}, warps={warps})"
-            sweep.append(layer(Candidate(label, call, transposed=True), 1, big))
+        for block_n, sub_rows, warps in itertools.product((128, 256), (8, 16, 32), (4, 8)):
+            tiles = Int4Tiles(word=WordTiles(block_n=block_n, sub_rows=sub_rows,
+                                             num_warps=warps))
+            sweep.append(layer(for_tiles(tiles), 1, big))
         sweep.sort(key=lambda c: sum(c["layer_us"].values()))
     record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
