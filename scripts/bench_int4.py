@@ -161,6 +161,25 @@ def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) 
     return float(np.median(times)) / calls
 
 
+def trace_call(cand: Candidate, ops: tuple[jax.Array, ...], calls: int) -> None:
+    """Run ``time_call``'s program under ``jax.profiler.trace`` and print its device kernels
+    (count, mean microseconds), and the first-to-last kernel span per call."""
+    import tempfile
+
+    from profile_engine import device_events, top_kernels
+
+    time_call(cand.call, ops, calls, 1)  # compiled and warm
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            time_call(cand.call, ops, calls, 1)
+        events = device_events(Path(tmp))
+    span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e3
+    print(f"trace {cand.label}: {len(events)} kernels, span {span / (2 * calls):.1f} us per "
+          "call (warm-up and timed run)")
+    for name, ds in top_kernels(events, 12):
+        print(f"  {len(ds):5d} x {sum(ds) / len(ds) / 1e3:8.2f} us  {name[:90]}")
+
+
 def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read_tbps: float,
             calls: int, repeats: int) -> dict:
     """One row count, shape and kernel: time, bandwidth, fraction of the floor, and the
@@ -193,6 +212,9 @@ def main() -> None:
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
                     help="time the probes only, not the kernels")
+    ap.add_argument("--trace", action="store_true",
+                    help="profile one timed program per kernel on the o shape (g128, one "
+                         "row) and print its device kernels: what a call's time is made of")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
@@ -208,6 +230,11 @@ def main() -> None:
             + f"  {cand.label}", flush=True)
         return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
+    if args.trace:
+        for cand in (for_tiles(Int4Tiles()),
+                     Candidate("probe(read)", functools.partial(stream_probe, unpack=False),
+                               probe=True)):
+            trace_call(cand, operands(1, 4096, 4096, 128), args.calls)
     candidates = [] if args.only_probe else [
         layer(c, m) for m in map(int, args.rows.split(","))
         for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)))]
