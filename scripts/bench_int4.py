@@ -139,9 +139,8 @@ def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) 
     own ``x`` (so none is folded away) and on one of enough weight copies to fill
     ``COLD_BYTES``; ``repeats`` timed runs after a warm-up.
 
-    Unrolled, not a ``fori_loop``: an XLA GPU while loop syncs with the host every
-    iteration, which added ~20 us to every call (r71: a kernel that only reads an 8 MB
-    weight took 26 us)."""
+    Unrolled, not a ``fori_loop``, so no loop cost can hide in a call's time (r73: the
+    times were the same either way)."""
     x, *weight = ops
     copies = max(1, min(calls, -(-COLD_BYTES // sum(w.nbytes for w in weight))))
     weights = [weight] + [[jnp.array(w, copy=True) for w in weight] for _ in range(copies - 1)]
