@@ -30,6 +30,7 @@ are random too. Run on a GPU with ``PYTHONPATH=. python3 scripts/bench.py ...``.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -55,6 +56,27 @@ from jaxinfer.runner import DecodeInputs, MixedInputs
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 
 _OPTIONS = ("fused", "unrolled")
+
+
+def device_events(trace_dir: Path, plane_name: str = "/device:") -> list[tuple[str, float,
+                                                                             float]]:
+    """Kernel events ``(name, start_ns, duration_ns)`` on the stream lines of the trace
+    planes whose name starts with ``plane_name`` (default: every accelerator), read back
+    from a ``jax.profiler.trace`` directory (profile_engine.py, bench_int4.py)."""
+    (path,) = trace_dir.rglob("*.xplane.pb")
+    data = jax.profiler.ProfileData.from_file(str(path))
+    return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
+            if plane.name.startswith(plane_name) for line in plane.lines
+            if "stream" in line.name.lower() for e in line.events]
+
+
+def top_kernels(events: list[tuple[str, float, float]], n: int
+                ) -> list[tuple[str, list[float]]]:
+    """The ``n`` kernel names with the most summed time, each with its durations (ns)."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, _, d in events:
+        by_name[name].append(d)
+    return sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:n]
 
 
 def log(msg: str) -> None:

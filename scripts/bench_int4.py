@@ -9,7 +9,8 @@ float16 scales and zeros once; at the measured read bandwidth (3.0 TB/s on an H1
 the fastest it can run. Each tiling (``pallas_kernels.int4_matmul.Int4Tiles``) is checked
 against ``int4_matmul_reference`` first, then timed as the median of ``--repeats`` runs of a
 program that calls the kernel ``--calls`` times, unrolled, cycling through weight copies
-larger than the L2 cache (random inputs, warmed up; ``time_call``). By default it
+larger than the L2 cache, as the device time of its kernels (profiler trace; random inputs,
+warmed up; ``time_call``). By default it
 compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows) and the
 tensor-core dot kernel (``word_rows=0``) on every shape, both group sizes and each of
 ``--rows``. ``--sweep`` also times ``word_gemv`` tilings (column block, rows per load, warps)
@@ -28,6 +29,7 @@ import functools
 import itertools
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.benchmark import device_events, top_kernels
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.word_gemv import WordTiles, field_as_float
 
@@ -135,46 +138,42 @@ reads its weight from the cache a previous call filled."""
 
 
 def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
-    """Median seconds per kernel call: ``calls`` calls unrolled in one program, each on its
-    own ``x`` (so none is folded away) and on one of enough weight copies to fill
-    ``COLD_BYTES``; ``repeats`` timed runs after a warm-up.
+    """Seconds of device kernels per call: ``calls`` calls unrolled in one program, each on
+    its own ``x`` (so none is folded away) and on one of enough weight copies to fill
+    ``COLD_BYTES``; after a warm-up, ``repeats`` runs are traced (``jax.profiler``) and every
+    kernel they ran (not the host-to-device copies) is summed.
 
-    Unrolled, not a ``fori_loop``, so no loop cost can hide in a call's time (r73: the
-    times were the same either way)."""
+    Kernel time, not wall time: the wall time of such a short program is mostly its
+    dispatch, which added ~17 us to every call (r71, r73: an 8.4 MB weight "took" 26 us;
+    r74's trace: its kernel ran 8.9 us)."""
     x, *weight = ops
     copies = max(1, min(calls, -(-COLD_BYTES // sum(w.nbytes for w in weight))))
     weights = [weight] + [[jnp.array(w, copy=True) for w in weight] for _ in range(copies - 1)]
     xs = [x + jnp.asarray(i, x.dtype) for i in range(calls)]
 
     @jax.jit
-    def run(xs, weights):
-        outs = [call(xi, *weights[i % copies])[0, :8] for i, xi in enumerate(xs)]
-        return jnp.stack(outs).astype(jnp.float32).sum(axis=0)
+    def run(xs, weights):  # every output returned whole: no kernel of the harness's own
+        return [call(xi, *weights[i % copies]) for i, xi in enumerate(xs)]
 
-    run(xs, weights).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(xs, weights).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) / calls
+    jax.block_until_ready(run(xs, weights))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(repeats):
+                jax.block_until_ready(run(xs, weights))
+        events = device_events(Path(tmp))
+    kernel_ns = sum(d for name, _, d in events if not name.startswith("Memcpy"))
+    return kernel_ns / 1e9 / (repeats * calls)
 
 
 def trace_call(cand: Candidate, ops: tuple[jax.Array, ...], calls: int) -> None:
-    """Run ``time_call``'s program under ``jax.profiler.trace`` and print its device kernels
-    (count, mean microseconds), and the first-to-last kernel span per call."""
-    import tempfile
-
-    from profile_engine import device_events, top_kernels
-
+    """Trace ``time_call``'s program once and print its device kernels (count, mean
+    microseconds): what a call's time is made of."""
     time_call(cand.call, ops, calls, 1)  # compiled and warm
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             time_call(cand.call, ops, calls, 1)
         events = device_events(Path(tmp))
-    span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e3
-    print(f"trace {cand.label}: {len(events)} kernels, span {span / (2 * calls):.1f} us per "
-          "call (warm-up and timed run)")
+    print(f"trace {cand.label}: {len(events)} kernels")
     for name, ds in top_kernels(events, 12):
         print(f"  {len(ds):5d} x {sum(ds) / len(ds) / 1e3:8.2f} us  {name[:90]}")
 

@@ -23,7 +23,6 @@ on the first device, where the collectives show up beside the GEMMs.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import tempfile
@@ -35,32 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
+from jaxinfer.benchmark import device_events, top_kernels
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
 from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
 from jaxinfer.requests import Model
 from sharding import make_mesh
 from sharding.random_init import random_params
-
-
-def device_events(trace_dir: Path, plane_name: str = "/device:") -> list[tuple[str, float,
-                                                                             float]]:
-    """Kernel events ``(name, start_ns, duration_ns)`` on the stream lines of the trace
-    planes whose name starts with ``plane_name`` (default: every accelerator)."""
-    (path,) = trace_dir.rglob("*.xplane.pb")
-    data = jax.profiler.ProfileData.from_file(str(path))
-    return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
-            if plane.name.startswith(plane_name) for line in plane.lines
-            if "stream" in line.name.lower() for e in line.events]
-
-
-def top_kernels(events: list[tuple[str, float, float]], n: int
-                ) -> list[tuple[str, list[float]]]:
-    """The ``n`` kernel names with the most summed time, each with its durations (ns)."""
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for name, _, d in events:
-        by_name[name].append(d)
-    return sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:n]
 
 
 def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str,

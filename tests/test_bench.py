@@ -139,3 +139,19 @@ def test_impl_names():
     assert benchmark.Impl.parse("pallas+fused+unrolled").name == "pallas+fused+unrolled"
     with pytest.raises(ValueError, match="unknown option"):
         benchmark.Impl.parse("pallas+sliced")
+
+
+def test_top_kernels_ranks_names_by_summed_time(tmp_path):
+    """``top_kernels`` groups events by name and ranks by total time, not by count or by the
+    longest event; ``device_events`` reads a real trace (on CPU it holds no accelerator
+    kernels, so none come back)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.benchmark import device_events, top_kernels
+
+    events = [("a", 0, 5.0), ("b", 1, 9.0), ("a", 2, 5.0), ("c", 3, 1.0), ("a", 4, 1.0)]
+    assert top_kernels(events, 2) == [("a", [5.0, 5.0, 1.0]), ("b", [9.0])]
+    with jax.profiler.trace(str(tmp_path)):
+        jnp.ones(8).sum().block_until_ready()
+    assert device_events(tmp_path) == []
