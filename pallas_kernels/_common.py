@@ -199,6 +199,24 @@ def online_softmax_finish(acc: jax.Array, l_sum: jax.Array) -> jax.Array:
     return acc / safe
 
 
+def split_partials(b: int, hkv: int, num_splits: int, gp: int, d: int
+                   ) -> tuple[list[Any], list[jax.ShapeDtypeStruct]]:
+    """Out specs and shapes of a split-K decode kernel on grid ``(b, hkv, num_splits)``: the
+    float32 partials ``acc [b, hkv, splits, gp, d]``, ``m`` and ``l_sum [b, hkv, splits, gp]``
+    that ``combine_splits`` merges."""
+    specs = [
+        pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
+    ]
+    shapes = [
+        jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+    ]
+    return specs, shapes
+
+
 def combine_splits_reference(
     acc: jax.Array, m: jax.Array, l_sum: jax.Array, axis: int
 ) -> jax.Array:

@@ -43,6 +43,7 @@ from pallas_kernels._common import (
     online_softmax_finish,
     online_softmax_step,
     prev_pow2,
+    split_partials,
     tpu_decode_block,
     tpu_interpret,
     tpu_params,
@@ -219,6 +220,7 @@ def _decode_gpu(q, k_cache, v_cache, lengths, layer=None, *, scale, block_k, num
     else:
         layer_in, layer_spec = [], []
         cache_spec = pl.BlockSpec((None, None, max_len, d), lambda bi, h, s: (bi, h, 0, 0))
+    out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
     acc, m, l_sum = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
@@ -229,16 +231,8 @@ def _decode_gpu(q, k_cache, v_cache, lengths, layer=None, *, scale, block_k, num
             cache_spec,
             cache_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=gpu_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxinfer_decode_layer_splitk" if layered else "jaxinfer_decode_splitk",

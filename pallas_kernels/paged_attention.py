@@ -45,6 +45,7 @@ from pallas_kernels._common import (
     gpu_params,
     key_block_step,
     next_pow2,
+    split_partials,
     tpu_decode_block,
     tpu_interpret,
     tpu_params,
@@ -270,16 +271,7 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         pl.BlockSpec((b * hq, d), lambda bi, h, s: (0, 0)),
         pool, pool, *[scale_pool] * len(scales),
     ]
-    out_specs = [
-        pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
-        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-    ]
+    out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
     operands = [lengths, bt, q.reshape(b * hq, d), k_pages, v_pages, *scales]
     aliases = {}
     if writes:
