@@ -140,13 +140,17 @@ def paged_attention_reference(
 def _paged_gpu_kernel(
     len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, pages_per_block: int,
     page_size: int, num_pages: int, num_splits: int, quantized: bool, writes: bool,
-    group: int, q_heads: int,
+    group: int, rows_of: tuple[tuple[int, int], ...],
 ) -> None:
     """One (sequence, kv head, split) of Flash-Decoding; refs after ``v_ref``, in order:
     quantized pages' ``ks_ref, vs_ref``; with ``writes``, the new token's ``page_ref,
-    offset_ref [1]``, ``nk_ref, nv_ref [d]`` (and ``nks_ref, nvs_ref [1]`` when quantized);
+    offset_ref [1]``, ``nk_ref, nv_ref`` (and ``nks_ref, nvs_ref [1]`` when quantized);
     the partials ``acc_ref [gp, d]``, ``m_ref, l_ref [gp]``; with ``writes``, the pools again
-    (outputs aliased to the inputs) that the new token's K/V are stored into."""
+    (outputs aliased to the inputs) that the new token's K/V are stored into.
+
+    ``q_ref``, ``nk_ref`` and ``nv_ref`` are whole ``[rows, d]`` arrays (possibly one array
+    passed three times): ``rows_of`` gives each one's ``(rows per sequence, first row)``,
+    and head ``h`` of sequence ``b`` is row ``b * stride + first + h``."""
     refs = list(refs)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
     if writes:
@@ -156,11 +160,12 @@ def _paged_gpu_kernel(
     acc_ref, m_ref, l_ref, *pool_out = refs
     bi, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, d = acc_ref.shape
-    # q is unpadded [batch * q_heads, d]: this kv head's `group` query rows, and zero rows up
-    # to the `rows` a dot needs (masked, so no padded copy of q is made before the kernel).
+    # q is unpadded: this kv head's `group` query rows, and zero rows up to the `rows` a dot
+    # needs (masked, so no padded copy of q is made before the kernel).
     row = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
-    q = plgpu.load(q_ref.at[pl.ds(bi * q_heads + h * group, rows), :], mask=row < group,
-                   other=0.0)
+    (q_stride, q_first), *new_rows = rows_of
+    q = plgpu.load(q_ref.at[pl.ds(bi * q_stride + q_first + h * group, rows), :],
+                   mask=row < group, other=0.0)
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
     # With `writes` the newest key is not read from the pool (this kernel stores it there);
@@ -203,10 +208,12 @@ def _paged_gpu_kernel(
         # out-of-range page) do neither.
         page = page_ref[0]
         first = (split == 0) & (seq_len > 0)
+        new_k, new_v = (ref[bi * stride + row0 + h, :]  # [d]
+                        for ref, (stride, row0) in zip((nk_ref, nv_ref), new_rows, strict=True))
 
         def add_new_key(carry):
-            nk = jnp.broadcast_to(nk_ref[...][None, :], (MIN_DOT, d))
-            nv = jnp.broadcast_to(nv_ref[...][None, :], (MIN_DOT, d))
+            nk = jnp.broadcast_to(new_k[None, :], (MIN_DOT, d))
+            nv = jnp.broadcast_to(new_v[None, :], (MIN_DOT, d))
             col = lax.broadcasted_iota(jnp.int32, (rows, MIN_DOT), 1)
             return key_block_step(
                 *carry, q, nk, nv, scale=scale, valid=col < 1, key_start=0, key_end=1,
@@ -219,12 +226,12 @@ def _paged_gpu_kernel(
         @pl.when(first & (page >= 0) & (page < num_pages))
         def _store():
             offset = offset_ref[0]
-            news = [nk_ref, nv_ref] + ([nks_ref, nvs_ref] if quantized else [])
-            for out_ref, new_ref in zip(pool_out, news, strict=True):
-                if out_ref.ndim == 2:  # a scale pool [pages, page_size], new_ref [1]
-                    out_ref[pl.ds(page, 1), pl.ds(offset, 1)] = new_ref[...][None, :]
-                else:  # [pages, page_size, d], new_ref [d]
-                    out_ref[page, offset, :] = new_ref[...]
+            news = [new_k, new_v] + ([nks_ref[...], nvs_ref[...]] if quantized else [])
+            for out_ref, new in zip(pool_out, news, strict=True):
+                if out_ref.ndim == 2:  # a scale pool [pages, page_size], new [1]
+                    out_ref[pl.ds(page, 1), pl.ds(offset, 1)] = new[None, :]
+                else:  # [pages, page_size, d], new [d]
+                    out_ref[page, offset, :] = new
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l_sum
@@ -257,10 +264,24 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     )
     gp = max(MIN_DOT, next_pow2(group))
     writes = bool(new)
+    if writes:
+        write_pages, write_offsets, k_new, v_new, *new_scales = new
+    if writes and not scales:
+        # One operand for q and the new K/V: XLA builds it in one fusion with the RoPE of q
+        # and k (three separate operands took three fusions, r72), the kernel reads rows.
+        heads = hq + 2 * hkv
+        q_op = jnp.concatenate([q, k_new, v_new], axis=1).reshape(b * heads, d)
+        operands_qkv = [q_op, q_op, q_op]
+        rows_of = ((heads, 0), (heads, hq), (heads, hq + hkv))
+    else:
+        q_op = q.reshape(b * hq, d)
+        operands_qkv = [q_op] + ([k_new.reshape(b * hkv, d), v_new.reshape(b * hkv, d)]
+                                 if writes else [])
+        rows_of = ((hq, 0), (hkv, 0), (hkv, 0))
     kernel = functools.partial(
         _paged_gpu_kernel, scale=scale * LOG2E, pages_per_block=pages_per_block,
         page_size=page_size, num_pages=num_pages, num_splits=num_splits,
-        quantized=bool(scales), writes=writes, group=group, q_heads=hq,
+        quantized=bool(scales), writes=writes, group=group, rows_of=rows_of,
     )
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
     scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda bi, h, s: (h, 0, 0))
@@ -268,19 +289,18 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     in_specs = [
         per_seq,
         pl.BlockSpec((None, bt.shape[1]), lambda bi, h, s: (bi, 0)),
-        pl.BlockSpec((b * hq, d), lambda bi, h, s: (0, 0)),
+        pl.BlockSpec(q_op.shape, lambda bi, h, s: (0, 0)),
         pool, pool, *[scale_pool] * len(scales),
     ]
     out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
-    operands = [lengths, bt, q.reshape(b * hq, d), k_pages, v_pages, *scales]
+    operands = [lengths, bt, operands_qkv[0], k_pages, v_pages, *scales]
     aliases = {}
     if writes:
-        write_pages, write_offsets, *new_kv = new
-        head = pl.BlockSpec((None, None, d), lambda bi, h, s: (bi, h, 0))
+        whole = [pl.BlockSpec(x.shape, lambda bi, h, s: (0, 0)) for x in operands_qkv[1:]]
         head_scale = pl.BlockSpec((None, None, 1), lambda bi, h, s: (bi, h, 0))
-        in_specs += [per_seq, per_seq, head, head, *[head_scale] * len(scales)]
+        in_specs += [per_seq, per_seq, *whole, *[head_scale] * len(scales)]
         operands += [write_pages.astype(jnp.int32), write_offsets.astype(jnp.int32),
-                     new_kv[0], new_kv[1], *[x[..., None] for x in new_kv[2:]]]
+                     *operands_qkv[1:], *[x[..., None] for x in new_scales]]
         pools = [k_pages, v_pages, *scales]
         out_specs += [pool, pool, *[scale_pool] * len(scales)]
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
