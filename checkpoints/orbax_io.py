@@ -72,6 +72,10 @@ def save_params(path: str | Path, params: dict[str, Any], overwrite: bool = Fals
     arrays: dict[str, Any] = {}  # params with each quantized weight as a dict of its arrays
     for name, a in iter_leaves(params):
         if isinstance(a, QuantizedWeight):
+            if a.in_last:  # model.prepare_params(fp8_input_last=True): not a stored layout
+                raise CheckpointError(f"{name} is in an execution layout (fp8 with its input "
+                                      "axis last); save the params load_model read, before "
+                                      "apply_layout")
             manifest[name] = {"quantized": {"kind": a.kind, "group": a.group,
                                             "out_axes": a.out_axes}}
             parts = {k: x for k, x in (("q", a.q), ("scale", a.scale), ("zero", a.zero),

@@ -35,7 +35,7 @@ import pallas_kernels
 from jaxinfer.config import LlamaConfig
 from jaxinfer.paged_cache import QuantizedPages
 from jaxinfer.params import Params, init_params, param_shapes  # noqa: F401 (re-exported)
-from jaxinfer.quantize import QuantizedWeight, fuse_quantized
+from jaxinfer.quantize import QuantizedWeight, fuse_quantized, input_axis_last
 from sharding.attention import gather_vocab, mesh_write_and_attend, model_split
 
 
@@ -140,6 +140,8 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     where XLA does not fuse it, leaving a wide copy of every layer's weight).
     """
     x, q = jax.lax.optimization_barrier((x, w.q))
+    if w.in_last:  # q [out, in]: one device, ``prepare_params(fp8_input_last=True)``
+        return _dense_fp8_input_last(x, q, w.scale[0], out_dtype)
     groups = w.scale.shape[0]  # scale [G, *out]: 1, or one group per device's rows
     cols = "f" if q.ndim == 2 else "sf"
     if groups == 1:
@@ -154,12 +156,39 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     return jnp.sum(out * w.scale, axis=-1 - len(cols)).astype(out_dtype)
 
 
+FP8_ACTIVATION_ROWS = 64
+"""Rows from which a matmul with an ``in_last`` fp8 weight scales its activations into e4m3
+and runs fp8 x fp8 (prefill); fewer rows (decode) convert the weight inside the matmul, as the
+``[in, out]`` layout does. At 64 rows both ran about as fast on an H100 (bench/NOTES.md r54,
+r55: 163 us fp8 x fp8 against 174 us weight-only per 8B layer; 300 against 543 at 512)."""
+
+
+def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype: Any
+                          ) -> jax.Array:
+    """``x [..., in]`` times an fp8 weight stored ``q [out, in]`` with column scales ``scale
+    [out]``. From ``FP8_ACTIVATION_ROWS`` rows each row of ``x`` is scaled into e4m3 (its
+    absolute maximum to 448) and the product runs on fp8 tensor cores (cuBLASLt reads both
+    operands with their contracted axis contiguous, so nothing is transposed); the row and
+    column scales are applied to the float32 result. Rounding the activations to 3 mantissa
+    bits costs accuracy: the default model's perplexity stays within 3% of bf16
+    (tests/test_quantize.py)."""
+    if math.prod(x.shape[:-1]) < FP8_ACTIVATION_ROWS:
+        out = jnp.einsum("...d,fd->...f", x, q.astype(x.dtype),
+                         preferred_element_type=jnp.float32)
+        return (out * scale).astype(out_dtype)
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12) / 448.0
+    x8 = (x32 / x_scale).astype(jnp.float8_e4m3fn)
+    out = jnp.einsum("...d,fd->...f", x8, q, preferred_element_type=jnp.float32)
+    return (out * x_scale * scale).astype(out_dtype)
+
+
 def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
                  ) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
-    if isinstance(w, QuantizedWeight) and w.q.shape[-2] == 1:
-        return _dense(x, w.first_shard())[..., None, :]
+    if isinstance(w, QuantizedWeight) and (w.in_last or w.q.shape[-2] == 1):
+        return _dense(x, w if w.in_last else w.first_shard())[..., None, :]
     if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
         if w.perm is not None:  # stored rows in another order: gather x, not the weight
             x = jnp.take(x, w.perm, axis=-1)
@@ -287,6 +316,7 @@ def prepare_params(
     place: Any = None,
     donate: bool = False,
     shards: int = 1,
+    fp8_input_last: bool = False,
 ) -> Params:
     """An execution layout of ``params`` for ``forward_ragged``, built once outside the jitted
     steps.
@@ -312,10 +342,17 @@ def prepare_params(
       shards: the mesh's ``model`` size for params split by ``sharding.rules`` (1 on one
         device): fused weights get one slice per shard, and every result keeps its input's
         split (per-layer slices of a column-split stack stay column-split).
+      fp8_input_last: with ``unstack`` on one device (``shards`` 1), store each layer's fp8
+        weights as ``q [out, in]`` (``quantize.input_axis_last``), so that prefill matmuls
+        run fp8 x fp8 (``FP8_ACTIVATION_ROWS``); ``apply_layout`` asks for it on GPUs with
+        fp8 tensor cores (``fp8_gemm_device``).
 
     Without ``donate`` the input arrays are not modified; with either option the result holds
     new buffers.
     """
+    if fp8_input_last and (not unstack or shards != 1):
+        raise ValueError("fp8_input_last is a per-layer layout for one device: pass "
+                         "unstack=True and shards=1")
     place = place or (lambda a: a)
     out = {k: place(v) for k, v in params.items() if k != "layers"}
     if donate:
@@ -360,6 +397,12 @@ def prepare_params(
                             else fuse_columns(pieces, shards))
                 for piece in pieces:  # per-layer slices made above: always ours to free
                     _delete(piece)
+    if fp8_input_last:
+        for lp in per_layer:
+            for name, w in lp.items():
+                if isinstance(w, QuantizedWeight) and w.kind == "fp8":
+                    lp[name] = place(input_axis_last(w))
+                    _delete(w, keep=lp[name])
     out["layers"] = per_layer
     return out
 
@@ -374,7 +417,19 @@ def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = 
     fast = resolve_layout(layout) == "fast"
     shards = 1 if mesh is None else int(mesh.shape["model"])
     return prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate,
-                          shards=shards)
+                          shards=shards, fp8_input_last=fast and mesh is None
+                          and fp8_gemm_device())
+
+
+def fp8_gemm_device() -> bool:
+    """Whether the default device multiplies fp8 x fp8 on its tensor cores (an NVIDIA GPU of
+    compute capability 8.9 or newer: Ada, Hopper), where ``apply_layout`` lays fp8 weights
+    out for fp8 prefill matmuls."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return False
+    return tuple(int(v) for v in str(capability).split(".")[:2]) >= (8, 9)
 
 
 def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Array:

@@ -17,6 +17,9 @@ layout):
 * ``"fp8"``: ``q`` float8_e4m3fn ``[..., in, *out]``, ``scale`` float32 ``[..., 1, *out]``
   (one scale per output column: ``group`` is the whole input size; a weight whose input rows
   are split over a mesh has one scale per column and device, ``group`` = rows / devices).
+  ``input_axis_last`` re-lays a single device's fp8 weight as ``q [out, in]`` (``in_last``),
+  the operand layout of cuBLASLt's fp8 GEMM: an execution layout
+  (``model.prepare_params(fp8_input_last=True)``), never stored.
 
 ``perm`` (int32 ``[..., in]``, any kind; None for nearly every weight) says that the stored
 input rows are the weight's rows in another order: stored row ``r`` is row ``perm[r]``, so
@@ -75,6 +78,7 @@ class QuantizedWeight:
 
     ``out_axes`` counts the output axes: 2 for a fused ``[in, shards, out / shards]`` weight.
     ``zero`` is None except for int4; ``perm`` is None unless the stored rows are permuted.
+    ``in_last``: ``q`` holds the input axis last (``[out, in]``, fp8 only, ``input_axis_last``).
     """
 
     q: jax.Array
@@ -84,23 +88,34 @@ class QuantizedWeight:
     out_axes: int = struct.field(pytree_node=False, default=1)
     group: int = struct.field(pytree_node=False, default=GROUP)
     kind: str = struct.field(pytree_node=False, default="int8")
+    in_last: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def in_axis(self) -> int:
         """The axis of ``q`` that a matmul contracts."""
-        return self.q.ndim - self.out_axes - 1
+        return self.q.ndim - 1 if self.in_last else self.q.ndim - self.out_axes - 1
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of the weight it stands for (int4 packs two input rows per byte)."""
+        """The shape of the weight it stands for, ``[..., in, *out]`` (int4 packs two input
+        rows per byte)."""
+        if self.in_last:
+            return self._input_axis_back().shape
         shape = list(self.q.shape)
         if self.kind == "int4":
             shape[self.in_axis] *= 2
         return tuple(shape)
 
+    def _input_axis_back(self) -> QuantizedWeight:
+        """An ``in_last`` weight in the module's ``[..., in, *out]`` layout."""
+        q = jnp.moveaxis(self.q, -1, -1 - self.out_axes)
+        return dataclasses.replace(self, q=q, in_last=False)
+
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """The weight, computed in float32 and returned in ``dtype`` (with ``perm``, its
         rows put back in the weight's order)."""
+        if self.in_last:
+            return self._input_axis_back().dequantize(dtype)
         if self.perm is not None:
             stored = dataclasses.replace(self, perm=None).dequantize(dtype)
             inverse = jnp.argsort(jnp.asarray(self.perm), axis=-1)  # [..., in]
@@ -124,6 +139,21 @@ class QuantizedWeight:
         return QuantizedWeight(q=self.q[:, 0], scale=self.scale[:, 0],
                                zero=None if self.zero is None else self.zero[:, 0],
                                perm=self.perm, out_axes=1, group=self.group, kind=self.kind)
+
+
+def input_axis_last(w: QuantizedWeight) -> QuantizedWeight:
+    """A one-device fp8 weight (``[in, out]``, or fused ``[in, 1, out]``) as ``q [out, in]``
+    (``in_last``): the layout cuBLASLt's fp8 x fp8 GEMM reads, which Hopper's prefill
+    matmuls use (``model._dense_fp8``). XLA transposes an ``[in, out]`` fp8 weight before
+    every such GEMM (bench/NOTES.md r54: 5-8x slower); this transposes it once."""
+    if w.kind != "fp8" or w.perm is not None or w.q.ndim - w.out_axes != 1:
+        raise ValueError(f"input_axis_last takes one layer's fp8 weight without a row order, "
+                         f"got kind {w.kind!r}, q {w.q.shape}")
+    if w.out_axes == 2:
+        if w.q.shape[1] != 1:
+            raise ValueError(f"input_axis_last takes one device's weight, got q {w.q.shape}")
+        w = w.first_shard()
+    return dataclasses.replace(w, q=jnp.swapaxes(w.q, 0, 1), in_last=True)
 
 
 def fuse_quantized(parts: list[QuantizedWeight], fuse: Any) -> QuantizedWeight:

@@ -184,3 +184,52 @@ def test_default_model_perplexity_int8_int4_fp8(default_gguf):
     for method, limit in (("int8", 0.01), ("int4", 0.08), ("fp8", 0.03)):
         quant = dataclasses.replace(base, params=quantize_params(base.params, method))
         assert abs(perplexity(quant) / ppl - 1) < limit, (method, perplexity(quant), ppl)
+    # fp8 as Hopper runs it: the prompt's matmuls fp8 x fp8 (activations in e4m3 too).
+    from jaxinfer.model import FP8_ACTIVATION_ROWS, prepare_params
+
+    assert len(ids) >= FP8_ACTIVATION_ROWS
+    last = prepare_params(quant.params, fuse=True, unstack=True, fp8_input_last=True)
+    fp8_act = perplexity(dataclasses.replace(quant, params=last))
+    assert abs(fp8_act / ppl - 1) < 0.03, (fp8_act, ppl)
+
+
+def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
+    """``prepare_params(fp8_input_last=True)`` stores each layer's fp8 weights as ``q [out,
+    in]``. Below ``FP8_ACTIVATION_ROWS`` rows the matmul is the weight-only one; from there
+    the activations are scaled into e4m3 per row (the fp8 x fp8 GEMM of Hopper prefill),
+    within a few percent of the float product. Such a layout is not a checkpoint."""
+    from checkpoints.orbax_io import save_params
+    from jaxinfer.errors import CheckpointError
+    from jaxinfer.model import FP8_ACTIVATION_ROWS, _dense, init_params, prepare_params
+
+    cfg = jaxinfer.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=96,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                               max_position_embeddings=128)
+    params = quantize_params(init_params(cfg, jax.random.PRNGKey(0), jnp.float32), "fp8")
+    fast = prepare_params(params, fuse=True, unstack=True)
+    last = prepare_params(params, fuse=True, unstack=True, fp8_input_last=True)
+    for lp, lq in zip(fast["layers"], last["layers"], strict=True):
+        w, wl = lp["w_gate_up"].first_shard(), lq["w_gate_up"]
+        assert wl.in_last and wl.q.shape == (192, 128) and wl.shape == w.shape == (128, 192)
+        np.testing.assert_array_equal(wl.dequantize(), w.dequantize())
+    w, wl = fast["layers"][0]["wo"], last["layers"][0]["wo"]
+    x = jax.random.normal(jax.random.PRNGKey(1), (FP8_ACTIVATION_ROWS, 128), jnp.float32)
+    want = x @ w.dequantize()
+    np.testing.assert_allclose(_dense(x[:5], wl), _dense(x[:5], w), rtol=1e-5, atol=1e-5)
+    got = _dense(x, wl)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.05
+    assert float(jnp.linalg.norm(_dense(x, w) - want) / jnp.linalg.norm(want)) < 1e-5
+    eqns = jax.make_jaxpr(_dense)(x, wl).eqns
+    assert [e for e in eqns if e.primitive.name == "convert_element_type"
+            and e.params["new_dtype"] == jnp.float8_e4m3fn]
+    # The whole model: random weights compound each matmul's ~2.5% through the layers; a
+    # wrong layout would be off by ~100% (quality: the default model's perplexity below).
+    model = jaxinfer.Model(cfg, fast, None, dtype=jnp.float32, backend="reference")
+    ids = [3 + i % 60 for i in range(FP8_ACTIVATION_ROWS + 6)]
+    ref = jaxinfer.compute_logits(model, ids)
+    got = jaxinfer.compute_logits(dataclasses.replace(model, params=last), ids)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.15
+    with pytest.raises(ValueError, match="one device"):
+        prepare_params(params, fuse=True, fp8_input_last=True)
+    with pytest.raises(CheckpointError, match="execution layout"):
+        save_params("/nonexistent/never-written", {"wo": wl})
