@@ -45,6 +45,7 @@ from pallas_kernels._common import (
     gpu_params,
     key_block_step,
     next_pow2,
+    online_softmax_finish,
     split_partials,
     tpu_decode_block,
     tpu_interpret,
@@ -144,13 +145,15 @@ def paged_attention_reference(
 def _paged_gpu_kernel(
     len_ref, bt_ref, q_ref, k_ref, v_ref, *refs, scale: float, pages_per_block: int,
     page_size: int, num_pages: int, num_splits: int, quantized: bool, writes: bool,
-    group: int, rows_of: tuple[tuple[int, int], ...],
+    group: int, rows_of: tuple[tuple[int, int], ...], gp: int, q_heads: int,
 ) -> None:
     """One (sequence, kv head, split) of Flash-Decoding; refs after ``v_ref``, in order:
     quantized pages' ``ks_ref, vs_ref``; with ``writes``, the new token's ``page_ref,
     offset_ref [1]``, ``nk_ref, nv_ref`` (and ``nks_ref, nvs_ref [1]`` when quantized);
-    the partials ``acc_ref [gp, d]``, ``m_ref, l_ref [gp]``; with ``writes``, the pools again
-    (outputs aliased to the inputs) that the new token's K/V are stored into.
+    the partials ``acc_ref [gp, d]``, ``m_ref, l_ref [gp]``, or with one split the output
+    ``o_ref`` itself (a whole ``[batch * q_heads, d]`` array, rows as ``q_ref``'s); with
+    ``writes``, the pools again (outputs aliased to the inputs) that the new token's K/V are
+    stored into.
 
     ``q_ref``, ``nk_ref`` and ``nv_ref`` are whole ``[rows, d]`` arrays (possibly one array
     passed three times): ``rows_of`` gives each one's ``(rows per sequence, first row)``,
@@ -161,9 +164,13 @@ def _paged_gpu_kernel(
         page_ref, offset_ref, nk_ref, nv_ref = refs[:4]
         nks_ref, nvs_ref = refs[4:6] if quantized else (None, None)
         refs = refs[6 if quantized else 4:]
-    acc_ref, m_ref, l_ref, *pool_out = refs
+    finish = num_splits == 1  # nothing to combine: this program writes the output
+    if finish:
+        o_ref, *pool_out = refs
+    else:
+        acc_ref, m_ref, l_ref, *pool_out = refs
     bi, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, d = acc_ref.shape
+    rows, d = gp, q_ref.shape[1]
     # q is unpadded: this kv head's `group` query rows, and zero rows up to the `rows` a dot
     # needs (masked, so no padded copy of q is made before the kernel).
     row = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
@@ -236,6 +243,11 @@ def _paged_gpu_kernel(
                     out_ref[pl.ds(page, 1), pl.ds(offset, 1)] = new[None, :]
                 else:  # [pages, page_size, d], new [d]
                     out_ref[page, offset, :] = new
+    if finish:
+        out = online_softmax_finish(acc, l_sum[:, None]).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[pl.ds(bi * q_heads + h * group, rows), :], out,
+                    mask=row < group)
+        return
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l_sum
@@ -243,8 +255,8 @@ def _paged_gpu_kernel(
 
 def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale,
                pages_per_block, num_splits, num_warps, num_stages, interpret):
-    """The GPU kernel and the combine. ``new``: ``()`` or the write's ``(write_pages,
-    write_offsets, k_new, v_new[, k_new_scales, v_new_scales])`` (see
+    """The GPU kernel, and the combine when keys are split. ``new``: ``()`` or the write's
+    ``(write_pages, write_offsets, k_new, v_new[, k_new_scales, v_new_scales])`` (see
     ``paged_attention_write``); returns ``out`` or ``(out, *pools written)``."""
     b, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
@@ -285,7 +297,8 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     kernel = functools.partial(
         _paged_gpu_kernel, scale=scale * LOG2E, pages_per_block=pages_per_block,
         page_size=page_size, num_pages=num_pages, num_splits=num_splits,
-        quantized=bool(scales), writes=writes, group=group, rows_of=rows_of,
+        quantized=bool(scales), writes=writes, group=group, rows_of=rows_of, gp=gp,
+        q_heads=hq,
     )
     pool = pl.BlockSpec((None, num_pages, page_size, d), lambda bi, h, s: (h, 0, 0, 0))
     scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda bi, h, s: (h, 0, 0))
@@ -296,7 +309,12 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         pl.BlockSpec(q_op.shape, lambda bi, h, s: (0, 0)),
         pool, pool, *[scale_pool] * len(scales),
     ]
-    out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
+    if num_splits == 1:  # the kernel normalises and writes q's rows: no partials, no combine
+        out_specs = [pl.BlockSpec((b * hq, d), lambda bi, h, s: (0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b * hq, d), q.dtype)]
+    else:
+        out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
+    results = len(out_specs)
     operands = [lengths, bt, operands_qkv[0], k_pages, v_pages, *scales]
     aliases = {}
     if writes:
@@ -308,8 +326,8 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         pools = [k_pages, v_pages, *scales]
         out_specs += [pool, pool, *[scale_pool] * len(scales)]
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
-        aliases = {3 + i: 3 + i for i in range(len(pools))}
-    acc, m, l_sum, *written = pl.pallas_call(
+        aliases = {3 + i: results + i for i in range(len(pools))}
+    outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
         in_specs=in_specs,
@@ -320,8 +338,11 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         interpret=interpret,
         name="jaxinfer_paged_decode",
     )(*operands)
-    out = combine_splits(acc, m, l_sum, group, q.dtype, interpret)  # [b, hkv, group, d]
-    out = out.reshape(b, hq, d)
+    written = outs[results:]
+    if num_splits == 1:
+        out = outs[0].reshape(b, hq, d)
+    else:  # [b, hkv, group, d] from the splits' partials
+        out = combine_splits(*outs[:3], group, q.dtype, interpret).reshape(b, hq, d)
     return (out, *written) if writes else out
 
 

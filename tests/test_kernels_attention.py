@@ -243,6 +243,7 @@ PAGED_CASES = [
     ("gpu", jnp.float32, 3, 8, 2, 64, 8, 7, None),
     ("gpu", jnp.bfloat16, 2, 8, 1, 128, 16, 5, 2),
     ("gpu", jnp.float32, 4, 4, 4, 64, 4, 9, 3),
+    ("gpu", jnp.bfloat16, 3, 8, 2, 64, 8, 7, 1),  # one split: the kernel writes the output
     ("tpu", jnp.float32, 3, 8, 2, 64, 8, 5, None),
     ("tpu", jnp.bfloat16, 2, 8, 1, 128, 16, 3, None),
 ]
@@ -409,6 +410,8 @@ WRITE_CASES = [
     ("gpu", jnp.bfloat16, None, 3, 8, 1, 128, 16, 5, 2),
     ("gpu", jnp.float32, None, 3, 4, 4, 64, 4, 9, 3),  # one query row per kv head
     ("gpu", jnp.float32, jnp.int8, 3, 8, 2, 64, 8, 7, 2),
+    ("gpu", jnp.float32, None, 3, 8, 2, 64, 8, 7, 1),  # one split: no combine
+    ("gpu", jnp.float32, jnp.int8, 3, 4, 4, 64, 8, 5, 1),
     ("gpu", jnp.bfloat16, jnp.float8_e4m3fn, 3, 8, 1, 128, 16, 3, None),
     ("tpu", jnp.float32, None, 3, 8, 2, 64, 8, 5, None),
 ]
@@ -553,10 +556,12 @@ def test_bad_arguments_raise_one_line_value_error():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, jnp.int8], ids=["bf16", "int8"])
-def test_paged_attention_write_lowers_to_triton_for_cuda(kv_dtype):
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_attention_write_lowers_to_triton_for_cuda(kv_dtype, num_splits):
     """Lowering for a GPU (jax.export on this CPU machine) runs the Triton lowering rules the
-    storing kernel needs (masked q load, scalar-indexed stores into aliased pools) at 8B
-    decode shapes (32 q heads over 8 kv heads, two rows)."""
+    storing kernel needs (masked q load and output store, scalar-indexed stores into aliased
+    pools) at 8B decode shapes (32 q heads over 8 kv heads, two rows), with the output
+    written by the kernel (one split) or by the combine."""
     from jax import export
 
     b, hq, hkv, d, pages, page_size = 2, 32, 8, 128, 64, 16
@@ -568,13 +573,15 @@ def test_paged_attention_write_lowers_to_triton_for_cuda(kv_dtype):
             spec((b, 8), jnp.int32), spec((b,), jnp.int32), spec((b,), jnp.int32),
             spec((b,), jnp.int32)]
     if kv_dtype is None:
-        f = jax.jit(paged_attention_write)
+        def f(*a):
+            return paged_attention_write(*a, num_splits=num_splits)
     else:
         args += [spec((hkv, pages, page_size), dt)] * 2 + [spec((b, hkv), dt)] * 2
 
         def f(*a):
             return paged_attention_write(*a[:9], k_scales=a[9], v_scales=a[10],
-                                         k_new_scales=a[11], v_new_scales=a[12])
+                                         k_new_scales=a[11], v_new_scales=a[12],
+                                         num_splits=num_splits)
     no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=no_check)(*args)
     assert "jaxinfer_paged_decode" in exported.mlir_module()
