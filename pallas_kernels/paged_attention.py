@@ -54,10 +54,11 @@ from pallas_kernels._common import (
 from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.kv_quant import dequantize_kv
 
-# Programs the split-K factor aims at: about one per H100 SM. A program's K/V pipeline stages
-# take most of an SM's shared memory, so one runs per SM at a time, and every split past the
-# keys a sequence has is a program in a later wave (8B batch 1 at 528: 1,024 programs, ~9 us
-# for a ~640-key context; bench/NOTES.md r78-r79).
+# Programs the split-K factor aims at: about one per H100 SM. Each split past the keys a
+# sequence has is still a program to schedule: at 528, 8B batch 1 (2 rows x 8 kv heads) ran
+# 1,024 programs in 9.15 us for a ~640-key context, at 132 (256 programs) 6.90 us, and the
+# combine fell from 3.32 to 2.03 us (bench/NOTES.md r78-r79). A program's pipelined K/V
+# blocks take much of an SM's shared memory, which would explain the waves.
 _TARGET_PROGRAMS = 132
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
