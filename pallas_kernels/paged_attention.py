@@ -152,7 +152,8 @@ def _paged_gpu_kernel(
     quantized pages' ``ks_ref, vs_ref``; with ``writes``, the new token's ``page_ref,
     offset_ref [1]``, ``nk_ref, nv_ref`` (and ``nks_ref, nvs_ref [1]`` when quantized);
     the partials ``acc_ref [gp, d]``, ``m_ref, l_ref [gp]``, or with one split the output
-    ``o_ref`` itself (a whole ``[batch * q_heads, d]`` array, rows as ``q_ref``'s); with
+    ``o_ref`` itself (a whole ``[batch * q_heads, d]`` array: this program writes rows ``b *
+    q_heads + h * group`` onward, ``group`` of them); with
     ``writes``, the pools again (outputs aliased to the inputs) that the new token's K/V are
     stored into.
 
