@@ -72,7 +72,7 @@ def save_params(path: str | Path, params: dict[str, Any], overwrite: bool = Fals
     arrays: dict[str, Any] = {}  # params with each quantized weight as a dict of its arrays
     for name, a in iter_leaves(params):
         if isinstance(a, QuantizedWeight):
-            if a.in_last:  # model.prepare_params(fp8_input_last=True): not a stored layout
+            if a.in_last:  # model.fp8_input_last: an execution layout, not a stored one
                 raise CheckpointError(f"{name} is in an execution layout (fp8 with its input "
                                       "axis last); save the params load_model read, before "
                                       "apply_layout")

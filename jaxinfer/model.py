@@ -140,7 +140,7 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     where XLA does not fuse it, leaving a wide copy of every layer's weight).
     """
     x, q = jax.lax.optimization_barrier((x, w.q))
-    if w.in_last:  # q [out, in]: one device, ``prepare_params(fp8_input_last=True)``
+    if w.in_last:  # q [out, in]: one device, ``fp8_input_last``
         return _dense_fp8_input_last(x, q, w.scale[0], out_dtype)
     groups = w.scale.shape[0]  # scale [G, *out]: 1, or one group per device's rows
     cols = "f" if q.ndim == 2 else "sf"
@@ -316,7 +316,6 @@ def prepare_params(
     place: Any = None,
     donate: bool = False,
     shards: int = 1,
-    fp8_input_last: bool = False,
 ) -> Params:
     """An execution layout of ``params`` for ``forward_ragged``, built once outside the jitted
     steps.
@@ -342,17 +341,10 @@ def prepare_params(
       shards: the mesh's ``model`` size for params split by ``sharding.rules`` (1 on one
         device): fused weights get one slice per shard, and every result keeps its input's
         split (per-layer slices of a column-split stack stay column-split).
-      fp8_input_last: with ``unstack`` on one device (``shards`` 1), store each layer's fp8
-        weights as ``q [out, in]`` (``quantize.input_axis_last``), so that prefill matmuls
-        run fp8 x fp8 (``FP8_ACTIVATION_ROWS``); ``apply_layout`` asks for it on GPUs with
-        fp8 tensor cores (``fp8_gemm_device``).
 
     Without ``donate`` the input arrays are not modified; with either option the result holds
     new buffers.
     """
-    if fp8_input_last and (not unstack or shards != 1):
-        raise ValueError("fp8_input_last is a per-layer layout for one device: pass "
-                         "unstack=True and shards=1")
     place = place or (lambda a: a)
     out = {k: place(v) for k, v in params.items() if k != "layers"}
     if donate:
@@ -397,12 +389,6 @@ def prepare_params(
                             else fuse_columns(pieces, shards))
                 for piece in pieces:  # per-layer slices made above: always ours to free
                     _delete(piece)
-    if fp8_input_last:
-        for lp in per_layer:
-            for name, w in lp.items():
-                if isinstance(w, QuantizedWeight) and w.kind == "fp8":
-                    lp[name] = place(input_axis_last(w))
-                    _delete(w, keep=lp[name])
     out["layers"] = per_layer
     return out
 
@@ -416,20 +402,54 @@ def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = 
     """
     fast = resolve_layout(layout) == "fast"
     shards = 1 if mesh is None else int(mesh.shape["model"])
-    return prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate,
-                          shards=shards, fp8_input_last=fast and mesh is None
-                          and fp8_gemm_device())
+    out = prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate,
+                         shards=shards)
+    return fp8_prefill_layout(out, mesh)
 
 
 def fp8_gemm_device() -> bool:
-    """Whether the default device multiplies fp8 x fp8 on its tensor cores (an NVIDIA GPU of
-    compute capability 8.9 or newer: Ada, Hopper), where ``apply_layout`` lays fp8 weights
-    out for fp8 prefill matmuls."""
+    """Whether the default device multiplies fp8 x fp8 on its tensor cores: an NVIDIA GPU
+    of compute capability 8.9 or newer (Ada, Hopper)."""
     device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or not capability:
+    capability = str(getattr(device, "compute_capability", "") or "")
+    if device.platform != "gpu":
         return False
-    return tuple(int(v) for v in str(capability).split(".")[:2]) >= (8, 9)
+    try:
+        return tuple(int(v) for v in capability.split(".")[:2]) >= (8, 9)
+    except ValueError:  # not a CUDA capability (e.g. a ROCm "gfx90a")
+        return False
+
+
+def fp8_input_last(params: Params) -> Params:
+    """Per-layer ``params`` with each layer's fp8 weights laid out ``q [out, in]``
+    (``quantize.input_axis_last``; the ``[in, out]`` buffers are freed), the one-device
+    layout in which prefill matmuls run fp8 x fp8 (``FP8_ACTIVATION_ROWS``). Other weights
+    stay as they are. Consumes ``params`` (its fp8 buffers are freed); raises ``ValueError``
+    for a stacked layout."""
+    if not isinstance(params["layers"], list | tuple):
+        raise ValueError("fp8_input_last lays out per-layer weights on one device: "
+                         "prepare_params(unstack=True) first")
+    layers = []
+    for lp in params["layers"]:
+        new = dict(lp)
+        for name, w in lp.items():
+            if isinstance(w, QuantizedWeight) and w.kind == "fp8" and not w.in_last:
+                new[name] = input_axis_last(w)
+                _delete(w, keep=new[name])
+        layers.append(new)
+    return {**params, "layers": layers}
+
+
+def fp8_prefill_layout(params: Params, mesh: Any = None) -> Params:
+    """``fp8_input_last(params)`` where it pays: one device (``mesh`` None) with fp8 tensor
+    cores (``fp8_gemm_device``) and per-layer weights holding fp8; ``params`` elsewhere.
+    ``apply_layout`` and ``load_model`` (after quantizing) call it."""
+    layers = params["layers"]
+    has_fp8 = isinstance(layers, list | tuple) and any(
+        isinstance(w, QuantizedWeight) and w.kind == "fp8" for lp in layers for w in lp.values())
+    if mesh is None and has_fp8 and fp8_gemm_device():
+        return fp8_input_last(params)
+    return params
 
 
 def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Array:

@@ -18,8 +18,8 @@ layout):
   (one scale per output column: ``group`` is the whole input size; a weight whose input rows
   are split over a mesh has one scale per column and device, ``group`` = rows / devices).
   ``input_axis_last`` re-lays a single device's fp8 weight as ``q [out, in]`` (``in_last``),
-  the operand layout of cuBLASLt's fp8 GEMM: an execution layout
-  (``model.prepare_params(fp8_input_last=True)``), never stored.
+  the operand layout of cuBLASLt's fp8 GEMM: an execution layout (``model.fp8_input_last``),
+  never stored.
 
 ``perm`` (int32 ``[..., in]``, any kind; None for nearly every weight) says that the stored
 input rows are the weight's rows in another order: stored row ``r`` is row ``perm[r]``, so

@@ -184,7 +184,7 @@ def _paged_gpu_kernel(
     # With `writes` the newest key is not read from the pool (this kernel stores it there);
     # it is taken from nk_ref below.
     pool_len = seq_len - 1 if writes else seq_len
-    n_blocks = cdiv(seq_len, block_k)
+    n_blocks = cdiv(pool_len, block_k)
     per_split = cdiv(n_blocks, num_splits)
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, n_blocks)
@@ -216,9 +216,9 @@ def _paged_gpu_kernel(
     if writes:
         # Split 0 adds the new key, as a block of MIN_DOT copies of which one counts, and
         # stores the new K/V (values and scales) into their slot; the other splits skip both
-        # (a cond, not a mask: at batch 1 most of the ~64 splits have no keys at all, and
-        # each paid ~3 us for a masked block, r72). Inactive rows (length 0, or an
-        # out-of-range page) do neither.
+        # (a cond, not a mask: at batch 1 most of the ~64 splits had no keys at all, and
+        # each paid ~3 us for a masked block, r72). A row of length 0 attends to nothing; a
+        # slot out of range (the page at or past num_pages: padding) stores nothing.
         page = page_ref[0]
         first = (split == 0) & (seq_len > 0)
         new_k, new_v = (ref[bi * stride + row0 + h, :]  # [d]
@@ -236,9 +236,11 @@ def _paged_gpu_kernel(
 
         acc, m, l_sum = lax.cond(first, add_new_key, lambda carry: carry, (acc, m, l_sum))
 
-        @pl.when(first & (page >= 0) & (page < num_pages))
+        offset = offset_ref[0]
+
+        @pl.when((split == 0) & (page >= 0) & (page < num_pages) & (offset >= 0)
+                 & (offset < page_size))
         def _store():
-            offset = offset_ref[0]
             news = [new_k, new_v] + ([nks_ref[...], nvs_ref[...]] if quantized else [])
             for out_ref, new in zip(pool_out, news, strict=True):
                 if out_ref.ndim == 2:  # a scale pool [pages, page_size], new [1]
@@ -324,7 +326,9 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         head_scale = pl.BlockSpec((None, None, 1), lambda bi, h, s: (bi, h, 0))
         in_specs += [per_seq, per_seq, *whole, *[head_scale] * len(scales)]
         operands += [write_pages.astype(jnp.int32), write_offsets.astype(jnp.int32),
-                     *operands_qkv[1:], *[x[..., None] for x in new_scales]]
+                     *operands_qkv[1:],
+                     *[x[..., None].astype(p.dtype) for x, p in zip(new_scales, scales,
+                                                                    strict=True)]]
         pools = [k_pages, v_pages, *scales]
         out_specs += [pool, pool, *[scale_pool] * len(scales)]
         out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
@@ -472,7 +476,7 @@ def paged_attention(
       sm_scale: logit scale, default 1/sqrt(head_dim).
       pages_per_block: pages gathered per inner step on GPU; default gives 128 keys per
         step (rounded so a step has at least 16 keys; larger steps overflow shared memory).
-      num_splits: split-K factor (GPU); default about 4 programs per H100 SM.
+      num_splits: split-K factor (GPU); default about one program per H100 SM.
       num_warps, num_stages: Triton launch parameters (GPU only).
       interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
       backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
@@ -562,7 +566,8 @@ def paged_attention_write(
     The same result as ``store_new_tokens`` into every pool followed by ``paged_attention``,
     in one kernel on GPU: the program that attends a sequence's first key block stores the
     new K/V into the (aliased) pools and takes the new key from its input, never from the
-    pool, so no program reads a slot while it is written. At batch 1 this removes the two
+    pool (the block holding the slot is masked there), so no result depends on a slot
+    while it is written. At batch 1 this removes the two
     scatters before the attention kernel (bench/NOTES.md, tenth session). TPU: the store,
     then ``paged_attention``.
 
@@ -573,9 +578,10 @@ def paged_attention_write(
         ``kv_quant.quantize_kv``'s values, with ``k_new_scales``/``v_new_scales [batch,
         kv_heads]``).
       lengths: int [batch], keys per sequence including the new one, which is the last key
-        (lengths 0: the row is inactive and stores nothing).
-      write_pages, write_offsets: int [batch], the new token's slot; a page at or past
-        ``num_pages`` stores nothing (padding rows).
+        (0: the row attends to nothing and gives zeros).
+      write_pages, write_offsets: int [batch], the new token's slot: a page in ``[0,
+        num_pages]`` (``num_pages``: padding, nothing stored) and an offset in ``[0,
+        page_size)``.
 
     Returns:
       ``(out [batch, q_heads, head_dim], k_pages, v_pages)``, then ``k_scales, v_scales``

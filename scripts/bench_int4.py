@@ -156,8 +156,9 @@ def _half_asm(which: str) -> str:
 def _half2_emulated(shift: int | None, w: jax.Array, xx: jax.Array | None = None,
                     acc: jax.Array | None = None, which: str = "lo") -> jax.Array:
     """The PTX of ``_half2_asm(shift)`` (or, with ``shift`` None, ``_half_asm(which)``) in
-    jnp, for the Pallas interpreter on CPU: the same bits, so tests check the kernel's
-    indexing and arithmetic; only the PTX text itself needs a GPU."""
+    jnp, for the Pallas interpreter on CPU: the same arithmetic (but the multiply-add rounded
+    twice, where ``fma.rn.f16x2`` rounds once), so tests check the kernel's indexing and
+    arithmetic; only the PTX text itself needs a GPU."""
     def halves(u):  # uint32 [...] -> float16 [..., 2] (low half first)
         return lax.bitcast_convert_type(u, jnp.float16)
 
@@ -268,15 +269,12 @@ COLD_BYTES = 256 << 20
 reads its weight from the cache a previous call filled."""
 
 
-def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
-    """Seconds of device kernels per call: ``calls`` calls unrolled in one program, each on
-    its own ``x`` (so none is folded away) and on one of enough weight copies to fill
-    ``COLD_BYTES``; after a warm-up, ``repeats`` runs are traced (``jax.profiler``) and every
-    kernel they ran (not the host-to-device copies) is summed.
-
-    Kernel time, not wall time: the wall time of such a short program is mostly its
-    dispatch, which added ~17 us to every call (r71, r73: an 8.4 MB weight "took" 26 us;
-    r74's trace: its kernel ran 8.9 us)."""
+def call_kernels(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int
+                 ) -> list[tuple[str, float, float]]:
+    """The device kernels (``jaxinfer.benchmark.device_events``, host-to-device copies left
+    out) of ``repeats`` traced runs of one program of ``calls`` calls, after a warm-up run.
+    The calls are unrolled, each on its own ``x`` (so none is folded away) and on one of
+    enough weight copies to fill ``COLD_BYTES``."""
     x, *weight = ops
     copies = max(1, min(calls, -(-COLD_BYTES // sum(w.nbytes for w in weight))))
     weights = [weight] + [[jnp.array(w, copy=True) for w in weight] for _ in range(copies - 1)]
@@ -292,18 +290,25 @@ def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) 
             for _ in range(repeats):
                 jax.block_until_ready(run(xs, weights))
         events = device_events(Path(tmp))
-    kernel_ns = sum(d for name, _, d in events if not name.startswith("Memcpy"))
-    return kernel_ns / 1e9 / (repeats * calls)
+    return [e for e in events if not e[0].startswith("Memcpy")]
+
+
+def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
+    """Seconds of device kernels per call (``call_kernels``, summed).
+
+    Kernel time, not wall time: the wall time of such a short program is mostly its
+    dispatch, which added ~17 us to every call (r71, r73: an 8.4 MB weight "took" 26 us;
+    r74's trace: its kernel ran 8.9 us)."""
+    events = call_kernels(call, ops, calls, repeats)
+    if not events:
+        raise SystemExit("bench_int4: the profiler recorded no device kernels")
+    return sum(d for _, _, d in events) / 1e9 / (repeats * calls)
 
 
 def trace_call(cand: Candidate, ops: tuple[jax.Array, ...], calls: int) -> None:
-    """Trace ``time_call``'s program once and print its device kernels (count, mean
+    """Print the device kernels of one traced run of ``time_call``'s program (count, mean
     microseconds): what a call's time is made of."""
-    time_call(cand.call, ops, calls, 1)  # compiled and warm
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            time_call(cand.call, ops, calls, 1)
-        events = device_events(Path(tmp))
+    events = call_kernels(cand.call, ops, calls, 1)
     print(f"trace {cand.label}: {len(events)} kernels")
     for name, ds in top_kernels(events, 12):
         print(f"  {len(ds):5d} x {sum(ds) / len(ds) / 1e3:8.2f} us  {name[:90]}")

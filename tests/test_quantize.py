@@ -185,29 +185,35 @@ def test_default_model_perplexity_int8_int4_fp8(default_gguf):
         quant = dataclasses.replace(base, params=quantize_params(base.params, method))
         assert abs(perplexity(quant) / ppl - 1) < limit, (method, perplexity(quant), ppl)
     # fp8 as Hopper runs it: the prompt's matmuls fp8 x fp8 (activations in e4m3 too).
-    from jaxinfer.model import FP8_ACTIVATION_ROWS, prepare_params
+    from jaxinfer.model import FP8_ACTIVATION_ROWS, fp8_input_last, prepare_params
 
     assert len(ids) >= FP8_ACTIVATION_ROWS
-    last = prepare_params(quant.params, fuse=True, unstack=True, fp8_input_last=True)
+    last = fp8_input_last(prepare_params(quant.params, fuse=True, unstack=True))
     fp8_act = perplexity(dataclasses.replace(quant, params=last))
     assert abs(fp8_act / ppl - 1) < 0.03, (fp8_act, ppl)
 
 
 def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
-    """``prepare_params(fp8_input_last=True)`` stores each layer's fp8 weights as ``q [out,
-    in]``. Below ``FP8_ACTIVATION_ROWS`` rows the matmul is the weight-only one; from there
-    the activations are scaled into e4m3 per row (the fp8 x fp8 GEMM of Hopper prefill),
-    within a few percent of the float product. Such a layout is not a checkpoint."""
+    """``fp8_input_last`` lays each layer's fp8 weights out as ``q [out, in]``. Below
+    ``FP8_ACTIVATION_ROWS`` rows the matmul is the weight-only one; from there the
+    activations are scaled into e4m3 per row (the fp8 x fp8 GEMM of Hopper prefill), within
+    a few percent of the float product. Such a layout is not a checkpoint."""
     from checkpoints.orbax_io import save_params
     from jaxinfer.errors import CheckpointError
-    from jaxinfer.model import FP8_ACTIVATION_ROWS, _dense, init_params, prepare_params
+    from jaxinfer.model import (
+        FP8_ACTIVATION_ROWS,
+        _dense,
+        fp8_input_last,
+        init_params,
+        prepare_params,
+    )
 
     cfg = jaxinfer.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=96,
                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                                max_position_embeddings=128)
     params = quantize_params(init_params(cfg, jax.random.PRNGKey(0), jnp.float32), "fp8")
     fast = prepare_params(params, fuse=True, unstack=True)
-    last = prepare_params(params, fuse=True, unstack=True, fp8_input_last=True)
+    last = fp8_input_last(prepare_params(params, fuse=True, unstack=True))
     for lp, lq in zip(fast["layers"], last["layers"], strict=True):
         w, wl = lp["w_gate_up"].first_shard(), lq["w_gate_up"]
         assert wl.in_last and wl.q.shape == (192, 128) and wl.shape == w.shape == (128, 192)
@@ -230,6 +236,31 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
     got = jaxinfer.compute_logits(dataclasses.replace(model, params=last), ids)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.15
     with pytest.raises(ValueError, match="one device"):
-        prepare_params(params, fuse=True, fp8_input_last=True)
+        fp8_input_last(prepare_params(params, fuse=True))
     with pytest.raises(CheckpointError, match="execution layout"):
         save_params("/nonexistent/never-written", {"wo": wl})
+
+
+def test_load_model_lays_fp8_out_for_fp8_gemms_where_the_gpu_has_them(tmp_path, monkeypatch):
+    """On a device with fp8 tensor cores (faked here), ``load_model(quantize="fp8")`` in the
+    fast layout and a converted fp8 folder both hold each layer's fp8 weights ``[out, in]``
+    (``fp8_prefill_layout``, after quantizing and in ``apply_layout``); without such a device
+    they stay ``[in, out]``. Greedy tokens match the ``[in, out]`` model's."""
+    import jaxinfer.model as model_module
+    from jaxinfer.loading import convert
+    from sharding.testing import write_tiny_model
+
+    src = write_tiny_model(tmp_path / "src")
+    kw = dict(dtype="float32", backend="reference", layout="fast")
+    plain = jaxinfer.load_model(src, quantize="fp8", **kw)
+    assert not plain.params["layers"][0]["wo"].in_last
+    monkeypatch.setattr(model_module, "fp8_gemm_device", lambda: True)
+    dst = convert(src, tmp_path / "fp8", quantize="fp8")
+    for model in (jaxinfer.load_model(src, quantize="fp8", **kw), jaxinfer.load_model(dst, **kw)):
+        layer = model.params["layers"][0]
+        assert layer["wo"].in_last and layer["w_gate_up"].in_last
+        assert layer["wo"].q.shape == (model.config.hidden_size, model.config.hidden_size)
+        prompt = [[5, 9, 2, 77, 31, 8]]
+        got = jaxinfer.generate(model, prompt, max_new_tokens=5, ignore_eos=True)
+        want = jaxinfer.generate(plain, prompt, max_new_tokens=5, ignore_eos=True)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
