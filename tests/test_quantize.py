@@ -200,26 +200,18 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
     a few percent of the float product. Such a layout is not a checkpoint."""
     from checkpoints.orbax_io import save_params
     from jaxinfer.errors import CheckpointError
-    from jaxinfer.model import (
-        FP8_ACTIVATION_ROWS,
-        _dense,
-        fp8_input_last,
-        init_params,
-        prepare_params,
-    )
+    from jaxinfer.model import FP8_ACTIVATION_ROWS, _dense, fp8_input_last, prepare_params
 
-    cfg = jaxinfer.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=96,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                               max_position_embeddings=128)
-    params = quantize_params(init_params(cfg, jax.random.PRNGKey(0), jnp.float32), "fp8")
+    h, inter = CFG.hidden_size, CFG.intermediate_size
+    params = quantize_params(init_params(CFG, jax.random.PRNGKey(0), jnp.float32), "fp8")
     fast = prepare_params(params, fuse=True, unstack=True)
     last = fp8_input_last(prepare_params(params, fuse=True, unstack=True))
     for lp, lq in zip(fast["layers"], last["layers"], strict=True):
         w, wl = lp["w_gate_up"].first_shard(), lq["w_gate_up"]
-        assert wl.in_last and wl.q.shape == (192, 128) and wl.shape == w.shape == (128, 192)
+        assert wl.in_last and wl.q.shape == (2 * inter, h) and wl.shape == w.shape == (h, 2 * inter)
         np.testing.assert_array_equal(wl.dequantize(), w.dequantize())
     w, wl = fast["layers"][0]["wo"], last["layers"][0]["wo"]
-    x = jax.random.normal(jax.random.PRNGKey(1), (FP8_ACTIVATION_ROWS, 128), jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(1), (FP8_ACTIVATION_ROWS, h), jnp.float32)
     want = x @ w.dequantize()
     np.testing.assert_allclose(_dense(x[:5], wl), _dense(x[:5], w), rtol=1e-5, atol=1e-5)
     got = _dense(x, wl)
@@ -230,7 +222,7 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
             and e.params["new_dtype"] == jnp.float8_e4m3fn]
     # The whole model: random weights compound each matmul's ~2.5% through the layers; a
     # wrong layout would be off by ~100% (quality: the default model's perplexity below).
-    model = jaxinfer.Model(cfg, fast, None, dtype=jnp.float32, backend="reference")
+    model = jaxinfer.Model(CFG, fast, None, dtype=jnp.float32, backend="reference")
     ids = [3 + i % 60 for i in range(FP8_ACTIVATION_ROWS + 6)]
     ref = jaxinfer.compute_logits(model, ids)
     got = jaxinfer.compute_logits(dataclasses.replace(model, params=last), ids)
