@@ -140,11 +140,11 @@ def write_kv(pages: jax.Array | QuantizedPages, layer: int | jax.Array | None, n
         return QuantizedPages(
             values=write_kv(pages.values, layer, values, write_pages, write_offsets),
             scales=write_kv(pages.scales, layer, scales, write_pages, write_offsets))
-    new = new.astype(pages.dtype)
-    if layer is None:  # index (:, page[T], offset[T]) keeps heads first: updates [KVH, T(, D)]
-        return pages.at[:, write_pages, write_offsets].set(new.swapaxes(0, 1), mode="drop")
+    if layer is None:
+        return pallas_kernels.store_new_tokens(pages, new, write_pages, write_offsets)
     # (layer, :, page[T], offset[T]): the scalar splits the advanced indices, so T comes first.
-    return pages.at[layer, :, write_pages, write_offsets].set(new, mode="drop")
+    return pages.at[layer, :, write_pages, write_offsets].set(new.astype(pages.dtype),
+                                                              mode="drop")
 
 
 def _decode_write(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: Any, v_pages: Any,

@@ -414,6 +414,14 @@ def _paged_tpu(q, k_pages, v_pages, block_tables, lengths, scales, *, scale, int
 # --------------------------------------------------------------------------- public API
 
 
+def _check_launch(k_pages: jax.Array, num_splits: int | None, backend: str) -> None:
+    """The checks of a launch's options after the operands', for both public kernels."""
+    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
+    page_size = k_pages.shape[2]
+    check(backend == "tpu" or page_size == next_pow2(page_size),
+          f"page_size must be a power of two on GPU, got {page_size}")
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -486,12 +494,7 @@ def paged_attention(
     """
     check_backend(backend)
     quantized = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
-    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
-    page_size = k_pages.shape[2]
-    check(
-        backend == "tpu" or page_size == next_pow2(page_size),
-        f"page_size must be a power of two on GPU, got {page_size}",
-    )
+    _check_launch(k_pages, num_splits, backend)
     return _paged_attention_jit(
         q, k_pages, v_pages, block_tables, lengths, (k_scales, v_scales) if quantized else (),
         (), sm_scale=sm_scale,
@@ -567,9 +570,8 @@ def paged_attention_write(
     in one kernel on GPU: the program that attends a sequence's first key block stores the
     new K/V into the (aliased) pools and takes the new key from its input, never from the
     pool (the block holding the slot is masked there), so no result depends on a slot
-    while it is written. At batch 1 this removes the two
-    scatters before the attention kernel (bench/NOTES.md, tenth session). TPU: the store,
-    then ``paged_attention``.
+    while it is written. At batch 1 this removes the two scatters before the attention
+    kernel (bench/NOTES.md, tenth session). TPU: the store, then ``paged_attention``.
 
     Args:
       q, k_pages, v_pages, block_tables, k_scales, v_scales, sm_scale and the tiling: as
@@ -591,9 +593,7 @@ def paged_attention_write(
     quantized = _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
     _validate_write(q, k_new, v_new, k_pages, write_pages, write_offsets, k_new_scales,
                     v_new_scales, quantized)
-    check(num_splits is None or num_splits >= 1, "num_splits must be >= 1")
-    check(backend == "tpu" or k_pages.shape[2] == next_pow2(k_pages.shape[2]),
-          f"page_size must be a power of two on GPU, got {k_pages.shape[2]}")
+    _check_launch(k_pages, num_splits, backend)
     scales = (k_scales, v_scales) if quantized else ()
     new = (write_pages, write_offsets, k_new, v_new,
            *((k_new_scales, v_new_scales) if quantized else ()))
