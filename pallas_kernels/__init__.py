@@ -3,7 +3,12 @@ the batch-invariant matmul of deterministic mode and the int8 / int4 weight matm
 Triton), and the int8 / fp8 K/V page format the paged and ragged kernels read
 (``kv_quant``)."""
 
-from pallas_kernels._common import SUPPORTED_HEAD_DIMS, combine_splits, combine_splits_reference
+from pallas_kernels._common import (
+    SUPPORTED_HEAD_DIMS,
+    combine_splits,
+    combine_splits_reference,
+    largest_divisor,
+)
 from pallas_kernels.decode_attention import (
     decode_attention,
     decode_attention_layer,
@@ -58,6 +63,7 @@ __all__ = [
     "int4_matmul_reference",
     "int8_matmul",
     "int8_matmul_reference",
+    "largest_divisor",
     "matmul",
     "matmul_reference",
     "row_sum",

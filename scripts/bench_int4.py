@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.benchmark import device_events, top_kernels
+from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.word_gemv import WordTiles, field_as_float
 
@@ -118,8 +119,7 @@ def stream_probe(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, 
     col_blocks = -(-n // block_n)
     unroll = step_rows // sub
     total = r // step_rows
-    splits = max(d for d in range(1, total + 1)
-                 if total % d == 0 and d <= max(1, target_programs // col_blocks))
+    splits = largest_divisor(total, target_programs // col_blocks)
     words = lax.bitcast_convert_type(q.reshape(r, n // 4, 4), jnp.uint32)
     return pl.pallas_call(
         functools.partial(_probe_kernel, sub=sub, unroll=unroll, steps=total // splits,
@@ -233,18 +233,15 @@ def half2_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
     """One row of ``x [1, K]`` times the int4 weight (``int4_matmul``'s format): ``[1, N]``
     float32 through ``_half2_kernel``. An experiment for ``--half2``: the activations are
     rounded to float16 and each group's few products summed in float16. ``interpret``: the
-    Pallas interpreter with the PTX emulated (``tests/test_bench.py``)."""
+    Pallas interpreter with the PTX emulated (``tests/test_bench_engine.py``)."""
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
     sub = min(sub, group // 2)
     col_blocks = -(-n // block_n)
-    groups_per_step = max(1, step_rows // group)
-    while groups % groups_per_step:
-        groups_per_step -= 1
+    groups_per_step = largest_divisor(groups, step_rows // group)
     steps = groups // groups_per_step
-    cap = max(1, target_programs // col_blocks)
-    splits = max(d for d in range(1, steps + 1) if steps % d == 0 and d <= cap)
+    splits = largest_divisor(steps, target_programs // col_blocks)
     words = lax.bitcast_convert_type(q.reshape(q.shape[0], n // 4, 4), jnp.uint32)
     part = pl.pallas_call(
         functools.partial(_half2_kernel, group=group, sub=sub,
