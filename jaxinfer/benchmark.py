@@ -37,6 +37,7 @@ import math
 import re
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -77,6 +78,34 @@ def top_kernels(events: list[tuple[str, float, float]], n: int
     for name, _, d in events:
         by_name[name].append(d)
     return sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:n]
+
+
+def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: int,
+                 repeats: int, *, cold_bytes: int) -> list[tuple[str, float, float]]:
+    """The device kernels (``device_events``, host-to-device copies left out) of ``repeats``
+    traced runs of one program of ``calls`` calls ``call(x, *weights)``, after a warm-up run.
+
+    ``ops`` is ``(x, *weights)``. The calls are unrolled, each on its own ``x`` (so none is
+    folded away) and on one of enough weight copies to fill ``cold_bytes`` (more than the
+    L2 cache: no call reads its weights from a cache the previous call filled). Kernel time,
+    not wall time: a short program's wall time is mostly its dispatch (bench_int4.py,
+    bench_gemm.py)."""
+    x, *weight = ops
+    copies = max(1, min(calls, -(-cold_bytes // sum(w.nbytes for w in weight))))
+    weights = [weight] + [[jnp.array(w, copy=True) for w in weight] for _ in range(copies - 1)]
+    xs = [x + jnp.asarray(i, x.dtype) for i in range(calls)]
+
+    @jax.jit
+    def run(xs, weights):  # every output returned whole: no kernel of the harness's own
+        return [call(xi, *weights[i % copies]) for i, xi in enumerate(xs)]
+
+    jax.block_until_ready(run(xs, weights))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(repeats):
+                jax.block_until_ready(run(xs, weights))
+        events = device_events(Path(tmp))
+    return [e for e in events if not e[0].startswith("Memcpy")]
 
 
 def log(msg: str) -> None:

@@ -31,7 +31,6 @@ import functools
 import itertools
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.benchmark import device_events, top_kernels
+from jaxinfer.benchmark import call_kernels, top_kernels
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.word_gemv import WordTiles, field_as_float
@@ -188,10 +187,12 @@ def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
     def fma(shift, w, xx, acc):
         if emulate:
             return _half2_emulated(shift, w, xx, acc)
+        # Triton's inline asm takes signless integers only: int32 in and out, same bits.
+        args = [lax.bitcast_convert_type(a, jnp.int32) for a in (w, xx, acc)]
         (out,) = plgpu.elementwise_inline_asm(
-            _half2_asm(shift), args=[w, xx, acc], constraints="=r,r,r,r", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, u32)])
-        return out
+            _half2_asm(shift), args=args, constraints="=r,r,r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.int32)])
+        return lax.bitcast_convert_type(out, u32)
 
     def body(step, acc):
         acc = list(acc)
@@ -212,7 +213,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
             c0, c2, c1, c3 = (
                 _half2_emulated(None, a, which=which) if emulate else
                 plgpu.elementwise_inline_asm(
-                    _half_asm(which), args=[a], constraints="=f,r", pack=1,
+                    _half_asm(which), args=[lax.bitcast_convert_type(a, jnp.int32)],
+                    constraints="=f,r", pack=1,
                     result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, f32)])[0]
                 for a in (a02, a13) for which in ("lo", "hi"))
             for c, part in enumerate((c0, c1, c2, c3)):
@@ -266,37 +268,13 @@ COLD_BYTES = 256 << 20
 reads its weight from the cache a previous call filled."""
 
 
-def call_kernels(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int
-                 ) -> list[tuple[str, float, float]]:
-    """The device kernels (``jaxinfer.benchmark.device_events``, host-to-device copies left
-    out) of ``repeats`` traced runs of one program of ``calls`` calls, after a warm-up run.
-    The calls are unrolled, each on its own ``x`` (so none is folded away) and on one of
-    enough weight copies to fill ``COLD_BYTES``."""
-    x, *weight = ops
-    copies = max(1, min(calls, -(-COLD_BYTES // sum(w.nbytes for w in weight))))
-    weights = [weight] + [[jnp.array(w, copy=True) for w in weight] for _ in range(copies - 1)]
-    xs = [x + jnp.asarray(i, x.dtype) for i in range(calls)]
-
-    @jax.jit
-    def run(xs, weights):  # every output returned whole: no kernel of the harness's own
-        return [call(xi, *weights[i % copies]) for i, xi in enumerate(xs)]
-
-    jax.block_until_ready(run(xs, weights))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(repeats):
-                jax.block_until_ready(run(xs, weights))
-        events = device_events(Path(tmp))
-    return [e for e in events if not e[0].startswith("Memcpy")]
-
-
 def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) -> float:
     """Seconds of device kernels per call (``call_kernels``, summed).
 
     Kernel time, not wall time: the wall time of such a short program is mostly its
     dispatch, which added ~17 us to every call (r71, r73: an 8.4 MB weight "took" 26 us;
     r74's trace: its kernel ran 8.9 us)."""
-    events = call_kernels(call, ops, calls, repeats)
+    events = call_kernels(call, ops, calls, repeats, cold_bytes=COLD_BYTES)
     if not events:
         raise SystemExit("bench_int4: the profiler recorded no device kernels")
     return sum(d for _, _, d in events) / 1e9 / (repeats * calls)
@@ -305,7 +283,7 @@ def time_call(call: Call, ops: tuple[jax.Array, ...], calls: int, repeats: int) 
 def trace_call(cand: Candidate, ops: tuple[jax.Array, ...], calls: int) -> None:
     """Print the device kernels of one traced run of ``time_call``'s program (count, mean
     microseconds): what a call's time is made of."""
-    events = call_kernels(cand.call, ops, calls, 1)
+    events = call_kernels(cand.call, ops, calls, 1, cold_bytes=COLD_BYTES)
     print(f"trace {cand.label}: {len(events)} kernels")
     for name, ds in top_kernels(events, 12):
         print(f"  {len(ds):5d} x {sum(ds) / len(ds) / 1e3:8.2f} us  {name[:90]}")

@@ -1,5 +1,6 @@
 """scripts/bench_engine.py: the tiny preset end to end on CPU, and the floor's arithmetic;
-scripts/bench_int4.py's float16-pair GEMV experiment against its reference."""
+scripts/bench_int4.py's float16-pair GEMV experiment against its reference; the GEMM list
+of scripts/bench_gemm.py."""
 
 from __future__ import annotations
 
@@ -254,3 +255,25 @@ def test_bench_int4_half2_experiment_computes_the_int4_product():
     exported = export.export(jax.jit(bench.half2_gemv), platforms=["cuda"],
                              disabled_checks=no_check)(*spec)
     assert "bench_half2_gemv" in exported.mlir_module()
+
+
+def test_bench_gemm_layer_gemms_cover_the_layer_weights():
+    """``bench_gemm.layer_gemms``: the fused layer's GEMMs (qkv, o, gate|up, down) hold every
+    matrix weight of a layer once, the gate+up pair the same columns as the fused gate|up,
+    and the head the LM head's; so each floor counts the weight bytes the model reads."""
+    import jax
+
+    from jaxinfer.params import init_params
+    from jaxinfer.presets import resolve_config
+
+    gemm = load_script("bench_gemm")
+    cfg = resolve_config("smollm2-135m-instruct")
+    g = gemm.layer_gemms(cfg)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    layer = params["layers"]
+    matrices = sum(np.prod(a.shape[1:]) for a in jax.tree.leaves(layer) if a.ndim == 3)
+    fused = sum(k * sum(ns) for name, (k, ns) in g.items() if name in ("qkv", "o", "gate_up",
+                                                                         "down"))
+    assert fused == matrices
+    assert g["gate+up"][0] == g["gate_up"][0] and sum(g["gate+up"][1]) == g["gate_up"][1][0]
+    assert g["head"] == (cfg.hidden_size, [cfg.vocab_size])
