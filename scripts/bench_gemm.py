@@ -8,7 +8,7 @@ Variants of the gate|up GEMM: fused (one ``[hidden, 2 * intermediate]`` weight, 
 layout's) and as two GEMMs.
 
 Times are device kernel time from a profiler trace (``jaxinfer.benchmark.call_kernels``),
-each call on its own activations and one of enough weight copies to overflow the L2 cache.
+each call on its own activations and its own weight copy.
 
 Usage: PYTHONPATH=. python scripts/bench_gemm.py --model llama-3.1-8b --rows 64,256,4096
     --json bench/results/h100/gemm.json
@@ -29,8 +29,10 @@ from jaxinfer.benchmark import call_kernels, top_kernels
 from jaxinfer.config import LlamaConfig
 from jaxinfer.presets import PRESETS, resolve_config
 
-COLD_BYTES = 256 << 20
-"""Weight bytes a timing program cycles through (over 5x the H100's 50 MB L2)."""
+COLD_BYTES = 1 << 40
+"""Weight bytes a timing program cycles through: more than any call count needs, so every
+call gets its own weight copy. With a copy shared by several calls, XLA merged their GEMMs
+into one of more rows (r82: at 1-256 rows, up to 8x the weight's floor)."""
 
 
 def layer_gemms(c: LlamaConfig) -> dict[str, tuple[int, list[int]]]:

@@ -89,6 +89,53 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     Path(out).write_text(json.dumps(record, indent=1))
 
 
+STEP_MARK = "jaxinfer_engine_step_"
+"""Name prefix of the host trace annotation around each traced ``engine.step()``."""
+
+
+def host_marks(trace_dir: Path) -> list[tuple[str, float, float]]:
+    """The ``STEP_MARK`` annotations ``(name, start_ns, duration_ns)`` of a trace's host
+    planes."""
+    (path,) = trace_dir.rglob("*.xplane.pb")
+    data = jax.profiler.ProfileData.from_file(str(path))
+    return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
+            if plane.name.startswith("/host:") for line in plane.lines for e in line.events
+            if e.name.startswith(STEP_MARK)]
+
+
+def step_timelines(marks: list[tuple[str, float, float]],
+                   kernels: list[tuple[str, float, float]]) -> list[dict]:
+    """Where a step's wall time goes on the device, one dict per host mark (in mark order).
+
+    ``marks`` are the host annotations ``(name, start_ns, duration_ns)`` around each step,
+    ``kernels`` the device events; a kernel belongs to the step whose mark it starts in
+    (kernels share the host's clock in a ``jax.profiler`` trace). Per step: kernel count and
+    summed time; ``lead`` from the step's start to its first kernel (planning, input
+    transfers, dispatch); ``span`` from first kernel start to last kernel end; ``idle`` the
+    time inside the span with no kernel running (launch gaps); ``tail`` from the last kernel
+    to the step's end (results to the host, output processing); the largest gap and the
+    kernel after it. Milliseconds."""
+    out = []
+    for _, m0, mdur in sorted(marks, key=lambda m: m[1]):
+        ks = sorted((k for k in kernels if m0 <= k[1] < m0 + mdur), key=lambda k: k[1])
+        if not ks:
+            out.append(dict(kernels=0, kernel_ms=0.0, lead_ms=mdur / 1e6, span_ms=0.0,
+                            idle_ms=0.0, tail_ms=0.0, max_gap_ms=0.0, max_gap_before=""))
+            continue
+        busy_end, idle, gap, before = ks[0][1], 0.0, 0.0, ks[0][0]
+        for name, start, dur in ks:
+            if start > busy_end:
+                idle += start - busy_end
+                if start - busy_end > gap:
+                    gap, before = start - busy_end, name
+            busy_end = max(busy_end, start + dur)
+        out.append(dict(kernels=len(ks), kernel_ms=sum(k[2] for k in ks) / 1e6,
+                        lead_ms=(ks[0][1] - m0) / 1e6, span_ms=(busy_end - ks[0][1]) / 1e6,
+                        idle_ms=idle / 1e6, tail_ms=max(0.0, m0 + mdur - busy_end) / 1e6,
+                        max_gap_ms=gap / 1e6, max_gap_before=before[:60]))
+    return out
+
+
 def main() -> None:
     """Run the workload, trace some steps, print and record the kernel summary."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,10 +207,11 @@ def main() -> None:
     steps = []
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            for _ in range(args.trace_steps):
+            for i in range(args.trace_steps):
                 before = engine.stats()
                 t0 = time.perf_counter()
-                engine.step()
+                with jax.profiler.TraceAnnotation(f"{STEP_MARK}{i}"):
+                    engine.step()
                 s = engine.stats()
                 kind = ("decode" if s.decode_calls > before.decode_calls else "mixed")
                 steps.append({"kind": kind, "wall_ms": 1e3 * (time.perf_counter() - t0),
@@ -171,6 +219,9 @@ def main() -> None:
                               "padded_tokens": s.padded_tokens - before.padded_tokens,
                               "computed_tokens": s.computed_tokens - before.computed_tokens})
         events = device_events(Path(tmp))
+        marks = host_marks(Path(tmp))
+    for s, t in zip(steps, step_timelines(marks, events), strict=True):
+        s.update(t)
     total_ms = sum(d for _, _, d in events) / 1e6
     top = top_kernels(events, 25)
     record = {
@@ -183,7 +234,10 @@ def main() -> None:
     }
     for s in steps:
         print(f"{s['kind']:6s} wall {s['wall_ms']:8.2f} ms  device {s['device_ms']:8.2f} ms  "
-              f"tokens {s['computed_tokens']}/{s['padded_tokens']}")
+              f"tokens {s['computed_tokens']}/{s['padded_tokens']}  | kernels {s['kernels']} "
+              f"{s['kernel_ms']:.2f} ms, lead {s['lead_ms']:.2f}, span {s['span_ms']:.2f}, "
+              f"idle in span {s['idle_ms']:.2f}, tail {s['tail_ms']:.2f}; largest gap "
+              f"{s['max_gap_ms']:.2f} ms before {s['max_gap_before']}")
     print(f"kernel time {total_ms:.1f} ms over {len(steps)} steps "
           f"(wall {sum(s['wall_ms'] for s in steps):.1f} ms)")
     for k in record["top_kernels"]:
