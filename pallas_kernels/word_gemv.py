@@ -23,6 +23,20 @@ no conversion unit. For a group's stored value ``u`` the weight is
 The kernel accumulates ``x * f`` for each group (one multiply-add per weight), then applies the
 group's scale and the ``sum x`` term.
 
+Float16 pairs (int4, groups of at least ``WordTiles.half2_min_group`` rows): the kernel above
+is bound by its instructions, about one per weight, not by its loads (r74: ~1 TB/s in the
+engine). ``_half2_kernel`` does two weights per instruction, as Marlin and TensorRT-LLM do:
+one ``lop3`` puts the low nibbles of byte lanes 0 and 2 (or 1 and 3) of a word into the
+mantissas of the float16 pair ``(1024 + u0, 1024 + u2)``, ``sub.f16x2`` removes the 1024s
+(exact), and ``fma.rn.f16x2`` multiplies the pair by the row's activation and adds it to a
+float16 pair of sums; each group's few sums are then widened to float32 and scaled. The
+activations are divided by their largest magnitude in the program's inputs before they are
+rounded to float16 (and the sums multiplied by it after), so no product or float16 sum can
+overflow: ``|x| <= 1``, ``u <= 15``, at most ``G / 16`` products per sum. PTX through
+``plgpu.elementwise_inline_asm``; under the interpreter the same arithmetic in jnp. H100, one
+row, 8B layer at g128 (r82): 75.3 us against ``_word_kernel``'s 101.9 (51% of the read floor
+against 38%); at g32 slower (161.5 against 133.7 us), so it stays off there.
+
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the
 low nibble and row ``j + G / 2`` in the high one (``offset = 0``, ``w = scale * v + zero``).
@@ -39,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
 
@@ -60,6 +75,8 @@ class WordTiles:
     target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
     num_warps: int = 4
     num_stages: int = 3
+    half2_min_group: int = 128  # int4 groups of at least this many rows run the float16-pair
+    # kernel (0: never); r82 measured it faster at 128, slower at 32
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -149,6 +166,117 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
                 jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
 
 
+_F16_MAGIC = 0x64006400  # the float16 pair (1024, 1024): a nibble or-ed into its mantissas
+
+
+def _nibble_pairs(w: jax.Array, shift: int, emulate: bool) -> jax.Array:
+    """The nibbles at bits ``shift`` and ``shift + 16`` of each int32 word, as the float16
+    pair ``(u_lo, u_hi)`` in the word's bits (int32 ``[...]``): shift, one ``lop3`` into the
+    mantissas of 1024.0, minus 1024 (exact). ``emulate``: the same in jnp (interpreter)."""
+    if emulate:
+        u = lax.shift_right_logical(lax.bitcast_convert_type(w, jnp.uint32), jnp.uint32(shift))
+        t = (u & jnp.uint32(0x000F000F)) | jnp.uint32(_F16_MAGIC)
+        v = lax.bitcast_convert_type(t, jnp.float16) - jnp.float16(1024)
+        return lax.bitcast_convert_type(v, jnp.int32)
+    asm = ("{ .reg .b32 t, c;\n"
+           f"shr.b32 t, $1, {shift};\n"
+           f"lop3.b32 t, t, 0x000F000F, {_F16_MAGIC:#x}, 0xEA;\n"  # (t & mask) | magic
+           f"mov.b32 c, {_F16_MAGIC:#x};\n"
+           "sub.rn.f16x2 $0, t, c; }")
+    # Triton's inline asm takes signless integers: int32 in and out, the same bits.
+    return plgpu.elementwise_inline_asm(
+        asm, args=[w], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.int32)])[0]
+
+
+def _fma_pairs(a: jax.Array, b: jax.Array, c: jax.Array, emulate: bool) -> jax.Array:
+    """``a * b + c`` on float16 pairs held in int32 words (``fma.rn.f16x2``; emulated: the
+    product and the sum each rounded to float16)."""
+    if emulate:
+        a16, b16, c16 = (lax.bitcast_convert_type(v, jnp.float16) for v in (a, b, c))
+        return lax.bitcast_convert_type(a16 * b16 + c16, jnp.int32)
+    return plgpu.elementwise_inline_asm(
+        "fma.rn.f16x2 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
+
+
+def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
+    """The low (``half`` 0) or high float16 of each pair, as float32."""
+    if emulate:
+        return lax.bitcast_convert_type(a, jnp.float16)[..., half].astype(jnp.float32)
+    asm = ("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, $1;\n"
+           f" cvt.f32.f16 $0, {'hi' if half else 'lo'}; }}")
+    return plgpu.elementwise_inline_asm(
+        asm, args=[a], constraints="=f,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _half_pair(x: jax.Array, words: int) -> jax.Array:
+    """``x [sub, 1]`` float32 as the float16 pair ``(x, x)`` per word: int32 ``[sub, words]``."""
+    u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
+    pair = lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+    return jnp.broadcast_to(pair, (x.shape[0], words))
+
+
+def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
+                  groups_per_step: int, steps_per_split: int, emulate: bool) -> None:
+    """``_word_kernel`` for int4 with float16 pair arithmetic (module docstring): refs as
+    there (zeros always present). Per row and group, two pair accumulators: byte lanes 0/2
+    and 1/3 of each word."""
+    rows, words = x_ref.shape[0], q_ref.shape[1]
+    byte_rows = group // 2
+    split = pl.program_id(1)
+    f32 = jnp.float32
+    first_group = split * steps_per_split * groups_per_step
+
+    def amax_body(i, m):  # the largest |x| of each row over this program's groups
+        xs = [jnp.max(jnp.abs(x_ref[r, pl.ds((first_group + i) * group, group)].astype(f32)))
+              for r in range(rows)]
+        return [jnp.maximum(a, b) for a, b in zip(m, xs, strict=True)]
+
+    amax = lax.fori_loop(0, steps_per_split * groups_per_step, amax_body,
+                         [jnp.zeros((), f32)] * rows)
+    amax = [jnp.where(a > 0, a, 1.0) for a in amax]
+    inv = [1.0 / a for a in amax]
+
+    def body(step, acc):  # acc[r][c]: [sub, words] float32
+        acc = [list(a) for a in acc]
+        first = first_group + step * groups_per_step
+        for j in range(groups_per_step):
+            g = first + j
+            a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
+            a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
+            x_sum = [None] * rows  # [sub, 1] float32, unscaled
+            for t in range(byte_rows // sub):
+                w = lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
+                                             jnp.int32)  # [sub, words]
+                # Low nibbles are group row j, high nibbles row j + G / 2.
+                lo02, hi02, lo13, hi13 = (_nibble_pairs(w, sh, emulate) for sh in (0, 4, 8, 12))
+                for r in range(rows):
+                    lo = x_ref[r, pl.ds(g * group + t * sub, sub)].astype(f32)[:, None]
+                    hi = x_ref[r, pl.ds(g * group + byte_rows + t * sub, sub)].astype(f32)[:, None]
+                    x_sum[r] = lo + hi if x_sum[r] is None else x_sum[r] + lo + hi
+                    xl, xh = _half_pair(lo * inv[r], words), _half_pair(hi * inv[r], words)
+                    a02[r] = _fma_pairs(hi02, xh, _fma_pairs(lo02, xl, a02[r], emulate), emulate)
+                    a13[r] = _fma_pairs(hi13, xh, _fma_pairs(lo13, xl, a13[r], emulate), emulate)
+            for r in range(rows):
+                parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
+                         _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
+                for c in range(4):
+                    cols = pl.ds(c, words, stride=4)  # the columns of byte lane c
+                    s = s_ref[pl.ds(g, 1), cols].astype(f32) * amax[r]  # [1, words]
+                    z = z_ref[pl.ds(g, 1), cols].astype(f32)
+                    acc[r][c] = acc[r][c] + s * parts[c] + z * x_sum[r]
+        return acc
+
+    init = [[jnp.zeros((sub, words), f32) for _ in range(4)] for _ in range(rows)]
+    acc = lax.fori_loop(0, steps_per_split, body, init)
+    for r in range(rows):
+        for c in range(4):
+            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
+                jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
                                              "out_dtype"))
 def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
@@ -183,9 +311,16 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if zero is not None:
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
-    kernel = functools.partial(
-        _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
-        groups_per_step=groups_per_step, steps_per_split=steps // splits)
+    half2 = (bits == 4 and offset == 0 and flip == 0 and zero is not None
+             and 0 < tiles.half2_min_group <= group)
+    if half2:
+        kernel = functools.partial(
+            _half2_kernel, group=group, sub=sub, groups_per_step=groups_per_step,
+            steps_per_split=steps // splits, emulate=interpret)
+    else:
+        kernel = functools.partial(
+            _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
+            groups_per_step=groups_per_step, steps_per_split=steps // splits)
     partial = pl.pallas_call(
         kernel,
         grid=(col_blocks, splits),
@@ -196,7 +331,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
                                        jnp.float32 if splits > 1 else out_dtype),
         compiler_params=gpu_params(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"jaxinfer_word_gemv_{bits}bit",
+        name=f"jaxinfer_word_gemv_{bits}bit" + ("_half2" if half2 else ""),
     )(*operands)
     out = partial[0] if splits == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
     return out if np_ == n else out[:, :n]

@@ -11,15 +11,14 @@ against ``int4_matmul_reference`` first, then timed as the median of ``--repeats
 program that calls the kernel ``--calls`` times, unrolled, cycling through weight copies
 larger than the L2 cache, as the device time of its kernels (profiler trace; random inputs,
 warmed up; ``time_call``). By default it
-compares the default (``pallas_kernels.word_gemv`` up to ``WORD_ROWS`` rows) and the
-tensor-core dot kernel (``word_rows=0``) on every shape, both group sizes and each of
+compares the candidates below on every shape, group sizes 32, 64 and 128 and each of
 ``--rows``. ``--sweep`` also times ``word_gemv`` tilings (column block, rows per load, warps)
 at one row on the two largest shapes. ``--probe`` times two stripped kernels
 that read the packed weight exactly as ``word_gemv`` does: one only xors the words (the read
 rate Pallas/Triton reaches with that access pattern), one also makes every nibble a float
 (the cost of the unpacking). Their results are not products, so they get no error check.
-``--half2`` times ``half2_gemv``, an experiment (not yet run on a GPU) that makes two weights
-per instruction: float16 pairs from one ``lop3`` and ``fma.rn.f16x2`` in inline PTX. A
+The candidates: the default (float16 pairs at groups of 128+, ``word_gemv``'s float32 kernel
+below), the float32 kernel at every group size (``half2_min_group=0``) and the dot kernel. A
 record for bench/NOTES.md, not a test.
 """
 
@@ -133,136 +132,6 @@ def stream_probe(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, 
     )(x, words)[:, 0]
 
 
-def _half2_asm(shift: int) -> str:
-    """PTX for one element: the nibbles at bits ``shift`` and ``shift + 16`` of word ``$1``
-    as the float16 pair (magic ``1024 + n`` by one ``lop3``, minus 1024: exact), times the
-    float16 pair ``$2``, plus the pair ``$3``: two weights per instruction."""
-    return ("{ .reg .b32 t, c;\n"
-            f"shr.b32 t, $1, {shift};\n"
-            "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n"
-            "mov.b32 c, 0x64006400;\n"
-            "sub.rn.f16x2 t, t, c;\n"
-            "fma.rn.f16x2 $0, t, $2, $3; }")
-
-
-def _half_asm(which: str) -> str:
-    """PTX for one element: the ``lo`` or ``hi`` float16 of the pair ``$1``, as a float32
-    (one result per asm: Pallas' Triton lowering takes a single result)."""
-    return ("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, $1;\n"
-            f" cvt.f32.f16 $0, {which}; }}")
-
-
-def _half2_emulated(shift: int | None, w: jax.Array, xx: jax.Array | None = None,
-                    acc: jax.Array | None = None, which: str = "lo") -> jax.Array:
-    """The PTX of ``_half2_asm(shift)`` (or, with ``shift`` None, ``_half_asm(which)``) in
-    jnp, for the Pallas interpreter on CPU: the same arithmetic (but the multiply-add rounded
-    twice, where ``fma.rn.f16x2`` rounds once), so tests check the kernel's indexing and
-    arithmetic; only the PTX text itself needs a GPU."""
-    def halves(u):  # uint32 [...] -> float16 [..., 2] (low half first)
-        return lax.bitcast_convert_type(u, jnp.float16)
-
-    if shift is None:
-        return halves(w)[..., 0 if which == "lo" else 1].astype(jnp.float32)
-    t = ((w >> jnp.uint32(shift)) & jnp.uint32(0x000F000F)) | jnp.uint32(0x64006400)
-    v = halves(t) - jnp.float16(1024)
-    out = (v * halves(xx) + halves(acc)).astype(jnp.float16)
-    return lax.bitcast_convert_type(out, jnp.uint32)
-
-
-def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
-                  groups_per_step: int, steps_per_split: int, emulate: bool) -> None:
-    """``word_gemv`` for int4 at one row with float16 pair arithmetic (an experiment,
-    ``--half2``): per group, two float16x2 accumulators (columns 0/2 and 1/3 of each word)
-    take a few products each, then are widened to float32, scaled, and summed. ``emulate``:
-    the PTX as jnp (``_half2_emulated``), for the interpreter."""
-    words = q_ref.shape[1]
-    byte_rows = group // 2
-    split = pl.program_id(1)
-    f32, u32 = jnp.float32, jnp.uint32
-
-    def pair(x):  # [sub, 1] float32 -> [sub, words] uint32 holding (x, x) in float16
-        u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(u32)
-        return jnp.broadcast_to(u | (u << 16), (sub, words))
-
-    def fma(shift, w, xx, acc):
-        if emulate:
-            return _half2_emulated(shift, w, xx, acc)
-        # Triton's inline asm takes signless integers only: int32 in and out, same bits.
-        args = [lax.bitcast_convert_type(a, jnp.int32) for a in (w, xx, acc)]
-        (out,) = plgpu.elementwise_inline_asm(
-            _half2_asm(shift), args=args, constraints="=r,r,r,r", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.int32)])
-        return lax.bitcast_convert_type(out, u32)
-
-    def body(step, acc):
-        acc = list(acc)
-        first = (split * steps_per_split + step) * groups_per_step
-        for j in range(groups_per_step):
-            g = first + j
-            a02 = jnp.zeros((sub, words), u32)
-            a13 = jnp.zeros((sub, words), u32)
-            x_sum = jnp.zeros((sub, 1), f32)
-            for t in range(byte_rows // sub):
-                w = q_ref[pl.ds(g * byte_rows + t * sub, sub), :]  # [sub, words]
-                lo = x_ref[0, pl.ds(g * group + t * sub, sub)].astype(f32)[:, None]
-                hi = x_ref[0, pl.ds(g * group + byte_rows + t * sub, sub)].astype(f32)[:, None]
-                x_sum = x_sum + lo + hi
-                xl, xh = pair(lo), pair(hi)
-                a02 = fma(4, w, xh, fma(0, w, xl, a02))
-                a13 = fma(12, w, xh, fma(8, w, xl, a13))
-            c0, c2, c1, c3 = (
-                _half2_emulated(None, a, which=which) if emulate else
-                plgpu.elementwise_inline_asm(
-                    _half_asm(which), args=[lax.bitcast_convert_type(a, jnp.int32)],
-                    constraints="=f,r", pack=1,
-                    result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, f32)])[0]
-                for a in (a02, a13) for which in ("lo", "hi"))
-            for c, part in enumerate((c0, c1, c2, c3)):
-                cols = pl.ds(c, words, stride=4)
-                scale = s_ref[pl.ds(g, 1), cols].astype(f32)
-                acc[c] = acc[c] + scale * part + z_ref[pl.ds(g, 1), cols].astype(f32) * x_sum
-        return acc
-
-    init = [jnp.zeros((sub, words), f32) for _ in range(4)]
-    acc = lax.fori_loop(0, steps_per_split, body, init)
-    for c in range(4):
-        o_ref[pl.ds(0, 1), pl.ds(c, words, stride=4)] = jnp.sum(acc[c], axis=0)[None, :]
-
-
-def half2_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
-               block_n: int = 128, sub: int = 16, step_rows: int = 128,
-               target_programs: int = 512, interpret: bool = False) -> jax.Array:
-    """One row of ``x [1, K]`` times the int4 weight (``int4_matmul``'s format): ``[1, N]``
-    float32 through ``_half2_kernel``. An experiment for ``--half2``: the activations are
-    rounded to float16 and each group's few products summed in float16. ``interpret``: the
-    Pallas interpreter with the PTX emulated (``tests/test_bench_engine.py``)."""
-    m, k = x.shape
-    groups, n = scale.shape
-    group = k // groups
-    sub = min(sub, group // 2)
-    col_blocks = -(-n // block_n)
-    groups_per_step = largest_divisor(groups, step_rows // group)
-    steps = groups // groups_per_step
-    splits = largest_divisor(steps, target_programs // col_blocks)
-    words = lax.bitcast_convert_type(q.reshape(q.shape[0], n // 4, 4), jnp.uint32)
-    part = pl.pallas_call(
-        functools.partial(_half2_kernel, group=group, sub=sub,
-                          groups_per_step=groups_per_step, steps_per_split=steps // splits,
-                          emulate=interpret),
-        grid=(col_blocks, splits),
-        in_specs=[pl.BlockSpec((m, k), lambda j, t: (0, 0)),
-                  pl.BlockSpec((q.shape[0], block_n // 4), lambda j, t: (0, j)),
-                  pl.BlockSpec((groups, block_n), lambda j, t: (0, j)),
-                  pl.BlockSpec((groups, block_n), lambda j, t: (0, j))],
-        out_specs=pl.BlockSpec((None, 1, block_n), lambda j, t: (t, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, 1, n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
-        interpret=interpret,
-        name="bench_half2_gemv",
-    )(x, words, scale, zero)
-    return jnp.sum(part, axis=0)
-
-
 COLD_BYTES = 256 << 20
 """Weight bytes a timing program cycles through (over 5x the H100's 50 MB L2), so no call
 reads its weight from the cache a previous call filled."""
@@ -321,8 +190,6 @@ def main() -> None:
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
                     help="time the probes only, not the kernels")
-    ap.add_argument("--half2", action="store_true",
-                    help="also time the float16-pair experiment (half2_gemv, one row)")
     ap.add_argument("--trace", action="store_true",
                     help="profile one timed program per kernel on the o shape (g128, one "
                          "row) and print its device kernels: what a call's time is made of")
@@ -331,7 +198,7 @@ def main() -> None:
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
-    def layer(cand: Candidate, m: int, shapes=SHAPES_8B, groups=(32, 128)) -> dict:
+    def layer(cand: Candidate, m: int, shapes=SHAPES_8B, groups=(32, 64, 128)) -> dict:
         rows = [measure(nm, m, k, n, g, cand, args.read_tbps, args.calls, args.repeats)
                 for g in groups for nm, k, n in shapes]
         floor = {g: sum(r["floor_us"] for r in rows if r["group"] == g) for g in groups}
@@ -348,9 +215,9 @@ def main() -> None:
             trace_call(cand, operands(1, 4096, 4096, 128), args.calls)
     candidates = [] if args.only_probe else [
         layer(c, m) for m in map(int, args.rows.split(","))
-        for c in (for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word_rows=0)))]
-    if args.half2:
-        candidates.append(layer(Candidate("half2_gemv", half2_gemv), 1))
+        for c in (for_tiles(Int4Tiles()),
+                  for_tiles(Int4Tiles(word=WordTiles(half2_min_group=0))),
+                  for_tiles(Int4Tiles(word_rows=0)))]
     if args.probe or args.only_probe:
         for unpack, block_n, step_rows in itertools.product((False, True), (128, 256),
                                                             (64, 256)):

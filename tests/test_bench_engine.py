@@ -1,6 +1,5 @@
 """scripts/bench_engine.py: the tiny preset end to end on CPU, and the floor's arithmetic;
-scripts/bench_int4.py's float16-pair GEMV experiment against its reference; the GEMM list
-of scripts/bench_gemm.py."""
+the GEMM list of scripts/bench_gemm.py; profile_engine.py's step timelines."""
 
 from __future__ import annotations
 
@@ -228,33 +227,6 @@ def test_bench_server_host_synthetic_engine(tmp_path):
     # A text chunk carries all of its request's tokens of one engine step (up to 4 here):
     # at least one per request, fewer than one per token.
     assert 24 <= served["chunks"] < planned
-
-
-def test_bench_int4_half2_experiment_computes_the_int4_product():
-    """``bench_int4.half2_gemv`` (the float16-pair int4 GEMV experiment) with its PTX
-    emulated in the Pallas interpreter gives the float32 reference's product within float16
-    rounding, at groups of 32, 64 and 128, and lowers to Triton for a GPU."""
-    import jax
-    import jax.numpy as jnp
-    from jax import export
-
-    from pallas_kernels.int4_matmul import int4_matmul_reference
-
-    bench = load_script("bench_int4")
-    for k, n, group in ((256, 128, 32), (1024, 128, 64), (512, 256, 128)):
-        x, q, scale, zero = bench.operands(1, k, n, group)
-        got = bench.half2_gemv(x, q, scale, zero, interpret=True)
-        want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
-        assert got.shape == (1, n)
-        assert float(jnp.max(jnp.abs(got - want))) < 0.01 * float(jnp.max(jnp.abs(want)))
-    spec = [jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2048, 6144), jnp.uint8),
-            jax.ShapeDtypeStruct((32, 6144), jnp.float16),
-            jax.ShapeDtypeStruct((32, 6144), jnp.float16)]
-    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    exported = export.export(jax.jit(bench.half2_gemv), platforms=["cuda"],
-                             disabled_checks=no_check)(*spec)
-    assert "bench_half2_gemv" in exported.mlir_module()
 
 
 def test_bench_gemm_layer_gemms_cover_the_layer_weights():

@@ -35,7 +35,10 @@ def test_int4_matmul_equals_reference(m, k, n, group, dtype):
     want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
     assert got.shape == (m, n) and got.dtype == jnp.float32
     # bf16: the reference rounds the dequantized weight to bf16, the kernel scales in float32.
+    # A few rows at groups of 128+ run word_gemv's float16 pairs: ~1e-3 of the largest output.
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
+    if m <= Int4Tiles().word_rows and group >= Int4Tiles().word.half2_min_group:
+        tol = dict(rtol=0, atol=2e-3 * float(jnp.max(jnp.abs(want))))
     np.testing.assert_allclose(got, want, **tol)
 
 

@@ -38,13 +38,56 @@ def _int8(m, k, n, seed):
 @pytest.mark.parametrize("m, k, n, group", [(1, 256, 200, 32), (2, 512, 256, 128),
                                             (WORD_ROWS, 384, 132, 64), (3, 1024, 36, 32)])
 def test_int4_word_kernel_equals_the_format_reference(m, k, n, group):
-    """Every row count up to WORD_ROWS, columns that fill no block, one to 32 groups."""
+    """Every row count up to WORD_ROWS, columns that fill no block, one to 32 groups (the
+    float32 kernel: float16 pairs are off here and tested below)."""
     x, q, scale, zero = _int4(m, k, n, group, seed=m + k + n)
-    got = int4_matmul(x, q, scale, zero, out_dtype=jnp.float32, interpret=True)
+    got = int4_matmul(x, q, scale, zero, out_dtype=jnp.float32, interpret=True,
+                      tiles=Int4Tiles(word=WordTiles(half2_min_group=0)))
     want = int4_matmul_reference(x, q, scale, zero, out_dtype=jnp.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(word_gemv_reference(x, q, scale, zero, **INT4), want,
                                rtol=1e-5, atol=1e-4)
+
+
+def _runs_half2(m: int, k: int, n: int, group: int, tiles: WordTiles) -> bool:
+    xs = jax.ShapeDtypeStruct((m, k), jnp.float32)
+    q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
+    text = str(jax.make_jaxpr(lambda x, q, s, z: word_gemv(x, q, s, z, interpret=True,
+                                                           tiles=tiles, **INT4))(xs, q, s, s))
+    assert "name=jaxinfer_word_gemv_4bit" in text
+    return "name=jaxinfer_word_gemv_4bit_half2" in text
+
+
+@pytest.mark.parametrize("m, k, n, group", [(1, 512, 256, 128), (2, 1024, 300, 128),
+                                            (WORD_ROWS, 2048, 64, 256)])
+def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group):
+    """int4 groups of at least ``half2_min_group`` rows run the float16-pair kernel (every
+    row count, columns that fill no block, several K splits): float16 products summed a few
+    at a time, so within ~1e-3 of the largest output where the float32 kernel is within
+    1e-5; the float32 kernel below the threshold."""
+    x, q, scale, zero = _int4(m, k, n, group, seed=m + k)
+    want = word_gemv_reference(x, q, scale, zero, **INT4)
+    assert _runs_half2(m, k, n, group, WordTiles())
+    assert not _runs_half2(m, k, n, group, WordTiles(half2_min_group=2 * group))
+    for programs in (1, 512):
+        got = word_gemv(x, q, scale, zero, interpret=True,
+                        tiles=WordTiles(target_programs=programs), **INT4)
+        err = float(jnp.max(jnp.abs(got - want)))
+        assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
+
+
+def test_half2_kernel_scales_activations_so_nothing_overflows():
+    """An activation far past float16's range (3e4, x 15 per product) and an all-zero row:
+    the kernel divides each row by its largest magnitude before rounding to float16, so the
+    result stays finite and close, and zeros give zeros."""
+    x, q, scale, zero = _int4(2, 1024, 128, 128, seed=5)
+    x = x.at[0, 3].set(3e4).at[1].set(0.0)
+    got = word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(), **INT4)
+    want = word_gemv_reference(x, q, scale, zero, **INT4)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert float(jnp.max(jnp.abs(got[0] - want[0]))) <= 1e-3 * float(jnp.max(jnp.abs(want[0])))
+    np.testing.assert_array_equal(got[1], np.zeros(128, np.float32))
 
 
 @pytest.mark.parametrize("m", [1, 2, WORD_ROWS])
@@ -121,8 +164,8 @@ def test_more_rows_take_the_tensor_core_kernel():
 
 def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
     """Lowering for a GPU (through jax.export on this CPU machine) runs every Pallas Triton
-    rule the kernel needs: the uint32 reinterpretation, shifts, float bitcasts, strided loads
-    of the scales and strided stores of the result."""
+    rule the kernels need: the uint32 reinterpretation, shifts, float bitcasts, strided loads
+    of the scales, strided stores of the result and (float16 pairs) the inline asm."""
     from jax import export
 
     no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -132,7 +175,10 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
         s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
         exported = export.export(jax.jit(int4_matmul), platforms=["cuda"],
                                  disabled_checks=no_check)(x, q, s, s)
-        assert "jaxinfer_word_gemv_4bit" in exported.mlir_module()
+        # g128: the float16-pair kernel (its inline PTX in the Triton module); g32: float32.
+        name = "jaxinfer_word_gemv_4bit" + ("_half2" if group >= 128 else "")
+        assert name in exported.mlir_module()
+        assert ("fma.rn.f16x2" in exported.mlir_module()) == (group >= 128)
     q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
     s8 = jax.ShapeDtypeStruct((64, 6144), jnp.float32)
     x = jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16)
