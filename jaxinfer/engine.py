@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
-from jaxinfer.model import pool_is_stacked
+from jaxinfer.model import int4_decode_weights, pool_is_stacked
 from jaxinfer.paged_cache import BlockManager, PagePool, check_kv_cache_dtype, pages_for_budget
 from jaxinfer.requests import (
     Completion,
@@ -448,7 +448,11 @@ class Engine(StepLoop):
         # time dominates.
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
                                            fine=accelerator)
-        self.row_buckets = row_buckets(slots)
+        # A lone request decodes in one row where every matmul is the int4 kernel (a padding
+        # row would cost it work; not on a tensor-parallel mesh, where XLA's GEMM runs), in
+        # two rows otherwise (runner.row_buckets).
+        one_row = model_size == 1 and int4_decode_weights(model.params)
+        self.row_buckets = row_buckets(slots, 1 if one_row else 2)
         self.prefix_caching = prefix_caching
         self._pool_budget = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
                                                                  model.kv_cache_dtype)

@@ -78,11 +78,11 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
 
 
 def test_half2_kernel_scales_activations_so_nothing_overflows():
-    """An activation far past float16's range (3e4, x 15 per product) and an all-zero row:
-    the kernel divides each row by its largest magnitude before rounding to float16, so the
-    result stays finite and close, and zeros give zeros."""
+    """Activations whose float16 products would overflow unscaled (3e4 and 1e5, x 15 per
+    product) and an all-zero row: the kernel scales activations by 2^-8 before rounding to
+    float16, so the result stays finite and close, and zeros give zeros."""
     x, q, scale, zero = _int4(2, 1024, 128, 128, seed=5)
-    x = x.at[0, 3].set(3e4).at[1].set(0.0)
+    x = x.at[0, 3].set(3e4).at[0, 700].set(-1e5).at[1].set(0.0)
     got = word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(), **INT4)
     want = word_gemv_reference(x, q, scale, zero, **INT4)
     assert bool(jnp.all(jnp.isfinite(got)))

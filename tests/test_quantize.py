@@ -256,3 +256,31 @@ def test_load_model_lays_fp8_out_for_fp8_gemms_where_the_gpu_has_them(tmp_path, 
         got = jaxinfer.generate(model, prompt, max_new_tokens=5, ignore_eos=True)
         want = jaxinfer.generate(plain, prompt, max_new_tokens=5, ignore_eos=True)
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+@pytest.mark.parametrize("layout", ["stacked", "fast"])
+def test_an_all_int4_model_decodes_a_lone_request_in_one_row(layout):
+    """Every matmul int4 (layers and the untied head): the engine's smallest decode call is
+    one row, since the int4 kernel computes a padding row too; int8 weights, a tied head or
+    plain weights keep two rows (XLA's bf16 GEMM needs them), and the one-row engine's greedy
+    tokens equal the same model run at two rows."""
+    from jaxinfer.model import int4_decode_weights
+
+    params = apply_layout(init_params(CFG, jax.random.PRNGKey(4), jnp.float32), layout)
+    q4 = quantize_params(params, "int4")
+    assert int4_decode_weights(q4)
+    assert not int4_decode_weights(quantize_params(params, "int8"))
+    assert not int4_decode_weights(params)
+    tied = {k: v for k, v in q4.items() if k != "lm_head"}
+    assert not int4_decode_weights(tied)
+    m = jaxinfer.Model(CFG, q4, None, jnp.float32, backend="reference")
+    engine = jaxinfer.Engine(m, max_batch=4)
+    assert engine.row_buckets[0] == 1
+    assert jaxinfer.Engine(jaxinfer.Model(CFG, params, None, jnp.float32, backend="reference"),
+                           max_batch=4).row_buckets[0] == 2
+    prompt = list(range(3, 12))
+    got = engine.run([engine.submit(prompt, max_new_tokens=8, ignore_eos=True)])[0].token_ids
+    two = jaxinfer.Engine(m, max_batch=4)
+    two.row_buckets = (2, 4)
+    want = two.run([two.submit(prompt, max_new_tokens=8, ignore_eos=True)])[0].token_ids
+    assert got == want and len(got) == 8
