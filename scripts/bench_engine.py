@@ -275,7 +275,7 @@ def make_engine(model: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Eng
     overrides = dict(max_batch=args.max_batch, max_tokens_per_step=args.token_budget,
                      kv_cache_bytes=None if args.kv_bytes is None else int(args.kv_bytes),
                      decode_steps=args.decode_steps, page_size=args.page_size,
-                     schedule=args.schedule)
+                     schedule=args.schedule, decode_call_seconds=args.decode_call_seconds)
     return jaxinfer.Engine(model, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -551,6 +551,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-bytes", type=float, default=None,
                     help="page pool bytes (tiny: 4 MiB)")
     ap.add_argument("--decode-steps", type=int, default=None)
+    ap.add_argument("--decode-call-seconds", type=float, default=None,
+                    help="device time a decode call aims at (Engine(decode_call_seconds=))")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
                     help="weight-only quantization (load_model(quantize=...))")
