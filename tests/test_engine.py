@@ -476,3 +476,48 @@ def test_step_shape_buckets():
     assert [runner.bucket(n, (1, 8, 16)) for n in (1, 2, 8, 9, 16)] == [1, 8, 8, 16, 16]
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         runner.bucket(17, (1, 8, 16))
+
+
+def test_chained_decode_calls_equal_calls_read_one_at_a_time(model, work200):
+    """A decode call launched before the previous call's results are read (every running
+    sequence decoding, nothing to admit) starts from where the device left each row: greedy
+    and seeded sampled outputs, stop tokens, stop strings and a cancel mid-run equal the same
+    requests stepped one call at a time (``max_decode_steps`` turns chaining off), no token
+    past a stop is emitted, and every page is freed at the end."""
+    import dataclasses
+
+    lettered = dataclasses.replace(model, tokenizer=LetterTokenizer())
+    work = [(p, 24 + i) for i, (p, _, _) in enumerate(work200[:SLOTS])]
+    text = jaxinfer.generate(lettered, [work[2][0]], max_new_tokens=work[2][1],
+                             ignore_eos=True)[0].text
+    kinds = [dict(ignore_eos=True), dict(), dict(ignore_eos=True, stop=text[5:7]),
+             dict(temperature=0.8, seed=3, ignore_eos=True), dict(temperature=0.8, seed=4),
+             dict(ignore_eos=True), dict(ignore_eos=True), dict(ignore_eos=True)]
+
+    def serve(chain: bool):
+        engine = _engine(lettered, num_pages=128, max_seq_len=64, decode_steps=4)
+        ids = [engine.submit(p, max_new_tokens=m, **kw)
+               for (p, m), kw in zip(work, kinds, strict=True)]
+        streamed: dict[int, list[int]] = {}
+        cancelled = False
+        while engine.has_unfinished():
+            events = engine.step() if chain else engine.step(max_decode_steps=4)
+            for rid, new, _ in events:
+                streamed.setdefault(rid, []).extend(new)
+            if not cancelled and len(streamed.get(ids[5], [])) >= 10:
+                cancelled = engine.cancel(ids[5])
+        results = [None if i == ids[5] else engine.result(i) for i in ids]
+        engine.blocks.check_all_free()
+        return engine.stats(), results, [streamed.get(i, []) for i in ids]
+
+    stats, got, streamed = serve(chain=True)
+    base_stats, want, _ = serve(chain=False)
+    assert stats.chained_calls >= 5 and base_stats.chained_calls == 0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if i == 5:
+            continue
+        assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason,
+                                                          w.text), i
+        assert streamed[i] == g.token_ids, i  # nothing past a stop reached the events
+    assert got[2].finish_reason == "stop" and text[5:7] not in got[2].text
+    assert len(got[0].token_ids) == work[0][1]  # ran to its length across chained calls
