@@ -182,8 +182,6 @@ class EngineStats:
     accepted_tokens: int = 0  # of those, accepted
     draft_seconds: float = 0.0  # of device_seconds: in draft-model proposals of verify steps
     # (a speculation loop's iterations include its draft's time)
-    chained_calls: int = 0  # decode calls launched before the previous call's results were
-    # read (their host work overlapped the device's)
 
     @property
     def acceptance_rate(self) -> float:
@@ -249,7 +247,6 @@ class _Call:
     proposals: list[tuple[_Seq, list[int]]] | None = None  # verify step: rows, proposals
     loop: str = ""  # speculation loop on the device: "ngram" or "draft" (``runner``)
     compiled: bool = False  # XLA compiled the program for this call (its time is not a step's)
-    steps: int = 0  # decode call: iterations it runs at most
 
 
 class StepLoop:
@@ -467,9 +464,6 @@ class Engine(StepLoop):
         self._draft_s: dict[int, float] = {}  # row bucket -> measured s per draft proposal
         self._new_device_state()
         self._inflight: tuple[str, list[_Seq]] = ("", [])  # the step last launched, its requests
-        self._chained: _Call | None = None  # a decode call launched before the last one's
-        # results were read (``_chain_decode``); the next step collects it
-        self._chained_calls = 0
         if verbose:
             mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
                                                        model.kv_cache_dtype) / 2**20
@@ -562,23 +556,14 @@ class Engine(StepLoop):
         t0 = time.perf_counter()
         self._order_waiting()
         try:
-            call, self._chained = self._chained, None
-            if call is not None and all(s.slot < 0 for s in call.rows):
-                call = None  # its rows all ended on the host: nothing of it will be emitted
-            if call is not None:
-                self._inflight = (f"decode call of {len(call.rows)} rows x {call.steps} "
-                                  "iterations", call.rows)
-            elif self._prompt_work_pending() or self._constrained():
+            if self._prompt_work_pending() or self._constrained():
                 call = self._launch_mixed()
             else:
                 call = self._launch_decode_step(max_decode_steps)
-            if call is not None and max_decode_steps is None:
-                self._chained = self._chain_decode(call)
             events = [] if call is None else self._collect(call)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            self._chained = None  # it would read the failed call's results
             events = self._out_of_memory(e)
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
@@ -619,7 +604,6 @@ class Engine(StepLoop):
             self.blocks.free(request_id)
         if s.slot >= 0 and s.slot not in self._free_slots:
             heapq.heappush(self._free_slots, s.slot)
-        s.slot = -1  # a call still in flight (a chained decode call) emits nothing for it
         del self._seqs[request_id]
         return True
 
@@ -688,8 +672,7 @@ class Engine(StepLoop):
             cached_tokens=self._hit_tokens, num_preemptions=self._preemptions,
             num_programs=len(self._programs), verify_steps=self._verify_steps,
             verified_rows=self._verified_rows, draft_tokens=self._draft_tokens,
-            accepted_tokens=self._accepted_tokens, draft_seconds=self._draft_time,
-            chained_calls=self._chained_calls)
+            accepted_tokens=self._accepted_tokens, draft_seconds=self._draft_time)
 
     def warmup(self, generate: bool = True, score: bool = False, sampled: bool = False,
                constrained: bool = False, speculative: Speculative | None = None
@@ -1158,11 +1141,8 @@ class Engine(StepLoop):
     def _results_of(self, call: _Call) -> tuple[Any, float]:
         """Bring a call's results to the host; return them and the seconds from its launch."""
         out = to_host(call.out)
-        now = time.perf_counter()
-        seconds = now - call.launched
+        seconds = time.perf_counter() - call.launched
         self._device_time += seconds
-        if self._chained is not None:  # the device runs it from here, after this call
-            self._chained.launched = now
         return out, seconds
 
     def _collect(self, call: _Call) -> list[Event]:
@@ -1285,12 +1265,9 @@ class Engine(StepLoop):
         self._announce(self._decode_program(b, stochastic, num_top),
                        f"decode loop for {b} rows" + (", sampled" if stochastic else "")
                        + (", top log-probabilities" if num_top else ""))
-        # Committed like a chained call's inputs (device arrays a decode call left), so both
-        # hit one compiled program; ~0.4 ms against a call of ~0.2 s (decode_call_seconds).
         with on_mesh(self.mesh):
             self.pool, self._counts, out = decode_steps(
-                self.model.params, self.pool, self._counts,
-                jax.device_put(inp, self._placement),
+                self.model.params, self.pool, self._counts, self._put(inp),
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_steps=self._decode_buffer, chunk=self.decode_chunk, stochastic=stochastic,
                 deterministic=self.model.deterministic, num_top=num_top)
@@ -1326,47 +1303,7 @@ class Engine(StepLoop):
         self._inflight = (f"decode call of {b} rows x {k} iterations", rows)
         launched = time.perf_counter()
         out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic, num_top)
-        return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled,
-                     steps=k)
-
-    def _chain_decode(self, call: _Call) -> _Call | None:
-        """Launch the decode call that follows ``call`` before ``call``'s results reach the
-        host, so that reading and emitting them overlaps the device's next call (the host's
-        work between calls otherwise leaves the device idle: bench/NOTES.md r83).
-
-        Only a plain decode call over every running sequence, with no prompt to read or
-        request to admit, chains; its rows start where ``call`` leaves them on the device
-        (``out["next"]``), and each row's pages are reserved for both calls' iterations
-        (none chains if that does not fit: planning may not preempt a row in flight). A row
-        that the host ends after ``call`` (a stop string, a cancel) still decodes in the
-        chained call; those tokens are never emitted (``_emit_columns`` skips rows that no
-        longer hold a slot). Admissions wait for the chained call."""
-        if (call.rows is None or call.loop or not call.steps
-                or len(call.rows) != len(self._running) or self._prompt_work_pending()
-                or any(s.req.sampling.speculative for s in call.rows)):
-            return None
-        b = call.out["tokens"].shape[1]
-        k = self._call_length(b, None)
-        ends = [s.num_computed + min(call.steps + k,
-                                     s.req.sampling.max_new_tokens - len(s.progress.tokens))
-                for s in call.rows]
-        if sum(self.blocks.pages_needed(s.rid, s.num_computed, e)
-               for s, e in zip(call.rows, ends, strict=True)) > self.blocks.num_free:
-            return None
-        for s, e in zip(call.rows, ends, strict=True):
-            self._reserve(s, e)
-        nxt = call.out["next"]
-        inp = DecodeInputs(
-            tokens=nxt["tokens"], positions=nxt["positions"],
-            block_tables=self._tables[:b].copy(), active=nxt["active"],
-            remaining=nxt["remaining"], limit=(self._table_len[:b] * self.page_size).astype(
-                np.int32), gen_index=nxt["gen"], stop_ids=self._stop_ids[:b].copy(),
-            num_steps=np.int32(k), sampling=self._sampling(b))
-        stochastic = any(s.req.sampling.temperature > 0 for s in call.rows)
-        out = self._dispatch_decode(inp, stochastic, _num_top(call.rows))
-        self._chained_calls += 1
-        return _Call(out=out, launched=time.perf_counter(), padded=b * k, rows=call.rows,
-                     steps=k)
+        return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled)
 
     def _collect_decode(self, call: _Call) -> list[Event]:
         out, seconds = self._results_of(call)
@@ -1388,8 +1325,6 @@ class Engine(StepLoop):
         now = time.perf_counter()
         events: list[Event] = []
         for s in rows:
-            if s.slot < 0:  # ended on the host after a chained call was launched
-                continue
             col = out_t[:, s.slot]
             n = int(np.count_nonzero(col >= 0))
             self._computed += n

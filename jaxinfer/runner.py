@@ -288,10 +288,8 @@ def decode_steps(
     constrained by a token mask (the engine runs those through ``mixed_step``).
 
     Returns ``(pool, counts, out)``: ``out["tokens"]`` ``[max_steps, B]`` (-1 where a row
-    was not active at that iteration), ``out["logprobs"]`` ``[max_steps, B]``, with
-    ``num_top`` ``out["top_ids"]`` and ``out["top_logprobs"]`` ``[max_steps, B, num_top]``,
-    and ``out["next"]``: each row's last token, next position, tokens left, next sample
-    index and whether it may go on (no stop token, tokens left), ``[B]`` each.
+    was not active at that iteration), ``out["logprobs"]`` ``[max_steps, B]`` and, with
+    ``num_top``, ``out["top_ids"]`` and ``out["top_logprobs"]`` ``[max_steps, B, num_top]``.
     """
     if max_steps % chunk:
         raise ValueError(f"max_steps={max_steps} must be a multiple of chunk={chunk}")
@@ -318,11 +316,9 @@ def decode_steps(
         out = {"tokens": out["tokens"].at[step].set(jnp.where(active, new, -1)),
                "logprobs": out["logprobs"].at[step].set(lp),
                "top_ids": out["top_ids"].at[step].set(top_ids),
-               "top_logprobs": out["top_logprobs"].at[step].set(top_lps),
-               "ended": out["ended"]}
+               "top_logprobs": out["top_logprobs"].at[step].set(top_lps)}
         counts_b = record_tokens(counts_b, new, active)
         stopped = jnp.any(new[:, None] == inp.stop_ids, axis=-1)
-        out["ended"] = out["ended"] | (active & stopped)
         pos = pos + active
         remaining = remaining - active
         gen = gen + active
@@ -341,18 +337,11 @@ def decode_steps(
     out = {"tokens": jnp.full((max_steps, b), -1, jnp.int32),
            "logprobs": jnp.zeros((max_steps, b), jnp.float32),
            "top_ids": jnp.zeros((max_steps, b, num_top), jnp.int32),
-           "top_logprobs": jnp.zeros((max_steps, b, num_top), jnp.float32),
-           "ended": jnp.zeros((b,), bool)}  # sampled a stop token
+           "top_logprobs": jnp.zeros((max_steps, b, num_top), jnp.float32)}
     carry = (jnp.int32(0), pool.k, pool.v, counts[:b], active, inp.tokens, inp.positions,
              inp.remaining, inp.gen_index, out)
-    _, k, v, counts_b, _, tokens, pos, remaining, gen, out = jax.lax.while_loop(
-        keep_going, chunk_of_iterations, carry)
+    _, k, v, counts_b, *_, out = jax.lax.while_loop(keep_going, chunk_of_iterations, carry)
     counts = _replicated(jax.lax.dynamic_update_slice(counts, counts_b, (0, 0)))
-    ended = out.pop("ended")
-    # Where each row stands after the call: the inputs of a decode call that follows it
-    # without the host (``chained_decode_inputs``).
-    out["next"] = {"tokens": tokens, "positions": pos, "remaining": remaining, "gen": gen,
-                   "active": inp.active & ~ended & (remaining > 0)}
     if not num_top:
         del out["top_ids"], out["top_logprobs"]
     return PagePool(k=k, v=v), counts, out

@@ -244,6 +244,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--token-budget", type=int, default=None, help="max_tokens_per_step")
     ap.add_argument("--kv-bytes", type=float, default=None)
     ap.add_argument("--decode-steps", type=int, default=None)
+    ap.add_argument("--decode-call-seconds", type=float, default=None,
+                    help="device time a decode call aims at (Engine(decode_call_seconds=))")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--schedule", default=None, choices=("fcfs", "longest_first"))
     ap.add_argument("--matmul-tflops", type=float, default=None)
