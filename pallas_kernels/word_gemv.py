@@ -105,6 +105,19 @@ def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
+def _accumulate_and_store(body, steps: int, rows: int, sub: int, o_ref) -> None:
+    """Run ``body(step, acc)`` for ``steps`` loop steps from zero accumulators ``acc[r][c]``
+    (row ``r``, byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column
+    sums into ``o_ref [rows, block_n]`` (lane ``c`` holds every fourth column from ``c``)."""
+    words = o_ref.shape[1] // 4
+    init = [[jnp.zeros((sub, words), jnp.float32) for _ in range(4)] for _ in range(rows)]
+    acc = lax.fori_loop(0, steps, body, init)
+    for r in range(rows):
+        for c in range(4):
+            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
+                jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
+
+
 def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
                  sub: int, groups_per_step: int, steps_per_split: int) -> None:
     """One ``[rows, block_n]`` partial over this program's split of K (the result itself,
@@ -158,12 +171,7 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
                     acc[r][c] = acc[r][c] + (s * float(1 << bits)) * d[r][c] + const * x_sum[r]
         return acc
 
-    init = [[jnp.zeros((sub, words), f32) for _ in range(4)] for _ in range(rows)]
-    acc = lax.fori_loop(0, steps_per_split, body, init)
-    for r in range(rows):
-        for c in range(4):
-            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
-                jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
+    _accumulate_and_store(body, steps_per_split, rows, sub, o_ref)
 
 
 _HALF2_X_SCALE = 2.0**-8
@@ -268,12 +276,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
                     acc[r][c] = acc[r][c] + s * parts[c] + z * x_sum[r]
         return acc
 
-    init = [[jnp.zeros((sub, words), f32) for _ in range(4)] for _ in range(rows)]
-    acc = lax.fori_loop(0, steps_per_split, body, init)
-    for r in range(rows):
-        for c in range(4):
-            o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
-                jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
+    _accumulate_and_store(body, steps_per_split, rows, sub, o_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
