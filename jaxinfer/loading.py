@@ -14,7 +14,7 @@ import numpy as np
 from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
-from jaxinfer.model import apply_layout, fp8_prefill_layout, param_shapes, resolve_layout
+from jaxinfer.model import apply_layout, param_shapes, resolve_layout
 from jaxinfer.paged_cache import check_kv_cache_dtype
 from jaxinfer.quantize import (
     QUANTIZATIONS,
@@ -220,7 +220,6 @@ def load_model(
     if quantize is not None and not native:  # the layout's arrays are ours: freed as we go
         # (not on a data-only mesh, where a replica may share the loaded array's buffer)
         params = quantize_params(params, quantize, donate=mesh is None or split)
-        params = fp8_prefill_layout(params, mesh)  # fp8 prefill GEMMs where the GPU has them
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)

@@ -402,22 +402,8 @@ def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = 
     """
     fast = resolve_layout(layout) == "fast"
     shards = 1 if mesh is None else int(mesh.shape["model"])
-    out = prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate,
-                         shards=shards)
-    return fp8_prefill_layout(out, mesh)
-
-
-def fp8_gemm_device() -> bool:
-    """Whether the default device multiplies fp8 x fp8 on its tensor cores: an NVIDIA GPU
-    of compute capability 8.9 or newer (Ada, Hopper)."""
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", "") or "")
-    if device.platform != "gpu":
-        return False
-    try:
-        return tuple(int(v) for v in capability.split(".")[:2]) >= (8, 9)
-    except ValueError:  # not a CUDA capability (e.g. a ROCm "gfx90a")
-        return False
+    return prepare_params(params, fuse=fast, unstack=fast, place=place, donate=donate,
+                          shards=shards)
 
 
 def fp8_input_last(params: Params) -> Params:
@@ -425,7 +411,12 @@ def fp8_input_last(params: Params) -> Params:
     (``quantize.input_axis_last``; the ``[in, out]`` buffers are freed), the one-device
     layout in which prefill matmuls run fp8 x fp8 (``FP8_ACTIVATION_ROWS``). Other weights
     stay as they are. Consumes ``params`` (its fp8 buffers are freed); raises ``ValueError``
-    for a stacked layout."""
+    for a stacked layout.
+
+    Opt-in, not applied by ``load_model``: on an H100 the engine's step programs for such
+    weights did not finish compiling in 4-5 minutes (1B and 8B shapes, bench/NOTES.md
+    r88-r89), where the ``[in, out]`` layout's compile in ~1.5 minutes and run at 1.10x bf16
+    (r55)."""
     if not isinstance(params["layers"], list | tuple):
         raise ValueError("fp8_input_last lays out per-layer weights on one device: "
                          "prepare_params(unstack=True) first")
@@ -438,18 +429,6 @@ def fp8_input_last(params: Params) -> Params:
                 _delete(w, keep=new[name])
         layers.append(new)
     return {**params, "layers": layers}
-
-
-def fp8_prefill_layout(params: Params, mesh: Any = None) -> Params:
-    """``fp8_input_last(params)`` where it pays: one device (``mesh`` None) with fp8 tensor
-    cores (``fp8_gemm_device``) and per-layer weights holding fp8; ``params`` elsewhere.
-    ``apply_layout`` and ``load_model`` (after quantizing) call it."""
-    layers = params["layers"]
-    has_fp8 = isinstance(layers, list | tuple) and any(
-        isinstance(w, QuantizedWeight) and w.kind == "fp8" for lp in layers for w in lp.values())
-    if mesh is None and has_fp8 and fp8_gemm_device():
-        return fp8_input_last(params)
-    return params
 
 
 def int4_decode_weights(params: Params) -> bool:

@@ -233,29 +233,26 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
         save_params("/nonexistent/never-written", {"wo": wl})
 
 
-def test_load_model_lays_fp8_out_for_fp8_gemms_where_the_gpu_has_them(tmp_path, monkeypatch):
-    """On a device with fp8 tensor cores (faked here), ``load_model(quantize="fp8")`` in the
-    fast layout and a converted fp8 folder both hold each layer's fp8 weights ``[out, in]``
-    (``fp8_prefill_layout``, after quantizing and in ``apply_layout``); without such a device
-    they stay ``[in, out]``. Greedy tokens match the ``[in, out]`` model's."""
-    import jaxinfer.model as model_module
+def test_load_model_keeps_fp8_weights_in_out(tmp_path):
+    """``load_model(quantize="fp8")`` and a converted fp8 folder hold each layer's fp8 weights
+    ``[in, out]``, the layout measured on a GPU (r55); ``fp8_input_last`` is opt-in (its
+    programs did not finish compiling on an H100, r88-r89). Greedy tokens agree."""
     from jaxinfer.loading import convert
     from sharding.testing import write_tiny_model
 
     src = write_tiny_model(tmp_path / "src")
     kw = dict(dtype="float32", backend="reference", layout="fast")
-    plain = jaxinfer.load_model(src, quantize="fp8", **kw)
-    assert not plain.params["layers"][0]["wo"].in_last
-    monkeypatch.setattr(model_module, "fp8_gemm_device", lambda: True)
     dst = convert(src, tmp_path / "fp8", quantize="fp8")
-    for model in (jaxinfer.load_model(src, quantize="fp8", **kw), jaxinfer.load_model(dst, **kw)):
+    quantized, converted = (jaxinfer.load_model(src, quantize="fp8", **kw),
+                            jaxinfer.load_model(dst, **kw))
+    for model in (quantized, converted):
         layer = model.params["layers"][0]
-        assert layer["wo"].in_last and layer["w_gate_up"].in_last
-        assert layer["wo"].q.shape == (model.config.hidden_size, model.config.hidden_size)
-        prompt = [[5, 9, 2, 77, 31, 8]]
-        got = jaxinfer.generate(model, prompt, max_new_tokens=5, ignore_eos=True)
-        want = jaxinfer.generate(plain, prompt, max_new_tokens=5, ignore_eos=True)
-        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert layer["wo"].kind == "fp8" and not layer["wo"].in_last
+        assert not layer["w_gate_up"].in_last
+    prompt = [[5, 9, 2, 77, 31, 8]]
+    got, want = (jaxinfer.generate(m, prompt, max_new_tokens=5, ignore_eos=True)
+                 for m in (converted, quantized))
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
 @pytest.mark.parametrize("layout", ["stacked", "fast"])
