@@ -415,8 +415,8 @@ def fp8_input_last(params: Params) -> Params:
 
     Opt-in, not applied by ``load_model``: on an H100 the engine's step programs for such
     weights did not finish compiling in 4-5 minutes (1B and 8B shapes, bench/NOTES.md
-    r88-r89), where the ``[in, out]`` layout's compile in ~1.5 minutes and run at 1.10x bf16
-    (r55)."""
+    r88-r89; bf16's take ~1.5 minutes), while the ``[in, out]`` layout ran the engine at
+    1.10x bf16 (r55)."""
     if not isinstance(params["layers"], list | tuple):
         raise ValueError("fp8_input_last lays out per-layer weights on one device: "
                          "prepare_params(unstack=True) first")
@@ -435,7 +435,7 @@ def int4_decode_weights(params: Params) -> bool:
     """Whether every matmul weight (each layer's and the LM head) is int4, so a decode step's
     matmuls all run ``pallas_kernels.int4_matmul``'s few-row kernel, which computes every
     row it is given: the engine then decodes a lone request in a one-row call (a padding row
-    cost ~25% more per 8B layer, H100 r84) instead of the two rows that keep XLA's bf16 GEMM
+    cost 15% more per 8B layer, H100 r85) instead of the two rows that keep XLA's bf16 GEMM
     (``runner.row_buckets``). A tied head (the embedding table) is not int4."""
     layers = params["layers"]
     layers = layers if isinstance(layers, list | tuple) else [layers]

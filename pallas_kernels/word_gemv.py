@@ -33,9 +33,9 @@ float16 pair of sums; each group's few sums are then widened to float32 and scal
 activations are scaled by ``2^-8`` before they are rounded to float16 (and the sums by
 ``2^8`` after), so no float16 sum overflows below ``|x|`` of about 140k
 (``_HALF2_X_SCALE``). PTX through ``plgpu.elementwise_inline_asm``; under the interpreter the
-same arithmetic in jnp. H100, one row, 8B layer at g128 (r82, without the scaling): 75.3 us
-against ``_word_kernel``'s 101.9 (51% of the read floor against 38%); at g32 slower (161.5
-against 133.7 us), so it stays off there.
+same arithmetic in jnp. H100, an 8B layer at g128 (r85): 77.8 / 89.4 us at one / two rows
+against ``_word_kernel``'s 102.9 (50% / 43% of the read floor against 38%); at g32 the
+r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the
@@ -178,8 +178,8 @@ _HALF2_X_SCALE = 2.0**-8
 """Activations are multiplied by this (exactly: a power of two) before they are rounded to
 float16, and the sums divided by it after: with ``u <= 15`` and ``G / 16`` products per
 float16 sum, no sum overflows below ``|x| = 65504 * 256 / (15 * G / 16)`` (140k at G = 128),
-and float16 stays normal (full precision) down to ``|x| = 2^-14 * 256 = 0.016``; smaller
-activations lose relative precision but add less than ``1e-5`` each in absolute terms. A
+and float16 stays normal (full precision) down to ``|x| = 2^-14 * 256 = 0.016``; below
+that it rounds activations to steps of ``2^-24 * 256 = 1.5e-5`` (subnormals). A
 per-row maximum would be exact for any range, but its reductions made the kernel slower
 than the float32 one (H100 r84)."""
 
