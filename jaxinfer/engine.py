@@ -448,11 +448,9 @@ class Engine(StepLoop):
         # time dominates.
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
                                            fine=accelerator)
-        # A lone request decodes in one row where every matmul is the int4 kernel (a padding
-        # row would cost it work; not on a tensor-parallel mesh, where XLA's GEMM runs), in
-        # two rows otherwise (runner.row_buckets).
-        one_row = model_size == 1 and int4_decode_weights(model.params)
-        self.row_buckets = row_buckets(slots, 1 if one_row else 2)
+        # A lone request decodes in one row where every matmul is the int4 kernel's (a
+        # padding row would cost it work), in two rows otherwise (runner.row_buckets).
+        self.row_buckets = row_buckets(slots, self._few_rows(model))
         self.prefix_caching = prefix_caching
         self._pool_budget = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
                                                                  model.kv_cache_dtype)
@@ -903,6 +901,16 @@ class Engine(StepLoop):
                 stacked=pool_is_stacked(d.params, self._draft_backend),
                 kv_cache_dtype=d.kv_cache_dtype)
 
+    def _few_rows(self, *models: Model) -> tuple[int, ...]:
+        """The decode row buckets below 8 for ``models`` (the target and its draft, whose
+        proposals run at the target's row bucket): 1, 2 and 4 when every matmul of each is
+        the int4 kernel's (``model.int4_decode_weights``), else 2 (``runner.row_buckets``)."""
+        one_device = mesh_sizes(self.mesh)[1] == 1
+        platform = jax.default_backend()
+        if one_device and all(int4_decode_weights(m.params, platform) for m in models):
+            return (1, 2, 4)
+        return (2,)
+
     def _use_draft(self, draft: Model) -> None:
         """Propose with ``draft`` from now on (``Speculative(method="draft")``): make its page
         pool, first splitting the pool budget between the two pools (class docstring). The
@@ -920,6 +928,8 @@ class Engine(StepLoop):
                 for m in (self.model, draft)))
             self.max_seq_len = min(self.max_seq_len, self.num_pages * self.page_size)
         self._draft = draft
+        # A draft that is not all int4 would run one-row XLA matmuls in a one-row bucket.
+        self.row_buckets = row_buckets(self.max_batch, self._few_rows(self.model, draft))
         self._draft_backend = resolve_backend(draft.backend, draft.config.head_dim,
                                               draft.deterministic)
         self._draft_key = (draft.config, str(draft.dtype), draft.layout, draft.kv_cache_dtype,

@@ -96,6 +96,15 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
+def int4_kernel_weight(w: Any, stacked: bool = False) -> bool:
+    """Whether ``w`` is an int4 weight that ``pallas_kernels.int4_matmul`` multiplies on a GPU
+    (one device): groups of 32, 64 or 128 rows and, per layer (``stacked``: after the layer
+    axis), one input axis and either one output axis or a fused ``[in, 1, out]`` one."""
+    return (isinstance(w, QuantizedWeight) and w.kind == "int4" and w.group in (32, 64, 128)
+            and w.q.ndim - w.out_axes == 1 + stacked
+            and (w.out_axes == 1 or w.q.shape[-2] == 1))
+
+
 def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
@@ -112,8 +121,7 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
         rows = x2.shape[0]
         if w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
             out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
-        elif (w.kind == "int4" and w.group in (32, 64, 128)
-              and rows <= pallas_kernels.INT4_GEMV_ROWS):
+        elif int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
             out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
     if out is not None:
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -431,17 +439,20 @@ def fp8_input_last(params: Params) -> Params:
     return {**params, "layers": layers}
 
 
-def int4_decode_weights(params: Params) -> bool:
-    """Whether every matmul weight (each layer's and the LM head) is int4, so a decode step's
-    matmuls all run ``pallas_kernels.int4_matmul``'s few-row kernel, which computes every
-    row it is given: the engine then decodes a lone request in a one-row call (a padding row
-    cost 15% more per 8B layer, H100 r85) instead of the two rows that keep XLA's bf16 GEMM
+def int4_decode_weights(params: Params, platform: str) -> bool:
+    """Whether every matmul weight (each layer's and the LM head) is int4 that
+    ``pallas_kernels.int4_matmul`` multiplies on ``platform`` (``int4_kernel_weight``; a GPU
+    only), so a decode step's matmuls all run its few-row kernel, which computes every row it
+    is given: the engine then decodes a lone request in a one-row call (a padding row cost 15%
+    more per 8B layer, H100 r85) instead of the two rows that keep XLA's bf16 GEMM
     (``runner.row_buckets``). A tied head (the embedding table) is not int4."""
+    if platform != "gpu":
+        return False
     layers = params["layers"]
-    layers = layers if isinstance(layers, list | tuple) else [layers]
-    weights = [params.get("lm_head")] + [w for lp in layers for name, w in lp.items()
-                                         if not name.endswith("_norm")]
-    return all(isinstance(w, QuantizedWeight) and w.kind == "int4" for w in weights)
+    stacked = not isinstance(layers, list | tuple)
+    return int4_kernel_weight(params.get("lm_head")) and all(
+        int4_kernel_weight(w, stacked) for lp in ([layers] if stacked else layers)
+        for name, w in lp.items() if not name.endswith("_norm"))
 
 
 def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Array:

@@ -66,18 +66,18 @@ def token_buckets(max_tokens: int, smallest: int, fine: bool = True) -> tuple[in
     return tuple(sorted({b for b in out if b < max_tokens} | {max_tokens}))
 
 
-def row_buckets(max_rows: int, smallest: int = 2) -> tuple[int, ...]:
-    """Row counts a decode call is padded to: ``smallest`` (single-request latency), then 8,
-    16, ...
+def row_buckets(max_rows: int, few: tuple[int, ...] = (2,)) -> tuple[int, ...]:
+    """Row counts a decode call is padded to: the ``few`` small ones (single-request latency),
+    then 8, 16, ...
 
     By default a lone request runs in a 2-row call: XLA rewrites a one-row matmul as
     multiply-and-reduce (dot strength reduction), which reads the 1B model's 2048-wide weights
     at ~1.2 TB/s on an H100; two rows keep XLA's GEMM (1B batch-1 565 -> 670 tok/s,
     bench/NOTES.md r38). The padding row has no keys and costs nothing in a weight-bound step.
-    ``smallest`` 1 suits weights whose few-row kernel computes every row it is given
-    (``model.int4_decode_weights``).
+    ``few=(1, 2, 4)`` suits weights whose few-row kernel computes every row it is given and
+    takes up to 4 (``model.int4_decode_weights``, ``pallas_kernels.word_gemv.WORD_ROWS``).
     """
-    out, n = [min(smallest, max_rows)], 8
+    out, n = [min(r, max_rows) for r in few], 8
     while n < max_rows:
         out.append(n)
         n *= 2

@@ -8,7 +8,7 @@ row ``j`` holds input row ``j`` (low nibble) and row ``j + G / 2`` (high nibble)
 Q4_0 / Q4_1 order. So a group's low nibbles multiply the first half of the group's slice of
 ``x`` and its high nibbles the second half: two contiguous slices, no interleaving.
 
-Up to ``WORD_ROWS`` rows (batch-1 decode runs two; one row for groups of 32) go to
+Up to ``WORD_ROWS`` rows (one row for groups of 32) go to
 ``pallas_kernels.word_gemv``, which reads the packed bytes as 32-bit words and unpacks them on
 the CUDA cores. More rows run the tensor-core kernel here: per group it takes
 ``d = x_lo @ lo + x_hi @ hi`` (float32) and adds ``d * scale + sum(x over the group) * zero``,

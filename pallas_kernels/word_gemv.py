@@ -23,19 +23,20 @@ no conversion unit. For a group's stored value ``u`` the weight is
 The kernel accumulates ``x * f`` for each group (one multiply-add per weight), then applies the
 group's scale and the ``sum x`` term.
 
-Float16 pairs (int4, groups of at least ``WordTiles.half2_min_group`` rows): the kernel above
-is bound by its instructions, about one per weight, not by its loads (r74: ~1 TB/s in the
-engine). ``_half2_kernel`` does two weights per instruction, as Marlin and TensorRT-LLM do:
-one ``lop3`` puts the low nibbles of byte lanes 0 and 2 (or 1 and 3) of a word into the
-mantissas of the float16 pair ``(1024 + u0, 1024 + u2)``, ``sub.f16x2`` removes the 1024s
-(exact), and ``fma.rn.f16x2`` multiplies the pair by the row's activation and adds it to a
-float16 pair of sums; each group's few sums are then widened to float32 and scaled. The
-activations are scaled by ``2^-8`` before they are rounded to float16 (and the sums by
-``2^8`` after), so no float16 sum overflows below ``|x|`` of about 140k
-(``_HALF2_X_SCALE``). PTX through ``plgpu.elementwise_inline_asm``; under the interpreter the
-same arithmetic in jnp. H100, an 8B layer at g128 (r85): 77.8 / 89.4 us at one / two rows
-against ``_word_kernel``'s 102.9 (50% / 43% of the read floor against 38%); at g32 the
-r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
+Float16 pairs (int4, groups of ``WordTiles.half2_min_group`` to ``HALF2_PRODUCTS * sub_rows``
+rows): the kernel above is bound by its instructions, about one per weight, not by its loads
+(r74: ~1 TB/s in the engine). ``_half2_kernel`` does two weights per instruction, as Marlin
+and TensorRT-LLM do: a shift (by 0, 4, 8 or 12) and one ``lop3`` put the low or high nibbles
+of byte lanes 0 and 2 (or 1 and 3) of a word into the mantissas of the float16 pair
+``(1024 + u0, 1024 + u2)``, ``sub.f16x2`` removes the 1024s (exact), and ``fma.rn.f16x2``
+multiplies the pair by the row's activation and adds it to a float16 pair of sums; each
+group's few sums are then widened to float32 and scaled. The activations are scaled by
+``2^-8`` before they are rounded to float16 (and the sums by ``2^8`` after), so no float16
+sum overflows below ``|x|`` of about 140k (``_HALF2_X_SCALE``). PTX through
+``plgpu.elementwise_inline_asm``; under the interpreter the same arithmetic in jnp (each
+multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 (r85): 77.8 / 89.4 us
+at one / two rows against ``_word_kernel``'s 102.9 (50% / 43% of the read floor against
+38%); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the
@@ -174,10 +175,15 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
     _accumulate_and_store(body, steps_per_split, rows, sub, o_ref)
 
 
+HALF2_PRODUCTS = 8
+"""Most float16 products a float16 sum of ``_half2_kernel`` takes (``G / sub_rows``: one per
+load and nibble half of a group); groups with more run the float32 kernel, since each
+product added moves the overflow bound down and the rounding error up."""
+
 _HALF2_X_SCALE = 2.0**-8
 """Activations are multiplied by this (exactly: a power of two) before they are rounded to
-float16, and the sums divided by it after: with ``u <= 15`` and ``G / 16`` products per
-float16 sum, no sum overflows below ``|x| = 65504 * 256 / (15 * G / 16)`` (140k at G = 128),
+float16, and the sums divided by it after: with ``u <= 15`` and at most ``HALF2_PRODUCTS``
+products per float16 sum, no sum overflows below ``|x| = 65504 * 256 / (15 * 8)`` (140k),
 and float16 stays normal (full precision) down to ``|x| = 2^-14 * 256 = 0.016``; below
 that it rounds activations to steps of ``2^-24 * 256 = 1.5e-5`` (subnormals). A
 per-row maximum would be exact for any range, but its reductions made the kernel slower
@@ -207,11 +213,12 @@ def _nibble_pairs(w: jax.Array, shift: int, emulate: bool) -> jax.Array:
 
 
 def _fma_pairs(a: jax.Array, b: jax.Array, c: jax.Array, emulate: bool) -> jax.Array:
-    """``a * b + c`` on float16 pairs held in int32 words (``fma.rn.f16x2``; emulated: the
-    product and the sum each rounded to float16)."""
+    """``a * b + c`` on float16 pairs held in int32 words, rounded once (``fma.rn.f16x2``;
+    emulated in float32, where the product of two float16 values is exact)."""
     if emulate:
-        a16, b16, c16 = (lax.bitcast_convert_type(v, jnp.float16) for v in (a, b, c))
-        return lax.bitcast_convert_type(a16 * b16 + c16, jnp.int32)
+        a32, b32, c32 = (lax.bitcast_convert_type(v, jnp.float16).astype(jnp.float32)
+                         for v in (a, b, c))
+        return lax.bitcast_convert_type((a32 * b32 + c32).astype(jnp.float16), jnp.int32)
     return plgpu.elementwise_inline_asm(
         "fma.rn.f16x2 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
@@ -314,7 +321,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
     half2 = (bits == 4 and offset == 0 and flip == 0 and zero is not None
-             and 0 < tiles.half2_min_group <= group)
+             and 0 < tiles.half2_min_group <= group <= HALF2_PRODUCTS * sub)
     if half2:
         kernel = functools.partial(
             _half2_kernel, group=group, sub=sub, groups_per_step=groups_per_step,

@@ -1,6 +1,6 @@
 """Time the int4 GEMV kernels on a GPU: the bandwidth each kernel and tiling reaches on the
-weight shapes of an 8B model's layer at batch 1 (one and two rows: the engine decodes a lone
-request in a two-row call).
+weight shapes of an 8B model's layer at batch 1 (one and two rows: an all-int4 model decodes a
+lone request in a one-row call, two requests in a two-row one).
 
 Usage: ``PYTHONPATH=. python scripts/bench_int4.py --json bench/results/<device>/int4.json``
 

@@ -105,7 +105,7 @@ def host_marks(trace_dir: Path) -> list[tuple[str, float, float]]:
 
 def step_timelines(marks: list[tuple[str, float, float]],
                    kernels: list[tuple[str, float, float]]) -> list[dict]:
-    """Where a step's wall time goes on the device, one dict per host mark (in mark order).
+    """Where a step's wall time goes on the device, one dict per host mark (by start time).
 
     ``marks`` are the host annotations ``(name, start_ns, duration_ns)`` around each step,
     ``kernels`` the device events; a kernel belongs to the step whose mark it starts in

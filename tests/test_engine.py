@@ -470,7 +470,7 @@ def test_step_shape_buckets():
     assert runner.token_buckets(300, 16, fine=False) == (16, 32, 64, 128, 256, 300)
     assert runner.row_buckets(256) == (2, 8, 16, 32, 64, 128, 256)
     assert runner.row_buckets(1) == (1,)
-    assert runner.row_buckets(64, smallest=1) == (1, 8, 16, 32, 64)
+    assert runner.row_buckets(64, few=(1, 2, 4)) == (1, 2, 4, 8, 16, 32, 64)
     # verify steps: every row's last token and proposals, in 16-token tiles, within the budget
     assert [runner.verify_tokens(b, 4, 256) for b in (2, 8, 64)] == [16, 48, 256]
     assert [runner.bucket(n, (1, 8, 16)) for n in (1, 2, 8, 9, 16)] == [1, 8, 8, 16, 16]

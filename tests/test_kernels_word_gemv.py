@@ -12,7 +12,13 @@ import pytest
 
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import int8_matmul_reference
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv, word_gemv_reference
+from pallas_kernels.word_gemv import (
+    HALF2_PRODUCTS,
+    WORD_ROWS,
+    WordTiles,
+    word_gemv,
+    word_gemv_reference,
+)
 
 INT4 = dict(bits=4, offset=0, flip=0)
 INT8 = dict(bits=8, offset=-128, flip=0x80)
@@ -59,20 +65,23 @@ def _runs_half2(m: int, k: int, n: int, group: int, tiles: WordTiles) -> bool:
     return "name=jaxinfer_word_gemv_4bit_half2" in text
 
 
-@pytest.mark.parametrize("m, k, n, group", [(1, 512, 256, 128), (2, 1024, 300, 128),
-                                            (WORD_ROWS, 2048, 64, 256)])
-def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group):
-    """int4 groups of at least ``half2_min_group`` rows run the float16-pair kernel (every
-    row count, columns that fill no block, several K splits): float16 products summed a few
-    at a time, so within ~1e-3 of the largest output where the float32 kernel is within
-    1e-5; the float32 kernel below the threshold."""
+@pytest.mark.parametrize("m, k, n, group, sub_rows", [(1, 512, 256, 128, 16),
+                                                      (2, 1024, 300, 128, 16),
+                                                      (WORD_ROWS, 2048, 64, 256, 32)])
+def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group, sub_rows):
+    """int4 groups from ``half2_min_group`` to ``HALF2_PRODUCTS`` loads run the float16-pair
+    kernel (every row count, columns that fill no block, several K splits): float16 products
+    summed a few at a time, so within ~1e-3 of the largest output where the float32 kernel
+    is within 1e-5; the float32 kernel below the threshold and for groups of more loads."""
     x, q, scale, zero = _int4(m, k, n, group, seed=m + k)
     want = word_gemv_reference(x, q, scale, zero, **INT4)
-    assert _runs_half2(m, k, n, group, WordTiles())
-    assert not _runs_half2(m, k, n, group, WordTiles(half2_min_group=2 * group))
+    assert _runs_half2(m, k, n, group, WordTiles(sub_rows=sub_rows))
+    assert not _runs_half2(m, k, n, group, WordTiles(sub_rows=sub_rows,
+                                                     half2_min_group=2 * group))
+    assert not _runs_half2(m, k, n, group, WordTiles(sub_rows=group // (2 * HALF2_PRODUCTS)))
     for programs in (1, 512):
         got = word_gemv(x, q, scale, zero, interpret=True,
-                        tiles=WordTiles(target_programs=programs), **INT4)
+                        tiles=WordTiles(target_programs=programs, sub_rows=sub_rows), **INT4)
         err = float(jnp.max(jnp.abs(got - want)))
         assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
 

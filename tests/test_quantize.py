@@ -257,27 +257,28 @@ def test_load_model_keeps_fp8_weights_in_out(tmp_path):
 
 @pytest.mark.parametrize("layout", ["stacked", "fast"])
 def test_an_all_int4_model_decodes_a_lone_request_in_one_row(layout):
-    """Every matmul int4 (layers and the untied head): the engine's smallest decode call is
-    one row, since the int4 kernel computes a padding row too; int8 weights, a tied head or
-    plain weights keep two rows (XLA's bf16 GEMM needs them), and the one-row engine's greedy
-    tokens equal the same model run at two rows."""
+    """On a GPU, with every matmul an int4 weight its kernel takes (layers and the untied
+    head, groups of 32-128), the engine's smallest decode calls are 1, 2 and 4 rows, since
+    the kernel computes padding rows too; int8 weights, a tied head, plain weights, groups
+    the kernel does not take, or another platform keep two rows (XLA's GEMM needs them). A
+    one-row engine's greedy tokens equal the same model run at two rows."""
     from jaxinfer.model import int4_decode_weights
 
-    params = apply_layout(init_params(CFG, jax.random.PRNGKey(4), jnp.float32), layout)
+    cfg = dataclasses.replace(CFG, intermediate_size=128)  # every input a multiple of 32
+    params = apply_layout(init_params(cfg, jax.random.PRNGKey(4), jnp.float32), layout)
     q4 = quantize_params(params, "int4")
-    assert int4_decode_weights(q4)
-    assert not int4_decode_weights(quantize_params(params, "int8"))
-    assert not int4_decode_weights(params)
-    tied = {k: v for k, v in q4.items() if k != "lm_head"}
-    assert not int4_decode_weights(tied)
-    m = jaxinfer.Model(CFG, q4, None, jnp.float32, backend="reference")
-    engine = jaxinfer.Engine(m, max_batch=4)
-    assert engine.row_buckets[0] == 1
-    assert jaxinfer.Engine(jaxinfer.Model(CFG, params, None, jnp.float32, backend="reference"),
-                           max_batch=4).row_buckets[0] == 2
-    prompt = list(range(3, 12))
-    got = engine.run([engine.submit(prompt, max_new_tokens=8, ignore_eos=True)])[0].token_ids
+    assert int4_decode_weights(q4, "gpu") and not int4_decode_weights(q4, "cpu")
+    assert not int4_decode_weights(quantize_params(params, "int8"), "gpu")
+    assert not int4_decode_weights(params, "gpu")
+    assert not int4_decode_weights({k: v for k, v in q4.items() if k != "lm_head"}, "gpu")
+    odd = apply_layout(init_params(CFG, jax.random.PRNGKey(4), jnp.float32), layout)
+    assert not int4_decode_weights(quantize_params(odd, "int4"), "gpu")  # w_down: 112 rows
+    m = jaxinfer.Model(cfg, q4, None, jnp.float32, backend="reference")
     two = jaxinfer.Engine(m, max_batch=4)
-    two.row_buckets = (2, 4)
-    want = two.run([two.submit(prompt, max_new_tokens=8, ignore_eos=True)])[0].token_ids
+    assert two.row_buckets == (2, 4)  # this CPU: XLA's matmuls, two rows
+    one = jaxinfer.Engine(m, max_batch=4)
+    one.row_buckets = (1, 2, 4)
+    prompt = list(range(3, 12))
+    got, want = (e.run([e.submit(prompt, max_new_tokens=8, ignore_eos=True)])[0].token_ids
+                 for e in (one, two))
     assert got == want and len(got) == 8
