@@ -59,16 +59,25 @@ from jaxinfer.sampling import SamplingArrays, SamplingParams
 _OPTIONS = ("fused", "unrolled")
 
 
-def device_events(trace_dir: Path, plane_name: str = "/device:") -> list[tuple[str, float,
-                                                                             float]]:
-    """Kernel events ``(name, start_ns, duration_ns)`` on the stream lines of the trace
-    planes whose name starts with ``plane_name`` (default: every accelerator), read back
-    from a ``jax.profiler.trace`` directory (profile_engine.py, bench_int4.py)."""
+def trace_events(trace_dir: Path, plane_name: str, *, streams_only: bool
+                 ) -> list[tuple[str, float, float]]:
+    """Events ``(name, start_ns, duration_ns)`` of the trace planes whose name starts with
+    ``plane_name`` (``streams_only``: on their stream lines only, where a device's kernels
+    run), read back from a ``jax.profiler.trace`` directory; host and device events share
+    one clock."""
     (path,) = trace_dir.rglob("*.xplane.pb")
     data = jax.profiler.ProfileData.from_file(str(path))
     return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
             if plane.name.startswith(plane_name) for line in plane.lines
-            if "stream" in line.name.lower() for e in line.events]
+            if not streams_only or "stream" in line.name.lower() for e in line.events]
+
+
+def device_events(trace_dir: Path, plane_name: str = "/device:") -> list[tuple[str, float,
+                                                                             float]]:
+    """Kernel events ``(name, start_ns, duration_ns)`` on the stream lines of the trace
+    planes whose name starts with ``plane_name`` (default: every accelerator)
+    (profile_engine.py, bench_int4.py, bench_gemm.py)."""
+    return trace_events(trace_dir, plane_name, streams_only=True)
 
 
 def top_kernels(events: list[tuple[str, float, float]], n: int

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer.benchmark import device_events, top_kernels
+from jaxinfer.benchmark import device_events, top_kernels, trace_events
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
 from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
@@ -96,11 +96,8 @@ STEP_MARK = "jaxinfer_engine_step_"
 def host_marks(trace_dir: Path) -> list[tuple[str, float, float]]:
     """The ``STEP_MARK`` annotations ``(name, start_ns, duration_ns)`` of a trace's host
     planes."""
-    (path,) = trace_dir.rglob("*.xplane.pb")
-    data = jax.profiler.ProfileData.from_file(str(path))
-    return [(e.name, e.start_ns, e.duration_ns) for plane in data.planes
-            if plane.name.startswith("/host:") for line in plane.lines for e in line.events
-            if e.name.startswith(STEP_MARK)]
+    return [e for e in trace_events(trace_dir, "/host:", streams_only=False)
+            if e[0].startswith(STEP_MARK)]
 
 
 def step_timelines(marks: list[tuple[str, float, float]],
