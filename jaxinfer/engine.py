@@ -9,7 +9,12 @@ the one place stop rules live):
    prefill chunks of the oldest sequences and newly admitted requests fill the token budget.
    Admission is first come, first served into free slots; the longest cached prefix of a
    prompt is mapped from the prefix cache, not recomputed. The step is padded to the
-   smallest token bucket holding its tokens.
+   smallest token bucket holding its tokens. While prompt work remains, the next mixed step
+   is planned and launched before this one's results are read, so the device never waits
+   for the host between them: each sequence sampling in this step is planned as if its
+   token were known (a placeholder on the host), and the device feeds the token it sampled
+   into the next step (``MixedInputs.feed_slots``). A sequence that stops in this step has
+   its next step's work discarded, never output.
 2. **Decode call** otherwise: every running sequence decodes several tokens (as many as fit
    in about ``decode_call_seconds`` of device time, at most ``decode_steps``)
    in one device loop. Pages for those tokens are reserved first; stop tokens, token limits
@@ -49,7 +54,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -162,7 +167,8 @@ class EngineStats:
     padded_tokens: int  # token slots the compiled shapes computed, padding included
     tokens_per_second: float
     step_seconds: float  # wall time inside step()
-    device_seconds: float  # of which: from launching a step program to its results on the host
+    device_seconds: float  # of which: from launching a step program (one launched ahead:
+    # from the results before it) to its results on the host
     decode_seconds: float  # of which: in plain multi-step decode calls (the rest: mixed and
     # verify steps, speculation loops included)
     pages_total: int
@@ -182,6 +188,8 @@ class EngineStats:
     accepted_tokens: int = 0  # of those, accepted
     draft_seconds: float = 0.0  # of device_seconds: in draft-model proposals of verify steps
     # (a speculation loop's iterations include its draft's time)
+    ahead_steps: int = 0  # mixed steps launched before the results of the step before them
+    # were read (their host work overlapped the device)
 
     @property
     def acceptance_rate(self) -> float:
@@ -215,6 +223,8 @@ class _Seq:
     cached_tokens: int = 0
     score_lp: np.ndarray | None = None  # [num_scored] float32 (scoring requests)
     score_greedy: np.ndarray | None = None  # [num_scored] bool
+    unknown: int = 0  # the last ``unknown`` of ``tokens`` are placeholders (UNKNOWN): sampled
+    # by mixed steps launched but not yet read back (at most two: a step and the one ahead)
 
     @property
     def first_output(self) -> int:
@@ -234,6 +244,21 @@ class _Seq:
         return self.compute_end - self.num_computed
 
 
+UNKNOWN = -1
+"""Placeholder in ``_Seq.tokens`` for a token a launched mixed step samples (read back at its
+collection; the device feeds it to the step launched ahead)."""
+
+
+class _Entry(NamedTuple):
+    """One sequence's part of a launched mixed step."""
+
+    slot: int  # its slot at launch (the packed order); -1 later if it ended meanwhile
+    seq: _Seq
+    start: int  # first position computed
+    n: int  # tokens computed
+    samples: bool  # the step samples its next token
+
+
 @dataclasses.dataclass
 class _Call:
     """A step program launched on the device (asynchronously) and what its results mean."""
@@ -241,7 +266,7 @@ class _Call:
     out: Any  # the program's results (device arrays)
     launched: float  # perf_counter() at launch
     padded: int  # token slots the program computes
-    plan: list[tuple[_Seq, int]] | None = None  # mixed step: tokens per sequence
+    entries: list[_Entry] | None = None  # mixed step: its sequences in slot order
     score: bool = False  # mixed step: with target log-probabilities
     rows: list[_Seq] | None = None  # decode call: the sequences it advances
     proposals: list[tuple[_Seq, list[int]]] | None = None  # verify step: rows, proposals
@@ -462,6 +487,10 @@ class Engine(StepLoop):
         self._draft_s: dict[int, float] = {}  # row bucket -> measured s per draft proposal
         self._new_device_state()
         self._inflight: tuple[str, list[_Seq]] = ("", [])  # the step last launched, its requests
+        # Steps launched whose results are not read yet, oldest first: one, or two while a
+        # mixed step runs ahead of the one before it (``_launch_ahead``).
+        self._launched: collections.deque[_Call] = collections.deque()
+        self._collected = 0.0  # perf_counter() when a call's results last reached the host
         if verbose:
             mib = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
                                                        model.kv_cache_dtype) / 2**20
@@ -496,7 +525,7 @@ class Engine(StepLoop):
         self._table_len = np.zeros(slots, np.int64)
         self._stop_ids = np.full((slots, self._stop_width), -1, np.int32)
         # Metrics.
-        self._steps = self._decode_calls = 0
+        self._steps = self._decode_calls = self._ahead_steps = 0
         self._step_time = self._device_time = self._decode_time = 0.0
         self._generated = self._computed = self._padded = 0
         self._peak_used = 0
@@ -554,11 +583,21 @@ class Engine(StepLoop):
         t0 = time.perf_counter()
         self._order_waiting()
         try:
-            if self._prompt_work_pending() or self._constrained():
-                call = self._launch_mixed()
-            else:
-                call = self._launch_decode_step(max_decode_steps)
-            events = [] if call is None else self._collect(call)
+            calls = self._launched  # launched, results not read yet: oldest first
+            if not calls:
+                first = (self._launch_mixed() if self._prompt_work_pending() or self._constrained()
+                         else self._launch_decode_step(max_decode_steps))
+                calls.extend([first] if first is not None else [])
+            failure = None
+            if len(calls) == 1 and calls[0].entries is not None:
+                try:  # the next mixed step runs while this one's results are handled
+                    ahead = self._launch_ahead()
+                    calls.extend([ahead] if ahead is not None else [])
+                except jax.errors.JaxRuntimeError as e:
+                    failure = e  # its requests fail once this step's results are kept
+            events = self._collect(calls.popleft()) if calls else []
+            if failure is not None:
+                raise failure
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -602,6 +641,7 @@ class Engine(StepLoop):
             self.blocks.free(request_id)
         if s.slot >= 0 and s.slot not in self._free_slots:
             heapq.heappush(self._free_slots, s.slot)
+        s.slot = -1  # a launched step's results for it are dropped
         del self._seqs[request_id]
         return True
 
@@ -656,7 +696,8 @@ class Engine(StepLoop):
         """Throughput, queue sizes, page usage and prefix-cache hit rate so far."""
         bm = self.blocks
         return EngineStats(
-            steps=self._steps, decode_calls=self._decode_calls, running=len(self._running),
+            steps=self._steps, decode_calls=self._decode_calls, ahead_steps=self._ahead_steps,
+            running=len(self._running),
             waiting=len(self._waiting), generated_tokens=self._generated,
             computed_tokens=self._computed, padded_tokens=self._padded,
             tokens_per_second=self._generated / self._step_time if self._step_time else 0.0,
@@ -743,7 +784,7 @@ class Engine(StepLoop):
         can be admitted. Admissions are batched: with a backlog, the engine keeps decoding
         several tokens per call until an eighth of the slots are free, so prompts are read
         in large, efficient steps rather than one small step per finished request."""
-        if any(s.pending > 1 or s.req.is_score for s in self._running):
+        if any(s.pending > 1 or s.req.is_score and s.pending for s in self._running):
             return True
         enough = min(len(self._waiting), max(1, self.max_batch // 8))
         if not self._waiting or len(self._free_slots) < enough:
@@ -789,11 +830,13 @@ class Engine(StepLoop):
         # is chunked even when prompts are not; otherwise it could never be readmitted.
         return self.chunked_prefill or s.preemptions > 0
 
-    def _plan_mixed(self) -> list[tuple[_Seq, int]]:
+    def _plan_mixed(self, ahead: bool = False) -> list[tuple[_Seq, int]] | None:
         """Tokens per sequence for a mixed step: running ones first, then admissions.
 
         Decoding sequences (one token each, a new page only at a page boundary) go first so
         a long prompt never stalls them; prompt chunks of the oldest sequences follow.
+        ``ahead``: planned while the last step's results are unread; None (nothing changed)
+        if it would preempt, which waits for them.
         """
         bm, ps = self.blocks, self.page_size
         while True:  # restarts after each preemption, which frees pages
@@ -801,7 +844,7 @@ class Engine(StepLoop):
             budget, free = self.max_tokens, bm.num_free
             victim = None
             for s in self._running:
-                if s.pending != 1 or budget == 0:
+                if s.pending != 1 or budget == 0 or self._last_launched(s):
                     continue
                 need = int(s.num_computed >= self._table_len[s.slot] * ps)
                 if need > free:
@@ -811,7 +854,7 @@ class Engine(StepLoop):
                 budget -= 1
                 free -= need
             for s in self._running if victim is None else ():
-                if s.pending == 1:
+                if s.pending <= 1:  # decoding, or a scoring request awaiting its results
                     continue
                 n = self._fit(s, s.num_computed, min(s.pending, budget), free, ())
                 if n == 0 and budget > 0:
@@ -823,12 +866,20 @@ class Engine(StepLoop):
                     free -= bm.pages_needed(s.rid, s.num_computed, s.num_computed + n)
             if victim is None:
                 break
+            if ahead:
+                return None
             self._preempt(victim)
         for s, n in plan:
             if n > 1 or s.num_computed >= self._table_len[s.slot] * ps:
                 self._reserve(s, s.num_computed + n)
         self._admit(plan, budget)
         return plan
+
+    @staticmethod
+    def _last_launched(s: _Seq) -> bool:
+        """Whether ``s`` has reached its ``max_new_tokens`` counting the tokens of launched
+        steps (it finishes when they are read; a step ahead would compute past its end)."""
+        return len(s.progress.tokens) + s.unknown >= s.req.sampling.max_new_tokens
 
     def _reserve(self, s: _Seq, end: int) -> None:
         # Writes start at a page boundary or inside the sequence's own last page, and the
@@ -894,6 +945,8 @@ class Engine(StepLoop):
                                     stacked=stacked, kv_cache_dtype=self.model.kv_cache_dtype)
         self._counts = jax.device_put(new_counts(self.max_batch, cfg.vocab_size),
                                       self._placement)
+        # The tokens the last mixed step sampled (``MixedInputs.fed_tokens``).
+        self._fed = jax.device_put(np.zeros(self.max_batch, np.int32), self._placement)
         if self._draft is not None:
             d = self._draft
             self._draft_pool = PagePool.create(
@@ -946,7 +999,10 @@ class Engine(StepLoop):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         why = (f"the device ran out of memory in the engine's {what} ({first}); give the "
                "engine a smaller max_tokens_per_step, max_batch or memory_fraction")
-        failed = [s for s in seqs if s in self._running]
+        # With a mixed step launched ahead, the results of the step before it may be lost
+        # too: its requests (the ones with unread tokens) fail with the same error.
+        self._launched.clear()
+        failed = [s for s in self._running if s in seqs or s.unknown]
         for s in failed:
             self._fail(s, why)
         print(f"jaxinfer: {why}; requests {[s.rid for s in failed]} ended with this error",
@@ -998,9 +1054,18 @@ class Engine(StepLoop):
         self.blocks.free(s.rid)
         heapq.heappush(self._free_slots, s.slot)
         s.slot, s.num_computed, s.draft_computed = -1, 0, 0
+        self._drop_unknown(s)
         s.preemptions += 1
         self._preemptions += 1
         self._waiting.appendleft(s)
+
+    @staticmethod
+    def _drop_unknown(s: _Seq) -> None:
+        """Forget the placeholders of tokens ``s`` will not read back (it ended or restarts;
+        a restarted request samples them again, the same tokens)."""
+        if s.unknown:
+            del s.tokens[-s.unknown:]
+            s.unknown = 0
 
     def _program_key(self, program: tuple[Any, ...]) -> tuple[Any, ...]:
         """What identifies a compiled step program in this process."""
@@ -1025,6 +1090,7 @@ class Engine(StepLoop):
         self.blocks.free(s.rid)
         heapq.heappush(self._free_slots, s.slot)
         s.slot = -1
+        self._drop_unknown(s)
         p = s.progress
         if s.req.is_score:
             self._results[s.rid] = score_result(s.req, s.score_lp, s.score_greedy,
@@ -1046,11 +1112,14 @@ class Engine(StepLoop):
 
     # ------------------------------------------------------------------ mixed step
     def _sampling(self, rows: int) -> SamplingArrays:
+        # Copies: a launched program may still read its inputs (zero-copy on CPU) while the
+        # host plans the next step, which rewrites the slots of finished requests.
         return SamplingArrays(
-            temperature=self._temperature[:rows], top_k=self._top_k[:rows],
-            top_p=self._top_p[:rows], min_p=self._min_p[:rows],
-            repetition_penalty=self._rep_penalty[:rows], presence_penalty=self._presence[:rows],
-            frequency_penalty=self._frequency[:rows], keys=self._keys[:rows])
+            temperature=self._temperature[:rows].copy(), top_k=self._top_k[:rows].copy(),
+            top_p=self._top_p[:rows].copy(), min_p=self._min_p[:rows].copy(),
+            repetition_penalty=self._rep_penalty[:rows].copy(),
+            presence_penalty=self._presence[:rows].copy(),
+            frequency_penalty=self._frequency[:rows].copy(), keys=self._keys[:rows].copy())
 
     def _mixed_inputs(self, plan: list[tuple[_Seq, int]], t: int, score: bool) -> MixedInputs:
         """Packed inputs in slot order; one-token entries (decodes) are filled with array
@@ -1068,6 +1137,7 @@ class Engine(StepLoop):
         last = np.zeros(s_rows, np.int32)
         gen = np.zeros(s_rows, np.int32)
         samples = np.zeros(s_rows, bool)
+        feed = np.full(t, -1, np.int32)
         if plan:
             m = len(plan)
             slots = np.fromiter((q.slot for q, _ in plan), np.int64, m)
@@ -1078,16 +1148,20 @@ class Engine(StepLoop):
             off = cu[slots]  # packed index of each entry's first token
             kv_lens[slots] = starts + ns
             last[slots] = off + ns - 1
-            gen[slots] = np.fromiter((len(q.progress.tokens) for q, _ in plan), np.int32, m)
+            gen[slots] = np.fromiter((len(q.progress.tokens) + q.unknown for q, _ in plan),
+                                     np.int32, m)
             samples[slots] = np.fromiter(
                 (not q.req.is_score and q.num_computed + n == len(q.tokens) for q, n in plan),
                 bool, m)
             scoring = np.fromiter((q.req.is_score for q, _ in plan), bool, m)
             one = (ns == 1) & ~scoring  # decode tokens; score entries need their targets
             idx = off[one]
-            tokens[idx] = np.fromiter(
+            known = np.fromiter(
                 (q.tokens[q.num_computed] for (q, _), o in zip(plan, one, strict=True) if o),
                 np.int32, int(one.sum()))
+            tokens[idx] = np.maximum(known, 0)
+            fed = known == UNKNOWN  # sampled by the step launched last: fed on the device
+            feed[idx[fed]] = slots[one][fed]
             positions[idx] = starts[one]
             write_pages[idx] = self._tables[slots[one], starts[one] // ps]
             write_offsets[idx] = starts[one] % ps
@@ -1110,9 +1184,10 @@ class Engine(StepLoop):
             fill_masks(constrained, token_mask)
         return MixedInputs(
             tokens=tokens, positions=positions, write_pages=write_pages,
-            write_offsets=write_offsets, targets=targets, block_tables=self._tables,
+            write_offsets=write_offsets, targets=targets, block_tables=self._tables.copy(),
             kv_lens=kv_lens, cu_q_lens=cu, last_index=last, gen_index=gen, samples=samples,
-            sampling=self._sampling(s_rows), token_mask=token_mask)
+            sampling=self._sampling(s_rows), token_mask=token_mask, feed_slots=feed,
+            fed_tokens=self._fed)
 
     def _dispatch_mixed(self, inp: MixedInputs, t: int, score: bool, stochastic: bool,
                         num_top: int = 0) -> dict[str, jax.Array]:
@@ -1129,14 +1204,27 @@ class Engine(StepLoop):
                 config=self.model.config, backend=self.backend, dtype=self.model.dtype,
                 max_q_len=t, score=score, stochastic=stochastic,
                 deterministic=self.model.deterministic, num_top=num_top)
+        self._fed = out["tokens"]
         return out
 
-    def _launch_mixed(self) -> _Call | None:
-        plan = self._plan_mixed()
+    def _launch_ahead(self) -> _Call | None:
+        """Launch the next mixed step before the last one's results are read, when it is
+        one: prompt work remains, no token mask waits for a sampled token, and it needs no
+        preemption."""
+        if self._constrained() or not self._prompt_work_pending():
+            return None
+        call = self._launch_mixed(ahead=True)
+        self._ahead_steps += call is not None
+        return call
+
+    def _launch_mixed(self, ahead: bool = False) -> _Call | None:
+        """Plan and launch a mixed step (``_plan_mixed``); mark each sequence's computed
+        tokens, and a placeholder for each token sampled, as if its results were read."""
+        plan = self._plan_mixed(ahead)
         if not plan:
-            if self._waiting and not self._running:  # unreachable given add_request's checks
+            if plan is not None and not ahead and self._waiting and not self._running:
                 raise RuntimeError("the engine cannot admit any waiting request with an empty "
-                                   "pool; this is a scheduler bug")
+                                   "pool; this is a scheduler bug")  # add_request's checks
             return None
         t = bucket(sum(n for _, n in plan), self.token_buckets)
         score = any(s.req.is_score and s.num_computed + n > s.first_output for s, n in plan)
@@ -1146,17 +1234,28 @@ class Engine(StepLoop):
         launched = time.perf_counter()
         out = self._dispatch_mixed(self._mixed_inputs(plan, t, score), t, score, stochastic,
                                    num_top)
-        return _Call(out=out, launched=launched, padded=t, plan=plan, score=score)
+        entries = []
+        for s, n in sorted(plan, key=lambda p: p[0].slot):
+            samples = not s.req.is_score and s.num_computed + n == len(s.tokens)
+            entries.append(_Entry(s.slot, s, s.num_computed, n, samples))
+            s.num_computed += n
+            if samples:
+                s.tokens.append(UNKNOWN)
+                s.unknown += 1
+        return _Call(out=out, launched=launched, padded=t, entries=entries, score=score)
 
     def _results_of(self, call: _Call) -> tuple[Any, float]:
         """Bring a call's results to the host; return them and the seconds from its launch."""
         out = to_host(call.out)
-        seconds = time.perf_counter() - call.launched
+        now = time.perf_counter()
+        # From its launch, or (a step launched ahead) from the results before it.
+        seconds = now - max(call.launched, self._collected)
+        self._collected = now
         self._device_time += seconds
         return out, seconds
 
     def _collect(self, call: _Call) -> list[Event]:
-        if call.plan is not None:
+        if call.entries is not None:
             return self._collect_mixed(call)
         if call.proposals is not None:
             return self._collect_verify(call)
@@ -1167,29 +1266,29 @@ class Engine(StepLoop):
     def _collect_mixed(self, call: _Call) -> list[Event]:
         out, _ = self._results_of(call)
         now = time.perf_counter()
-        self._computed += sum(n for _, n in call.plan)
         self._padded += call.padded
         events: list[Event] = []
-        cursor = 0
-        for s, n in sorted(call.plan, key=lambda p: p[0].slot):
-            start, end = s.num_computed, s.num_computed + n
-            s.num_computed = end
+        cursor = 0  # packed index of the entry's first token
+        for slot, s, start, n, samples in call.entries:
+            cursor += n
+            if s.slot != slot:  # it ended (a stop, a cancel) after this step was launched
+                continue
+            self._computed += n
+            end = start + n
             if end // self.page_size > start // self.page_size:  # a page filled: hash it
                 self.blocks.commit(s.rid, s.tokens, end)
             if s.req.is_score:
                 lo = max(start, s.first_output)
                 if call.score and lo < end:
                     idx = slice(lo - s.first_output, end - s.first_output)
-                    rows = slice(cursor + lo - start, cursor + n)
+                    rows = slice(cursor - end + lo, cursor)
                     s.score_lp[idx] = out["target_logprobs"][rows]
                     s.score_greedy[idx] = out["target_greedy"][rows]
-                cursor += n
-                if s.pending == 0:
+                if end == s.compute_end:
                     self._finish(s)
                     events.append((s.rid, [], True))
                 continue
-            cursor += n
-            if end < len(s.tokens):
+            if not samples:
                 continue  # a prefill chunk that did not reach the prompt's end
             top = None
             if s.req.sampling.top_logprobs:
@@ -1209,7 +1308,11 @@ class Engine(StepLoop):
             s.first_token = now
             p.t_first = now - s.arrival
         s.last_token, p.t_last = now, now - s.arrival
-        s.tokens.extend(tokens)
+        if s.unknown:  # a mixed step's token (one): the oldest placeholder
+            s.tokens[len(s.tokens) - s.unknown] = tokens[0]
+            s.unknown -= 1
+        else:
+            s.tokens.extend(tokens)
         try:
             new = add_tokens(self.model, s.req, p, tokens, logprobs, top_logprobs)
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others

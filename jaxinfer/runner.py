@@ -120,6 +120,11 @@ class MixedInputs:
     # Int['S W'] allowed-token bitmask per slot (sampling.apply_token_mask), W = ceil(V/32);
     # None when no sampling slot is constrained: then nothing is transferred or masked.
     token_mask: jax.Array | None = None
+    # Int['T'] slot whose token the previous mixed step sampled is this entry's input, fed
+    # on the device (the engine launches a step before reading the last one's tokens); -1:
+    # ``tokens`` holds it. None (with ``fed_tokens``): every input is in ``tokens``.
+    feed_slots: jax.Array | None = None
+    fed_tokens: jax.Array | None = None  # Int['S'] the previous mixed step's ``out["tokens"]``
 
 
 @struct.dataclass
@@ -223,13 +228,18 @@ def mixed_step(
     ``num_top`` (static): most likely tokens returned per slot (``sample``).
     ``counts [S, V]`` is each slot's token-count table for the penalties (the host loads a
     slot's row with ``load_counts`` when a request that uses a penalty is admitted);
-    ``inp.token_mask`` (None or ``[S, W]``) constrains the sampled tokens. Returns
+    ``inp.token_mask`` (None or ``[S, W]``) constrains the sampled tokens; entries with
+    ``inp.feed_slots >= 0`` take their input token from ``inp.fed_tokens``. Returns
     ``(pool, counts, out)`` with ``out["tokens"], out["logprobs"]`` ``[S]`` (rows of slots
     that do not sample are garbage), with ``num_top`` ``out["top_ids"]`` and
     ``out["top_logprobs"]`` ``[S, num_top]``, and with ``score``
     ``out["target_logprobs"]`` and ``out["target_greedy"]`` ``[T]``.
     """
-    h, k, v = forward_ragged(params, config, inp.tokens, inp.positions, pool.k, pool.v,
+    tokens = inp.tokens  # [T]
+    if inp.feed_slots is not None:
+        fed = inp.fed_tokens[jnp.maximum(inp.feed_slots, 0)]  # [T]
+        tokens = jnp.where(inp.feed_slots >= 0, fed, tokens)
+    h, k, v = forward_ragged(params, config, tokens, inp.positions, pool.k, pool.v,
                              inp.write_pages, inp.write_offsets, inp.block_tables, inp.kv_lens,
                              inp.cu_q_lens, max_q_len=max_q_len, backend=backend, dtype=dtype,
                              deterministic=deterministic)

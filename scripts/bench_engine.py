@@ -386,7 +386,7 @@ def run_workload(engine: jaxinfer.Engine, w: Workload,
         tpot_ms=percentiles_ms([m.time_per_output_token for m in metrics
                                  if m.time_per_output_token is not None]),
         steps=s.steps - before.steps, decode_calls=s.decode_calls - before.decode_calls,
-        step_s=s.step_seconds - before.step_seconds,
+        ahead_steps=s.ahead_steps - before.ahead_steps, step_s=s.step_seconds - before.step_seconds,
         device_s=s.device_seconds - before.device_seconds,
         decode_device_s=s.decode_seconds - before.decode_seconds,
         computed_tokens=computed, padded_tokens=padded,
@@ -522,7 +522,8 @@ def report(run: dict[str, Any], floor: dict[str, Any]) -> None:
     if run["verify_steps"]:
         print(f"  speculative: {run['verify_steps']} verify steps, {run['accepted_tokens']} of "
               f"{run['draft_tokens']} proposed tokens accepted")
-    print(f"  steps {run['steps']} (decode calls {run['decode_calls']}), tokens computed "
+    print(f"  steps {run['steps']} (decode calls {run['decode_calls']}, mixed steps launched "
+          f"ahead {run['ahead_steps']}), tokens computed "
           f"{run['computed_tokens']} of {run['padded_tokens']} padded "
           f"({run['padding_fraction']:.1%} padding), preemptions {run['preemptions']}, "
           f"programs {run['num_programs']} ({run['programs_compiled_in_run']} compiled in the "

@@ -5,6 +5,8 @@ prefix sharing; and greedy outputs equal an independent argmax loop over ``compu
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -476,3 +478,57 @@ def test_step_shape_buckets():
     assert [runner.bucket(n, (1, 8, 16)) for n in (1, 2, 8, 9, 16)] == [1, 8, 8, 16, 16]
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         runner.bucket(17, (1, 8, 16))
+
+
+def _long_prompts(n: int, seed: int = 9) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, size=int(rng.integers(10, 21))).tolist() for _ in range(n)]
+
+
+def test_mixed_steps_launched_ahead_equal_each_alone(model):
+    # A token budget of 8 chunks the prompts, so prompt work lasts many steps and each mixed
+    # step is launched before the one before it is read. Requests stop on a stop token, on
+    # max_new_tokens (1 to 4: some end in the step that reads their prompt's end), sample
+    # with seeds, use penalties, and one asks for top log-probabilities.
+    prompts = _long_prompts(12)
+    params = [jaxinfer.SamplingParams(max_new_tokens=1 + i % 4, temperature=0.8 * (i % 2),
+                                      seed=i, repetition_penalty=1.0 + 0.2 * (i % 3 == 0),
+                                      logprobs=True, top_logprobs=2 * (i == 5))
+              for i in range(len(prompts))]
+    alone = [jaxinfer.generate(model, [p], sampling=sp)[0]
+             for p, sp in zip(prompts, params, strict=True)]
+    stops = {3: alone[3].token_ids[1] if len(alone[3].token_ids) > 1 else None}
+    engine = _engine(model, max_tokens_per_step=8, max_batch=8)
+    ids = []
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        if stops.get(i) is not None:
+            sp = dataclasses.replace(sp, stop_token_ids=[stops[i]])
+        ids.append(engine.submit(p, sampling=sp))
+    engine.run_until_done()
+    got = [engine.result(i) for i in ids]
+    assert engine.stats().ahead_steps > 5
+    for i, (g, a) in enumerate(zip(got, alone, strict=True)):
+        want = a.token_ids
+        if stops.get(i) is not None:
+            want = want[: want.index(stops[i])]
+        assert g.token_ids == want, i
+        assert g.logprobs == pytest.approx(a.logprobs[: len(want)], abs=1e-5)
+    assert [d.keys() for d in got[5].top_logprobs] == [d.keys() for d in alone[5].top_logprobs]
+    engine.blocks.check_all_free()
+
+
+def test_a_step_launched_ahead_drops_a_request_cancelled_meanwhile(model, work200, alone200):
+    prompts = _long_prompts(6, seed=3)
+    alone = [jaxinfer.generate(model, [p], max_new_tokens=6)[0] for p in prompts]
+    engine = _engine(model, max_tokens_per_step=8)
+    ids = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    while not engine.stats().ahead_steps:
+        engine.step()
+    victim = next(i for i in ids if not engine.finished(i))
+    assert engine.cancel(victim)
+    engine.run_until_done()
+    for rid, a in zip(ids, alone, strict=True):
+        if rid != victim:
+            assert engine.result(rid).token_ids == a.token_ids
+    engine.blocks.check_all_free()
+    assert engine.stats().pages_used == 0
