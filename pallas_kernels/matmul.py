@@ -14,6 +14,7 @@ GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -159,6 +161,16 @@ GEMV_BLOCK_N = 128
 _TARGET_PROGRAMS = 512  # about 4 per H100 SM
 
 
+@dataclasses.dataclass(frozen=True)
+class Int8Tiles:
+    """Which kernel ``int8_matmul`` runs for a few rows (``scripts/bench_int4.py --int8``)."""
+
+    # Up to this many rows ``word_gemv`` runs (0: always the tensor-core kernel). Its
+    # float16-pair kernel has not been timed on a GPU yet; its float32 one was slower (r64).
+    word_rows: int = WORD_ROWS
+    word: WordTiles = WordTiles()  # ``word_gemv``'s tiling (``int8_half2``: pairs or float32)
+
+
 def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
     """One ``[rows, block_n]`` float32 partial: this program's split of the K blocks."""
     split = pl.program_id(2)
@@ -174,10 +186,13 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def _int8_jit(x, q, scale, *, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
+def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles):
     m, k = x.shape
     n = q.shape[1]
+    if m <= tiles.word_rows:
+        return word_gemv(x, q, scale, None, bits=8, offset=-128, flip=0x80,
+                         interpret=interpret, tiles=tiles.word, out_dtype=out_dtype)
     k_blocks = k // BLOCK_K
     if m <= GEMV_ROWS:
         # Decode rows: one row tile (the smallest tensor-core tile that holds them), and K
@@ -208,14 +223,20 @@ def _int8_jit(x, q, scale, *, out_dtype, interpret):
 
 
 def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
-                out_dtype: jnp.dtype | None = None, interpret: bool = False) -> jax.Array:
+                out_dtype: jnp.dtype | None = None, interpret: bool = False,
+                tiles: Int8Tiles = Int8Tiles()) -> jax.Array:
     """``x [M, K] @ w`` for an int8 weight ``q [K, N]`` with one scale per ``BLOCK_K`` (64)
     rows and column, ``scale [K / 64, N]``: the weight is dequantized tile by tile inside the
     kernel, so only int8 bytes (and the scales) are read from memory. Up to ``GEMV_ROWS``
     rows (decode) also split K over programs; more rows run 64 x 64 output tiles.
 
-    Decode rows stay on this tensor-core kernel: ``pallas_kernels.word_gemv`` reads int8 too,
-    but ran slower on an H100 (per 8B layer at one / two rows 174 / 255 us against 161 / 160,
+    Up to ``tiles.word_rows`` rows (``WORD_ROWS``, 4) run ``pallas_kernels.word_gemv``
+    instead, by default its float16-pair kernel: the int8 products summed four at a time in
+    float16 (activations scaled by 2^-8; finite for ``|x|`` up to about 32k), then in
+    float32, so within ~1e-3 of the largest output rather than 1e-5. Not yet timed on a GPU
+    (``scripts/bench_int4.py --int8`` compares it with this tensor-core kernel, which
+    ``Int8Tiles(word_rows=0)`` keeps for every row count); word_gemv's float32 kernel was
+    slower than it (per 8B layer at one / two rows 174 / 255 us against 161 / 160,
     bench/NOTES.md r64)."""
     check(x.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {x.shape} @ "
           f"{q.shape}")
@@ -225,4 +246,5 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
           f"int8_matmul needs K a multiple of {BLOCK_K} and scale [K / {BLOCK_K}, N]; got x "
           f"{x.shape}, q {q.shape}, scale {scale.shape}")
     check_dtype("x", x)
-    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret)
+    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret,
+                     tiles=tiles)

@@ -1,7 +1,6 @@
 """Weight-only matmul for a few rows (batch-1 decode) on the CUDA cores, reading the packed
-weight as 32-bit words: the kernel behind ``int4_matmul`` up to ``WORD_ROWS`` rows. It reads
-the int8 format too; ``int8_matmul`` does not use it (slower than its tensor-core kernel on an
-H100, bench/NOTES.md r64).
+weight as 32-bit words: the kernel behind ``int4_matmul`` and ``int8_matmul`` up to ``WORD_ROWS``
+rows.
 
 Why words: a byte-typed tile makes Triton load and convert one byte per register, and a
 tensor-core dot pads one row to 16 and moves every dequantized weight into its operand
@@ -23,24 +22,31 @@ no conversion unit. For a group's stored value ``u`` the weight is
 The kernel accumulates ``x * f`` for each group (one multiply-add per weight), then applies the
 group's scale and the ``sum x`` term.
 
-Float16 pairs (int4, groups of ``WordTiles.half2_min_group`` to ``HALF2_PRODUCTS * sub_rows``
-rows): the kernel above is bound by its instructions, about one per weight, not by its loads
-(r74: ~1 TB/s in the engine). ``_half2_kernel`` does two weights per instruction, as Marlin
-and TensorRT-LLM do: a shift (by 0, 4, 8 or 12) and one ``lop3`` put the low or high nibbles
-of byte lanes 0 and 2 (or 1 and 3) of a word into the mantissas of the float16 pair
-``(1024 + u0, 1024 + u2)``, ``sub.f16x2`` removes the 1024s (exact), and ``fma.rn.f16x2``
-multiplies the pair by the row's activation and adds it to a float16 pair of sums; each
-group's few sums are then widened to float32 and scaled. The activations are scaled by
-``2^-8`` before they are rounded to float16 (and the sums by ``2^8`` after), so no float16
-sum overflows below ``|x|`` of about 140k (``_HALF2_X_SCALE``). PTX through
+Float16 pairs (int4 groups of ``WordTiles.half2_min_group`` to ``HALF2_PRODUCTS *
+sub_rows`` rows; int8 unless ``WordTiles.int8_half2`` is off): the float32 kernel is bound by
+its instructions, about one per weight, not by its loads (r74: ~1 TB/s in the engine).
+``_half2_kernel`` does two weights per instruction, as Marlin and TensorRT-LLM do: a shift
+(int4: by 0, 4, 8 or 12; int8: by 0 or 8) and one ``lop3`` put the fields of byte lanes 0 and
+2 (or 1 and 3) of a word into the mantissas of the float16 pair ``(1024 + u0, 1024 + u2)``,
+``sub.f16x2`` removes the bias (exact; int8: the same ``lop3`` flips each byte's top bit,
+``u = q + 128``, and the bias is 1152, leaving ``q``), and ``fma.rn.f16x2`` multiplies the
+pair by the row's activation and adds it to a float16 pair of sums; each group's few sums
+are then widened to float32 and scaled. The activations are scaled by ``2^-8`` before they
+are rounded to float16 (and the sums by ``2^8`` after), so no float16 sum overflows below
+``|x|`` of about 140k for int4 and 32k for int8 (``_HALF2_X_SCALE``). PTX through
 ``plgpu.elementwise_inline_asm``; under the interpreter the same arithmetic in jnp (each
 multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 (r85): 77.8 / 89.4 us
 at one / two rows against ``_word_kernel``'s 102.9 (50% / 43% of the read floor against
 38%); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
+int8 (g64: four products per float16 sum at the default 16 rows per load) has not been
+timed on a GPU yet (``scripts/bench_int4.py --int8``); its float32 kernel was slower than
+``int8_matmul``'s tensor-core kernel (r64: 174 / 255 us per 8B layer at one / two rows
+against 161 / 160).
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
-128``, ``offset = -128``, no zero); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the
-low nibble and row ``j + G / 2`` in the high one (``offset = 0``, ``w = scale * v + zero``).
+128``, ``offset = -128``, no zero; a byte row per input row, so a word holds one input row of
+four columns); int4 ``q [K / 2, N]`` uint8 holding group row ``j`` in the low nibble and row
+``j + G / 2`` in the high one (``offset = 0``, ``w = scale * v + zero``).
 
 GPU only (Pallas Triton; the Triton interpreter on CPU for tests).
 """
@@ -59,8 +65,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
 
 WORD_ROWS = 4
-"""Rows (tokens) up to which ``int4_matmul`` runs this kernel: each row adds one multiply-add
-per weight to the integer work of unpacking it, shared by the rows."""
+"""Rows (tokens) up to which ``int4_matmul`` and ``int8_matmul`` run this kernel: each row adds
+one multiply-add per weight to the integer work of unpacking it, shared by the rows."""
 
 _ONE = 0x3F800000  # float32 1.0: exponent bits of the floats the fields become
 
@@ -78,6 +84,8 @@ class WordTiles:
     num_stages: int = 3
     half2_min_group: int = 128  # int4 groups of at least this many rows run the float16-pair
     # kernel (0: never); r82 measured it faster at 128, slower at 32
+    int8_half2: bool = True  # int8 runs the float16-pair kernel (False: the float32 one);
+    # not yet timed on a GPU (``scripts/bench_int4.py --int8``)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -177,34 +185,49 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
 
 HALF2_PRODUCTS = 8
 """Most float16 products a float16 sum of ``_half2_kernel`` takes (``G / sub_rows``: one per
-load and nibble half of a group); groups with more run the float32 kernel, since each
-product added moves the overflow bound down and the rounding error up."""
+load and field of a group, i.e. nibble half for int4, byte for int8); groups with more run
+the float32 kernel, since each product added moves the overflow bound down and the rounding
+error up."""
 
 _HALF2_X_SCALE = 2.0**-8
 """Activations are multiplied by this (exactly: a power of two) before they are rounded to
-float16, and the sums divided by it after: with ``u <= 15`` and at most ``HALF2_PRODUCTS``
-products per float16 sum, no sum overflows below ``|x| = 65504 * 256 / (15 * 8)`` (140k),
-and float16 stays normal (full precision) down to ``|x| = 2^-14 * 256 = 0.016``; below
-that it rounds activations to steps of ``2^-24 * 256 = 1.5e-5`` (subnormals). A
-per-row maximum would be exact for any range, but its reductions made the kernel slower
-than the float32 one (H100 r84)."""
+float16, and the sums divided by it after. A float16 sum of ``p <= HALF2_PRODUCTS`` products
+of a field ``|v|`` and ``|x| * 2^-8`` stays below 65504 while ``|x| < 65504 * 256 / (|v| *
+p)``: int4 (``u <= 15``) 140k even at ``p = 8``; int8 (``|q| <= 128``) 32k at the default
+``p = G / sub_rows = 64 / 16 = 4``, 16k at ``p = 8`` (``sub_rows`` 8), and a lone product
+overflows only past 131k. int8 keeps this scale (at least 16k at any tiling, 32k at the
+default): a smaller one would raise the bounds but push the float16 normal range up (at
+``2^-8`` it holds down to ``|x| = 2^-14 * 256 = 0.016``; below that activations round to
+absolute steps of ``2^-24 * 256 = 1.5e-5``, subnormals, instead of relative ones; each halving
+of the scale doubles both). A per-row maximum would be exact for any range, but its
+reductions made the kernel slower than the float32 one (H100 r84)."""
 
-_F16_MAGIC = 0x64006400  # the float16 pair (1024, 1024): a nibble or-ed into its mantissas
+_F16_BIAS = {4: 0x64006400, 8: 0x64806480}
+"""Per field width, the float16 pair ``(1024, 1024)`` (int4) or ``(1152, 1152)`` (int8).
+``(t & mask) ^ bias`` puts the fields of ``t`` under the exponent of 1024 (its ``0x64``
+bytes, where the mask is 0) and, for int8, flips each byte's top bit (the ``0x80`` of 1152):
+the signed byte ``q`` becomes ``u = q + 128``, so the float16 is ``1024 + u``; subtracting
+the bias leaves the nibble ``u`` or ``q``, exactly."""
 
 
-def _nibble_pairs(w: jax.Array, shift: int, emulate: bool) -> jax.Array:
-    """The nibbles at bits ``shift`` and ``shift + 16`` of each int32 word, as the float16
-    pair ``(u_lo, u_hi)`` in the word's bits (int32 ``[...]``): shift, one ``lop3`` into the
-    mantissas of 1024.0, minus 1024 (exact). ``emulate``: the same in jnp (interpreter)."""
+def _field_pairs(w: jax.Array, shift: int, bits: int, emulate: bool) -> jax.Array:
+    """The ``bits``-wide fields (4: a nibble ``u``; 8: an int8 ``q``) at bits ``shift`` and
+    ``shift + 16`` of each int32 word, as a float16 pair of their values in the word's bits
+    (int32 ``[...]``): a shift, one ``lop3`` and a ``sub.f16x2`` (``_F16_BIAS``).
+    ``emulate``: the same in jnp (interpreter). For int8 a ``prmt`` (byte permute) per pair
+    would do the shift and the 1024s, but the top-bit flip would then cost an instruction of
+    its own per word: three integer instructions per word either way, and this form is
+    int4's."""
+    mask, bias = ((1 << bits) - 1) * 0x00010001, _F16_BIAS[bits]
     if emulate:
         u = lax.shift_right_logical(lax.bitcast_convert_type(w, jnp.uint32), jnp.uint32(shift))
-        t = (u & jnp.uint32(0x000F000F)) | jnp.uint32(_F16_MAGIC)
-        v = lax.bitcast_convert_type(t, jnp.float16) - jnp.float16(1024)
+        t = (u & jnp.uint32(mask)) ^ jnp.uint32(bias)  # [..., 2] float16 below
+        v = lax.bitcast_convert_type(t, jnp.float16) - jnp.float16(1024 + 128 * (bits == 8))
         return lax.bitcast_convert_type(v, jnp.int32)
     asm = ("{ .reg .b32 t, c;\n"
            f"shr.b32 t, $1, {shift};\n"
-           f"lop3.b32 t, t, 0x000F000F, {_F16_MAGIC:#x}, 0xEA;\n"  # (t & mask) | magic
-           f"mov.b32 c, {_F16_MAGIC:#x};\n"
+           f"lop3.b32 t, t, {mask:#x}, {bias:#x}, 0x6A;\n"  # (t & mask) ^ bias
+           f"mov.b32 c, {bias:#x};\n"
            "sub.rn.f16x2 $0, t, c; }")
     # Triton's inline asm takes signless integers: int32 in and out, the same bits.
     return plgpu.elementwise_inline_asm(
@@ -242,13 +265,15 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
     return jnp.broadcast_to(pair, (x.shape[0], words))
 
 
-def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
+def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, emulate: bool) -> None:
-    """``_word_kernel`` for int4 with float16 pair arithmetic (module docstring): refs as
-    there (zeros always present). Per row and group, two pair accumulators: byte lanes 0/2
-    and 1/3 of each word."""
+    """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
+    or int8 (no zeros): refs as there. Per row and group, two pair accumulators: byte lanes
+    0/2 and 1/3 of each word, one product per load and field."""
+    z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
-    byte_rows = group // 2
+    byte_rows = group * bits // 8
+    fields = 8 // bits  # field i of a group's byte row j is its row i * byte_rows + j
     split = pl.program_id(1)
     f32 = jnp.float32
 
@@ -259,28 +284,31 @@ def _half2_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, sub: int,
             g = first + j
             a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
             a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
-            x_sum = [None] * rows  # [sub, 1] float32, unscaled
+            x_sum = [None] * rows  # [sub, 1] float32, unscaled (for the zeros)
             for t in range(byte_rows // sub):
                 w = lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
                                              jnp.int32)  # [sub, words]
-                # Low nibbles are group row j, high nibbles row j + G / 2.
-                lo02, hi02, lo13, hi13 = (_nibble_pairs(w, sh, emulate) for sh in (0, 4, 8, 12))
+                # Field i of lanes 0 and 2 starts at bit bits * i, of lanes 1 and 3 8 above.
+                p02 = [_field_pairs(w, bits * i, bits, emulate) for i in range(fields)]
+                p13 = [_field_pairs(w, 8 + bits * i, bits, emulate) for i in range(fields)]
                 for r in range(rows):
-                    lo = x_ref[r, pl.ds(g * group + t * sub, sub)].astype(f32)[:, None]
-                    hi = x_ref[r, pl.ds(g * group + byte_rows + t * sub, sub)].astype(f32)[:, None]
-                    x_sum[r] = lo + hi if x_sum[r] is None else x_sum[r] + lo + hi
-                    xl = _half_pair(lo * _HALF2_X_SCALE, words)
-                    xh = _half_pair(hi * _HALF2_X_SCALE, words)
-                    a02[r] = _fma_pairs(hi02, xh, _fma_pairs(lo02, xl, a02[r], emulate), emulate)
-                    a13[r] = _fma_pairs(hi13, xh, _fma_pairs(lo13, xl, a13[r], emulate), emulate)
+                    for i in range(fields):
+                        xi = x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
+                        xi = xi.astype(f32)[:, None]  # [sub, 1]
+                        if z_ref is not None:
+                            x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
+                        xp = _half_pair(xi * _HALF2_X_SCALE, words)
+                        a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
+                        a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
             for r in range(rows):
                 parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
                          _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
                 for c in range(4):
                     cols = pl.ds(c, words, stride=4)  # the columns of byte lane c
                     s = s_ref[pl.ds(g, 1), cols].astype(f32) * (1 / _HALF2_X_SCALE)
-                    z = z_ref[pl.ds(g, 1), cols].astype(f32)
-                    acc[r][c] = acc[r][c] + s * parts[c] + z * x_sum[r]
+                    acc[r][c] = acc[r][c] + s * parts[c]
+                    if z_ref is not None:
+                        acc[r][c] = acc[r][c] + z_ref[pl.ds(g, 1), cols].astype(f32) * x_sum[r]
         return acc
 
     _accumulate_and_store(body, steps_per_split, rows, sub, o_ref)
@@ -294,7 +322,9 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
     N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
     ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
-    operands (``int4_matmul``); ``G * bits / 8`` must be a multiple of ``tiles.sub_rows``."""
+    operands (``int4_matmul``, ``int8_matmul``); ``G * bits / 8`` must be a multiple of
+    ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
+    (module docstring; its pallas_call is named ``..._half2``), else the float32 one."""
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
@@ -320,11 +350,13 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if zero is not None:
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
-    half2 = (bits == 4 and offset == 0 and flip == 0 and zero is not None
-             and 0 < tiles.half2_min_group <= group <= HALF2_PRODUCTS * sub)
+    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and zero is not None
+                  and 0 < tiles.half2_min_group <= group)
+    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
+    half2 = (int4_pairs or int8_pairs) and group <= HALF2_PRODUCTS * sub
     if half2:
         kernel = functools.partial(
-            _half2_kernel, group=group, sub=sub, groups_per_step=groups_per_step,
+            _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, emulate=interpret)
     else:
         kernel = functools.partial(

@@ -1,6 +1,6 @@
-"""Time the int4 GEMV kernels on a GPU: the bandwidth each kernel and tiling reaches on the
-weight shapes of an 8B model's layer at batch 1 (one and two rows: an all-int4 model decodes a
-lone request in a one-row call, two requests in a two-row one).
+"""Time the int4 (``--int8``: int8) GEMV kernels on a GPU: the bandwidth each kernel and tiling
+reaches on the weight shapes of an 8B model's layer at batch 1 (one and two rows: an all-int4
+model decodes a lone request in a one-row call, two requests in a two-row one).
 
 Usage: ``PYTHONPATH=. python scripts/bench_int4.py --json bench/results/<device>/int4.json``
 
@@ -18,8 +18,13 @@ that read the packed weight exactly as ``word_gemv`` does: one only xors the wor
 rate Pallas/Triton reaches with that access pattern), one also makes every nibble a float
 (the cost of the unpacking). Their results are not products, so they get no error check.
 The candidates: the default (float16 pairs at groups of 128+, ``word_gemv``'s float32 kernel
-below), the float32 kernel at every group size (``half2_min_group=0``) and the dot kernel. A
-record for bench/NOTES.md, not a test.
+below), the float32 kernel at every group size (``half2_min_group=0``) and the dot kernel.
+
+``--int8`` times ``int8_matmul`` instead, on the same shapes and ``--rows`` (``q [K, N]`` int8,
+float32 scales per 64 rows; floor: those bytes at ``--read-tbps``): its default (up to
+``WORD_ROWS`` rows ``word_gemv``'s float16 pairs) against its tensor-core kernel
+(``Int8Tiles(word_rows=0)``), checked against ``int8_matmul_reference``; the JSON is
+rewritten after each candidate. A record for bench/NOTES.md, not a test.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.benchmark import call_kernels, top_kernels
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
+from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
 from pallas_kernels.word_gemv import WordTiles, field_as_float
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
@@ -62,9 +68,20 @@ def operands(m: int, k: int, n: int, group: int, seed: int = 0) -> tuple[jax.Arr
     return x, q, scale, zero
 
 
-def weight_bytes(q: jax.Array, scale: jax.Array, zero: jax.Array) -> int:
-    """Bytes a batch-1 matmul must read: the packed weight, its scales and zeros."""
-    return q.nbytes + scale.nbytes + zero.nbytes
+@functools.cache
+def operands8(m: int, k: int, n: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Random ``x [M, K]`` bf16, ``q [K, N]`` int8, ``scale [K / 64, N]`` float32 (the
+    ``jaxinfer.quantize`` int8 format)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    q = jnp.asarray(rng.integers(-127, 128, size=(k, n), dtype=np.int8))
+    scale = jnp.asarray(rng.random((k // 64, n)) * 0.01, jnp.float32)
+    return x, q, scale
+
+
+def weight_bytes(*weight: jax.Array) -> int:
+    """Bytes a batch-1 matmul must read: the packed weight, its scales (and zeros)."""
+    return sum(w.nbytes for w in weight)
 
 
 Call = Callable[..., jax.Array]
@@ -72,15 +89,19 @@ Call = Callable[..., jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A kernel to time: ``call(x, q, scale, zero)`` on the ``[K / 2, N]`` operands."""
+    """A kernel to time: ``call(x, q, scale, zero)`` on the ``[K / 2, N]`` operands, or with
+    ``int8`` ``call(x, q, scale)`` on ``operands8``."""
 
     label: str
     call: Call
     probe: bool = False  # a stripped kernel (``--probe``): timed, not checked
+    int8: bool = False
 
 
-def for_tiles(tiles: Int4Tiles) -> Candidate:
-    """``int4_matmul`` with ``tiles``."""
+def for_tiles(tiles: Int4Tiles | Int8Tiles) -> Candidate:
+    """``int4_matmul`` (or, for ``Int8Tiles``, ``int8_matmul``) with ``tiles``."""
+    if isinstance(tiles, Int8Tiles):
+        return Candidate(str(tiles), functools.partial(int8_matmul, tiles=tiles), int8=True)
     return Candidate(str(tiles), functools.partial(int4_matmul, tiles=tiles))
 
 
@@ -162,8 +183,9 @@ def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read
             calls: int, repeats: int) -> dict:
     """One row count, shape and kernel: time, bandwidth, fraction of the floor, and the
     largest difference from the float32-dequantized reference."""
-    ops = operands(m, k, n, group)
-    want = int4_matmul_reference(*ops, out_dtype=jnp.float32)
+    ops = operands8(m, k, n) if cand.int8 else operands(m, k, n, group)
+    reference = int8_matmul_reference if cand.int8 else int4_matmul_reference
+    want = reference(*ops, out_dtype=jnp.float32)
     err = (float("nan") if cand.probe else
            float(jnp.max(jnp.abs(cand.call(*ops).astype(jnp.float32) - want))))
     s = time_call(cand.call, ops, calls, repeats)
@@ -193,10 +215,24 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true",
                     help="profile one timed program per kernel on the o shape (g128, one "
                          "row) and print its device kernels: what a call's time is made of")
+    ap.add_argument("--int8", action="store_true",
+                    help="time int8_matmul instead (g64): the float16-pair few-row kernel "
+                         "against the tensor-core one")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
+
+    def write(candidates: list[dict], sweep: list[dict]) -> None:
+        if not args.json:
+            return
+        record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                      date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
+                      command="python " + " ".join(sys.argv), candidates=candidates,
+                      sweep=sweep)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}", flush=True)
 
     def layer(cand: Candidate, m: int, shapes=SHAPES_8B, groups=(32, 64, 128)) -> dict:
         rows = [measure(nm, m, k, n, g, cand, args.read_tbps, args.calls, args.repeats)
@@ -208,6 +244,15 @@ def main() -> None:
             + f"  {cand.label}", flush=True)
         return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
+    if args.int8:  # one row count at a time, both kernels, the JSON rewritten after each
+        candidates = []
+        for m in map(int, args.rows.split(",")):
+            for label, tiles in (("int8 float16 pairs (default)", Int8Tiles()),
+                                 ("int8 tensor-core (word_rows=0)", Int8Tiles(word_rows=0))):
+                cand = dataclasses.replace(for_tiles(tiles), label=label)
+                candidates.append(layer(cand, m, groups=(64,)))
+                write(candidates, [])
+        return
     if args.trace:
         for cand in (for_tiles(Int4Tiles()),
                      Candidate("probe(read)", functools.partial(stream_probe, unpack=False),
@@ -234,13 +279,7 @@ def main() -> None:
                                              num_warps=warps))
             sweep.append(layer(for_tiles(tiles), 1, big))
         sweep.sort(key=lambda c: sum(c["layer_us"].values()))
-    record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S"), read_tbps=args.read_tbps,
-                  command="python " + " ".join(sys.argv), candidates=candidates, sweep=sweep)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.json}")
+    write(candidates, sweep)
 
 
 if __name__ == "__main__":

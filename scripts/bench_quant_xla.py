@@ -33,6 +33,7 @@ import numpy as np
 
 from pallas_kernels import int4_matmul, int8_matmul
 from pallas_kernels.int4_matmul import Int4Tiles
+from pallas_kernels.matmul import Int8Tiles
 from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -147,9 +148,11 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
     # name: (make, apply, largest M it runs; 0: any)
     "bf16": (make_bf16, lambda x, w: x @ w["w"], 0),
     "int8_g64_kernel": (make_int8(64), lambda x, w: int8_matmul(x, w["q"], w["s"]), 64),
-    "int8_g64_word": (make_int8(64), lambda x, w: word_gemv(
+    "int8_g64_tensorcore": (make_int8(64), lambda x, w: int8_matmul(
+        x, w["q"], w["s"], tiles=Int8Tiles(word_rows=0)), 64),
+    "int8_g64_word": (make_int8(64), lambda x, w: word_gemv(  # the float32 word kernel (r64)
         x, w["q"], w["s"], None, bits=8, offset=-128, flip=0x80, interpret=False,
-        tiles=WordTiles(), out_dtype=x.dtype), WORD_ROWS),
+        tiles=WordTiles(int8_half2=False), out_dtype=x.dtype), WORD_ROWS),
     "int8_g64_xla_dequant": (make_int8(64), lambda x, w: x @ _grouped_dequant(w["q"], w["s"]), 0),
     "int8_g64_xla_batched": (make_int8(64), lambda x, w: _grouped_batched(x, w["q"], w["s"]), 0),
     "int8_channel_xla": (make_int8(0), lambda x, w: (

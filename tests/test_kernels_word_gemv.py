@@ -1,9 +1,11 @@
 """pallas_kernels.word_gemv (Pallas interpreter on CPU): the few-row weight-only kernel behind
-int4_matmul (it reads the int8 format too), against its jnp reference and against the two
-formats' dequantize-then-matmul references, over row counts, tilings, group sizes and odd
-column counts; and its lowering for a GPU at 8B shapes."""
+int4_matmul and int8_matmul, against its jnp reference and against the two formats'
+dequantize-then-matmul references, over row counts, tilings, group sizes and odd column
+counts; which kernel the two matmuls run; and its lowering for a GPU at 8B shapes."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
-from pallas_kernels.matmul import int8_matmul_reference
+from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
 from pallas_kernels.word_gemv import (
     HALF2_PRODUCTS,
     WORD_ROWS,
@@ -101,13 +103,110 @@ def test_half2_kernel_scales_activations_so_nothing_overflows():
 
 @pytest.mark.parametrize("m", [1, 2, WORD_ROWS])
 def test_int8_word_kernel_equals_the_format_reference(m):
+    """The float32 kernel (``int8_half2`` off; the float16 pairs are tested below)."""
     x, q, scale = _int8(m, 512, 260, seed=m)
-    got = word_gemv(x, q, scale, None, interpret=True, tiles=WordTiles(), **INT8)
+    got = word_gemv(x, q, scale, None, interpret=True, tiles=WordTiles(int8_half2=False),
+                    **INT8)
     want = int8_matmul_reference(x, q, scale, out_dtype=jnp.float32)
     # float32 sums of values up to ~127 * 0.02 over 512 rows: a few ulps of ~40.
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-4)
     np.testing.assert_allclose(word_gemv_reference(x, q, scale, None, **INT8), want,
                                rtol=1e-5, atol=2e-4)
+
+
+def _kernel_names(f, *args) -> set[str]:
+    """The pallas_call names in ``f``'s jaxpr (on shapes: nothing runs)."""
+    text = str(jax.make_jaxpr(f)(*args))
+    return {w.split("name=")[1] for w in text.split() if w.startswith("name=jaxinfer_")}
+
+
+def _f16_pair_bound(x: jax.Array, q: jax.Array, scale: jax.Array, products: int) -> jax.Array:
+    """What the int8 float16-pair kernel may differ from the float32 reference by, per output:
+    each activation is rounded to float16 once and each of a float16 sum's ``products``
+    multiply-adds once, each off by at most 2^-11 of a value no larger than the group's
+    sum of ``|x q|`` (float32 after that: negligible), so at most ``(products + 1) 2^-11
+    (|x| @ |w|)``; plus 1e-4 for activations and sums in float16's subnormal range, which
+    round to absolute steps (``_HALF2_X_SCALE``)."""
+    w = jnp.abs(q.astype(jnp.float32)) * jnp.repeat(scale, q.shape[0] // scale.shape[0], 0)
+    total = jnp.dot(jnp.abs(x), w, precision=jax.lax.Precision.HIGHEST)
+    return (products + 1) * 2.0**-11 * total + 1e-4
+
+
+@pytest.mark.parametrize("m, k, n, tiles", [
+    (1, 512, 260, WordTiles()),  # 4 products per float16 sum, columns that fill no block
+    (2, 1024, 300, WordTiles(target_programs=1)),  # K in one program
+    (3, 256, 64, WordTiles(sub_rows=8, block_n=64)),  # HALF2_PRODUCTS (8) products per sum
+    (WORD_ROWS, 2048, 36, WordTiles(step_rows=256, num_warps=8)),  # 4 groups per loop step
+])
+def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles):
+    """int8_matmul up to WORD_ROWS rows: word_gemv's float16-pair kernel (each int8 value
+    made exact in float16 by a lop3 and a sub, fma.rn.f16x2 with the activations), within
+    the bound of its float16 roundings of both references; errors are not 0 (the float32
+    kernel would be within 1e-5)."""
+    x, q, scale = _int8(m, k, n, seed=m + k + n)
+    itiles = Int8Tiles(word=tiles)
+    assert _kernel_names(lambda x: int8_matmul(x, q, scale, interpret=True, tiles=itiles),
+                         x) == {"jaxinfer_word_gemv_8bit_half2"}
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True, tiles=itiles)
+    want = word_gemv_reference(x, q, scale, None, **INT8)
+    np.testing.assert_allclose(int8_matmul_reference(x, q, scale, out_dtype=jnp.float32),
+                               want, rtol=1e-5, atol=2e-4)
+    err = jnp.abs(got - want)
+    products = 64 // min(tiles.sub_rows, 64)
+    assert bool(jnp.all(err <= _f16_pair_bound(x, q, scale, products)))
+    assert 0 < float(jnp.max(err)) <= 2e-3 * float(jnp.max(jnp.abs(want)))
+
+
+def test_int8_pairs_overflow_only_past_the_documented_bound():
+    """``_HALF2_X_SCALE``: four products of ``|q| = 128`` and ``|x| * 2^-8`` per float16 sum
+    (64-row groups, 16 rows per load) stay finite below ``|x| = 65504 * 256 / 512`` (32752).
+    Column 0 gets ``q = -128`` on the four rows one float16 sum takes (group rows 5, 21, 37,
+    53) and every other column random values; row 0 puts 32000 on those rows (a sum of -64000:
+    finite, and as accurate as anywhere), row 1 33000 (-66000: float16 infinity, so the bound
+    is the real one), row 2 an activation of 3e4 elsewhere in the group."""
+    x, q, scale = _int8(3, 256, 64, seed=11)
+    hot = jnp.asarray([5, 21, 37, 53]) + 64
+    q = q.at[hot, 0].set(-128)
+    x = x.at[0, hot].set(32000.0).at[1, hot].set(33000.0).at[2, 70].set(3e4)
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True)
+    want = word_gemv_reference(x, q, scale, None, **INT8)
+    bound = _f16_pair_bound(x, q, scale, 4)
+    assert bool(jnp.all(jnp.isfinite(got[0]))) and bool(jnp.all(jnp.isfinite(got[2])))
+    assert bool(jnp.all(jnp.abs(got - want)[jnp.asarray([0, 2])] <= bound[jnp.asarray([0, 2])]))
+    assert float(got[1, 0]) == -np.inf and bool(jnp.all(jnp.isfinite(got[1, 1:])))
+
+
+def test_int8_pairs_give_zeros_for_zero_weights_or_activations():
+    """Zero weights (any activations) and zero activations (any weights): exact zeros, with
+    a row of ordinary activations beside them."""
+    x, q, scale = _int8(3, 512, 132, seed=2)
+    x = x.at[1].set(0.0)
+    zeros = int8_matmul(x, jnp.zeros_like(q), scale, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(zeros, np.zeros((3, 132), np.float32))
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(got[1], np.zeros(132, np.float32))
+    assert float(jnp.min(jnp.abs(got[0]))) > 0
+
+
+def test_int8_matmul_routes_few_rows_to_the_pairs():
+    """Up to WORD_ROWS rows: the float16-pair kernel; more rows, or ``word_rows=0``: the
+    tensor-core kernel; ``int8_half2=False``: word_gemv's float32 kernel. All agree."""
+    x, q, scale = _int8(WORD_ROWS + 1, 256, 64, seed=4)
+
+    def kernels(m: int, tiles: Int8Tiles) -> set[str]:
+        return _kernel_names(lambda x: int8_matmul(x, q, scale, interpret=True, tiles=tiles),
+                             x[:m])
+
+    pairs, dot, word = ({"jaxinfer_word_gemv_8bit_half2"}, {"jaxinfer_int8_matmul"},
+                        {"jaxinfer_word_gemv_8bit"})
+    off, f32 = Int8Tiles(word_rows=0), Int8Tiles(word=WordTiles(int8_half2=False))
+    assert [kernels(1, Int8Tiles()), kernels(WORD_ROWS, Int8Tiles()),
+            kernels(WORD_ROWS + 1, Int8Tiles()), kernels(2, off), kernels(2, f32)] == [
+        pairs, pairs, dot, dot, word]
+    want = int8_matmul_reference(x, q, scale, out_dtype=jnp.float32)
+    for tiles in (Int8Tiles(), off, f32):
+        got = int8_matmul(x[:2], q, scale, out_dtype=jnp.float32, interpret=True, tiles=tiles)
+        np.testing.assert_allclose(got, want[:2], rtol=2e-3, atol=2e-2)
 
 
 @pytest.mark.parametrize("tiles", [
@@ -123,8 +222,9 @@ def test_word_tilings_equal_the_reference(tiles, fmt):
     if fmt == "int4":
         x, q, scale, zero = _int4(2, 1024, 300, 64, seed=7)
         kw = INT4
-    else:
+    else:  # the float32 kernel (float16 pairs: test_int8_pairs_...)
         (x, q, scale), zero, kw = _int8(2, 1024, 300, seed=7), None, INT8
+        tiles = dataclasses.replace(tiles, int8_half2=False)
     got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **kw)
     np.testing.assert_allclose(got, word_gemv_reference(x, q, scale, zero, **kw),
                                rtol=1e-5, atol=2e-4)
@@ -191,7 +291,13 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
     q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
     s8 = jax.ShapeDtypeStruct((64, 6144), jnp.float32)
     x = jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16)
-    f = jax.jit(lambda x, q, s: word_gemv(x, q, s, None, interpret=False, tiles=WordTiles(),
-                                          **INT8))
+    f = jax.jit(lambda x, q, s: word_gemv(x, q, s, None, interpret=False,
+                                          tiles=WordTiles(int8_half2=False), **INT8))
     exported = export.export(f, platforms=["cuda"], disabled_checks=no_check)(x, q8, s8)
     assert "jaxinfer_word_gemv_8bit" in exported.mlir_module()
+    # int8_matmul at one row: the int8 float16 pairs (lop3 with the int8 bias, fma.rn.f16x2).
+    x1 = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    text = export.export(jax.jit(int8_matmul), platforms=["cuda"],
+                         disabled_checks=no_check)(x1, q8, s8).mlir_module()
+    assert "jaxinfer_word_gemv_8bit_half2" in text
+    assert "0x64806480" in text and "fma.rn.f16x2" in text
