@@ -62,7 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.attention import resolve_backend
 from jaxinfer.errors import InputError
-from jaxinfer.model import int4_decode_weights, pool_is_stacked
+from jaxinfer.model import one_row_decode_weights, pool_is_stacked
 from jaxinfer.paged_cache import BlockManager, PagePool, check_kv_cache_dtype, pages_for_budget
 from jaxinfer.requests import (
     Completion,
@@ -957,10 +957,11 @@ class Engine(StepLoop):
     def _few_rows(self, *models: Model) -> tuple[int, ...]:
         """The decode row buckets below 8 for ``models`` (the target and its draft, whose
         proposals run at the target's row bucket): 1, 2 and 4 when every matmul of each is
-        the int4 kernel's (``model.int4_decode_weights``), else 2 (``runner.row_buckets``)."""
+        a few-row int4 or int8 kernel's (``model.one_row_decode_weights``), else 2
+        (``runner.row_buckets``)."""
         one_device = mesh_sizes(self.mesh)[1] == 1
         platform = jax.default_backend()
-        if one_device and all(int4_decode_weights(m.params, platform) for m in models):
+        if one_device and all(one_row_decode_weights(m.params, platform) for m in models):
             return (1, 2, 4)
         return (2,)
 

@@ -105,6 +105,14 @@ def int4_kernel_weight(w: Any, stacked: bool = False) -> bool:
             and (w.out_axes == 1 or w.q.shape[-2] == 1))
 
 
+def int8_kernel_weight(w: Any, stacked: bool = False) -> bool:
+    """Whether ``w`` is an int8 weight that ``pallas_kernels.int8_matmul`` multiplies on a GPU
+    (one device): one scale per 64 rows, shaped as ``int4_kernel_weight`` says."""
+    return (isinstance(w, QuantizedWeight) and w.kind == "int8" and w.group == 64
+            and w.q.ndim - w.out_axes == 1 + stacked
+            and (w.out_axes == 1 or w.q.shape[-2] == 1))
+
+
 def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
@@ -119,7 +127,7 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Ar
         # read a bf16 copy it writes first); not on a tensor-parallel mesh, where the kernel
         # would get whole weights.
         rows = x2.shape[0]
-        if w.kind == "int8" and w.group == 64 and rows <= pallas_kernels.GEMV_ROWS:
+        if int8_kernel_weight(w) and rows <= pallas_kernels.GEMV_ROWS:
             out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
         elif int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
             out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
@@ -439,19 +447,25 @@ def fp8_input_last(params: Params) -> Params:
     return {**params, "layers": layers}
 
 
-def int4_decode_weights(params: Params, platform: str) -> bool:
-    """Whether every matmul weight (each layer's and the LM head) is int4 that
-    ``pallas_kernels.int4_matmul`` multiplies on ``platform`` (``int4_kernel_weight``; a GPU
-    only), so a decode step's matmuls all run its few-row kernel, which computes every row it
-    is given: the engine then decodes a lone request in a one-row call (a padding row cost 15%
-    more per 8B layer, H100 r85) instead of the two rows that keep XLA's bf16 GEMM
-    (``runner.row_buckets``). A tied head (the embedding table) is not int4."""
+def one_row_decode_weights(params: Params, platform: str) -> bool:
+    """Whether every matmul weight (each layer's and the LM head) is int4 or int8 that
+    ``pallas_kernels.int4_matmul`` / ``int8_matmul`` multiplies on ``platform`` (a GPU only;
+    ``int4_kernel_weight``, ``int8_kernel_weight``), so a decode step's matmuls all run a
+    few-row kernel that computes every row it is given: the engine then decodes a lone
+    request in a one-row call (a padding row cost int4 15% more per 8B layer, and int8's
+    one-row kernel is 6% faster than its two-row one; H100 r85, r91) instead of the two rows
+    that keep XLA's bf16 GEMM (``runner.row_buckets``). A tied head (the embedding table) is
+    not quantized."""
     if platform != "gpu":
         return False
     layers = params["layers"]
     stacked = not isinstance(layers, list | tuple)
-    return int4_kernel_weight(params.get("lm_head")) and all(
-        int4_kernel_weight(w, stacked) for lp in ([layers] if stacked else layers)
+
+    def few_row(w: Any, stacked: bool = False) -> bool:
+        return int4_kernel_weight(w, stacked) or int8_kernel_weight(w, stacked)
+
+    return few_row(params.get("lm_head")) and all(
+        few_row(w, stacked) for lp in ([layers] if stacked else layers)
         for name, w in lp.items() if not name.endswith("_norm"))
 
 

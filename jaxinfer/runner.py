@@ -75,7 +75,7 @@ def row_buckets(max_rows: int, few: tuple[int, ...] = (2,)) -> tuple[int, ...]:
     at ~1.2 TB/s on an H100; two rows keep XLA's GEMM (1B batch-1 565 -> 670 tok/s,
     bench/NOTES.md r38). The padding row has no keys and costs nothing in a weight-bound step.
     ``few=(1, 2, 4)`` suits weights whose few-row kernel computes every row it is given and
-    takes up to 4 (``model.int4_decode_weights``, ``pallas_kernels.word_gemv.WORD_ROWS``).
+    takes up to 4 (``model.one_row_decode_weights``, ``pallas_kernels.word_gemv.WORD_ROWS``).
     """
     out, n = [min(r, max_rows) for r in few], 8
     while n < max_rows:

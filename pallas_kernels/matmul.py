@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
+from pallas_kernels.word_gemv import WordTiles, word_gemv
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -165,9 +165,10 @@ _TARGET_PROGRAMS = 512  # about 4 per H100 SM
 class Int8Tiles:
     """Which kernel ``int8_matmul`` runs for a few rows (``scripts/bench_int4.py --int8``)."""
 
-    # Up to this many rows ``word_gemv`` runs (0: always the tensor-core kernel). Its
-    # float16-pair kernel has not been timed on a GPU yet; its float32 one was slower (r64).
-    word_rows: int = WORD_ROWS
+    # Up to this many rows ``word_gemv`` runs (0: always the tensor-core kernel). Per 8B
+    # layer on an H100 its float16-pair kernel takes 113.9 us at one row against the
+    # tensor-core kernel's 121.6, but 142.3 against 122.1 at two (bench/NOTES.md r91).
+    word_rows: int = 1
     word: WordTiles = WordTiles()  # ``word_gemv``'s tiling (``int8_half2``: pairs or float32)
 
 
@@ -230,14 +231,13 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
     kernel, so only int8 bytes (and the scales) are read from memory. Up to ``GEMV_ROWS``
     rows (decode) also split K over programs; more rows run 64 x 64 output tiles.
 
-    Up to ``tiles.word_rows`` rows (``WORD_ROWS``, 4) run ``pallas_kernels.word_gemv``
+    Up to ``tiles.word_rows`` rows (one by default) run ``pallas_kernels.word_gemv``
     instead, by default its float16-pair kernel: the int8 products summed four at a time in
     float16 (activations scaled by 2^-8; finite for ``|x|`` up to about 32k), then in
-    float32, so within ~1e-3 of the largest output rather than 1e-5. Not yet timed on a GPU
-    (``scripts/bench_int4.py --int8`` compares it with this tensor-core kernel, which
-    ``Int8Tiles(word_rows=0)`` keeps for every row count); word_gemv's float32 kernel was
-    slower than it (per 8B layer at one / two rows 174 / 255 us against 161 / 160,
-    bench/NOTES.md r64)."""
+    float32, so within ~1e-3 of the largest output rather than 1e-5. Per 8B layer on an
+    H100 it is 6% faster than this tensor-core kernel at one row and 17% slower at two
+    (``scripts/bench_int4.py --int8``, bench/NOTES.md r91); ``Int8Tiles(word_rows=0)`` keeps
+    the tensor-core kernel for every row count."""
     check(x.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {x.shape} @ "
           f"{q.shape}")
     check(q.dtype == jnp.int8, f"q must be int8, got {q.dtype}")

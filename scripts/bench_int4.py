@@ -21,8 +21,8 @@ The candidates: the default (float16 pairs at groups of 128+, ``word_gemv``'s fl
 below), the float32 kernel at every group size (``half2_min_group=0``) and the dot kernel.
 
 ``--int8`` times ``int8_matmul`` instead, on the same shapes and ``--rows`` (``q [K, N]`` int8,
-float32 scales per 64 rows; floor: those bytes at ``--read-tbps``): its default (up to
-``WORD_ROWS`` rows ``word_gemv``'s float16 pairs) against its tensor-core kernel
+float32 scales per 64 rows; floor: those bytes at ``--read-tbps``): ``word_gemv``'s float16
+pairs (``Int8Tiles(word_rows=WORD_ROWS)``; one row by default) against its tensor-core kernel
 (``Int8Tiles(word_rows=0)``), checked against ``int8_matmul_reference``; the JSON is
 rewritten after each candidate. A record for bench/NOTES.md, not a test.
 """
@@ -50,7 +50,7 @@ from jaxinfer.benchmark import call_kernels, top_kernels
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
-from pallas_kernels.word_gemv import WordTiles, field_as_float
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, field_as_float
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -247,7 +247,7 @@ def main() -> None:
     if args.int8:  # one row count at a time, both kernels, the JSON rewritten after each
         candidates = []
         for m in map(int, args.rows.split(",")):
-            for label, tiles in (("int8 float16 pairs (default)", Int8Tiles()),
+            for label, tiles in (("int8 float16 pairs", Int8Tiles(word_rows=WORD_ROWS)),
                                  ("int8 tensor-core (word_rows=0)", Int8Tiles(word_rows=0))):
                 cand = dataclasses.replace(for_tiles(tiles), label=label)
                 candidates.append(layer(cand, m, groups=(64,)))

@@ -144,7 +144,7 @@ def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles)
     the bound of its float16 roundings of both references; errors are not 0 (the float32
     kernel would be within 1e-5)."""
     x, q, scale = _int8(m, k, n, seed=m + k + n)
-    itiles = Int8Tiles(word=tiles)
+    itiles = Int8Tiles(word_rows=WORD_ROWS, word=tiles)
     assert _kernel_names(lambda x: int8_matmul(x, q, scale, interpret=True, tiles=itiles),
                          x) == {"jaxinfer_word_gemv_8bit_half2"}
     got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True, tiles=itiles)
@@ -155,6 +155,9 @@ def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles)
     products = 64 // min(tiles.sub_rows, 64)
     assert bool(jnp.all(err <= _f16_pair_bound(x, q, scale, products)))
     assert 0 < float(jnp.max(err)) <= 2e-3 * float(jnp.max(jnp.abs(want)))
+
+
+PAIRS = Int8Tiles(word_rows=WORD_ROWS)  # the float16-pair kernel up to WORD_ROWS rows
 
 
 def test_int8_pairs_overflow_only_past_the_documented_bound():
@@ -168,7 +171,7 @@ def test_int8_pairs_overflow_only_past_the_documented_bound():
     hot = jnp.asarray([5, 21, 37, 53]) + 64
     q = q.at[hot, 0].set(-128)
     x = x.at[0, hot].set(32000.0).at[1, hot].set(33000.0).at[2, 70].set(3e4)
-    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True)
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True, tiles=PAIRS)
     want = word_gemv_reference(x, q, scale, None, **INT8)
     bound = _f16_pair_bound(x, q, scale, 4)
     assert bool(jnp.all(jnp.isfinite(got[0]))) and bool(jnp.all(jnp.isfinite(got[2])))
@@ -181,16 +184,18 @@ def test_int8_pairs_give_zeros_for_zero_weights_or_activations():
     a row of ordinary activations beside them."""
     x, q, scale = _int8(3, 512, 132, seed=2)
     x = x.at[1].set(0.0)
-    zeros = int8_matmul(x, jnp.zeros_like(q), scale, out_dtype=jnp.float32, interpret=True)
+    zeros = int8_matmul(x, jnp.zeros_like(q), scale, out_dtype=jnp.float32, interpret=True,
+                        tiles=PAIRS)
     np.testing.assert_array_equal(zeros, np.zeros((3, 132), np.float32))
-    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True)
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True, tiles=PAIRS)
     np.testing.assert_array_equal(got[1], np.zeros(132, np.float32))
     assert float(jnp.min(jnp.abs(got[0]))) > 0
 
 
 def test_int8_matmul_routes_few_rows_to_the_pairs():
-    """Up to WORD_ROWS rows: the float16-pair kernel; more rows, or ``word_rows=0``: the
-    tensor-core kernel; ``int8_half2=False``: word_gemv's float32 kernel. All agree."""
+    """One row (``Int8Tiles.word_rows``; up to WORD_ROWS if asked): the float16-pair kernel;
+    more rows, or ``word_rows=0``: the tensor-core kernel; ``int8_half2=False``: word_gemv's
+    float32 kernel. All agree."""
     x, q, scale = _int8(WORD_ROWS + 1, 256, 64, seed=4)
 
     def kernels(m: int, tiles: Int8Tiles) -> set[str]:
@@ -199,12 +204,14 @@ def test_int8_matmul_routes_few_rows_to_the_pairs():
 
     pairs, dot, word = ({"jaxinfer_word_gemv_8bit_half2"}, {"jaxinfer_int8_matmul"},
                         {"jaxinfer_word_gemv_8bit"})
-    off, f32 = Int8Tiles(word_rows=0), Int8Tiles(word=WordTiles(int8_half2=False))
-    assert [kernels(1, Int8Tiles()), kernels(WORD_ROWS, Int8Tiles()),
-            kernels(WORD_ROWS + 1, Int8Tiles()), kernels(2, off), kernels(2, f32)] == [
-        pairs, pairs, dot, dot, word]
+    four = PAIRS
+    off = Int8Tiles(word_rows=0)
+    f32 = Int8Tiles(word_rows=WORD_ROWS, word=WordTiles(int8_half2=False))
+    assert [kernels(1, Int8Tiles()), kernels(2, Int8Tiles()), kernels(WORD_ROWS, four),
+            kernels(WORD_ROWS + 1, four), kernels(2, off), kernels(2, f32)] == [
+        pairs, dot, pairs, dot, dot, word]
     want = int8_matmul_reference(x, q, scale, out_dtype=jnp.float32)
-    for tiles in (Int8Tiles(), off, f32):
+    for tiles in (four, off, f32):
         got = int8_matmul(x[:2], q, scale, out_dtype=jnp.float32, interpret=True, tiles=tiles)
         np.testing.assert_allclose(got, want[:2], rtol=2e-3, atol=2e-2)
 

@@ -257,22 +257,23 @@ def test_load_model_keeps_fp8_weights_in_out(tmp_path):
 
 @pytest.mark.parametrize("layout", ["stacked", "fast"])
 def test_an_all_int4_model_decodes_a_lone_request_in_one_row(layout):
-    """On a GPU, with every matmul an int4 weight its kernel takes (layers and the untied
-    head, groups of 32-128), the engine's smallest decode calls are 1, 2 and 4 rows, since
-    the kernel computes padding rows too; int8 weights, a tied head, plain weights, groups
-    the kernel does not take, or another platform keep two rows (XLA's GEMM needs them). A
-    one-row engine's greedy tokens equal the same model run at two rows."""
-    from jaxinfer.model import int4_decode_weights
+    """On a GPU, with every matmul an int4 or int8 weight its few-row kernel takes (layers
+    and the untied head; int4 groups of 32-128, int8's 64), the engine's smallest decode
+    calls are 1, 2 and 4 rows, since the kernels compute padding rows too; a tied head, plain
+    weights, fp8, groups the kernel does not take, or another platform keep two rows (XLA's
+    GEMM needs them). A one-row engine's greedy tokens equal the same model run at two rows."""
+    from jaxinfer.model import one_row_decode_weights
 
     cfg = dataclasses.replace(CFG, intermediate_size=128)  # every input a multiple of 32
     params = apply_layout(init_params(cfg, jax.random.PRNGKey(4), jnp.float32), layout)
     q4 = quantize_params(params, "int4")
-    assert int4_decode_weights(q4, "gpu") and not int4_decode_weights(q4, "cpu")
-    assert not int4_decode_weights(quantize_params(params, "int8"), "gpu")
-    assert not int4_decode_weights(params, "gpu")
-    assert not int4_decode_weights({k: v for k, v in q4.items() if k != "lm_head"}, "gpu")
+    assert one_row_decode_weights(q4, "gpu") and not one_row_decode_weights(q4, "cpu")
+    assert one_row_decode_weights(quantize_params(params, "int8"), "gpu")
+    assert not one_row_decode_weights(quantize_params(params, "fp8"), "gpu")
+    assert not one_row_decode_weights(params, "gpu")
+    assert not one_row_decode_weights({k: v for k, v in q4.items() if k != "lm_head"}, "gpu")
     odd = apply_layout(init_params(CFG, jax.random.PRNGKey(4), jnp.float32), layout)
-    assert not int4_decode_weights(quantize_params(odd, "int4"), "gpu")  # w_down: 112 rows
+    assert not one_row_decode_weights(quantize_params(odd, "int4"), "gpu")  # w_down: 112 rows
     m = jaxinfer.Model(cfg, q4, None, jnp.float32, backend="reference")
     two = jaxinfer.Engine(m, max_batch=4)
     assert two.row_buckets == (2, 4)  # this CPU: XLA's matmuls, two rows
