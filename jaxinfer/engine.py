@@ -16,7 +16,8 @@ the one place stop rules live):
    into the next step (``MixedInputs.feed_slots``). A sequence that stops in this step has
    its next step's work discarded, never output.
 2. **Decode call** otherwise: every running sequence decodes several tokens (as many as fit
-   in about ``decode_call_seconds`` of device time, at most ``decode_steps``)
+   in about ``decode_call_seconds`` of device time, at most ``decode_steps``; while waiting
+   requests need slots, until enough rows have stopped, checked on the device)
    in one device loop. Pages for those tokens are reserved first; stop tokens, token limits
    and the reserved pages are checked on the device, so the host syncs once per call.
    While a request with a ``response_format`` decodes, every step is a mixed step instead:
@@ -348,7 +349,9 @@ class Engine(StepLoop):
       decode_call_seconds: device time one decode call aims at: the engine measures each row
         bucket's time per iteration and runs ``decode_call_seconds / that`` iterations (at
         least 4, at most ``decode_steps``). Longer calls spread the per-call host work over
-        more tokens; shorter ones let new requests in sooner.
+        more tokens; shorter ones let new requests in sooner. While waiting requests need
+        slots, a call runs up to ``decode_steps`` and ends on the device once enough rows
+        have stopped (they could not be admitted sooner anyway).
       schedule: order in which waiting requests are admitted. ``"fcfs"``: first come, first
         served (online serving: no request waits behind later ones). ``"longest_first"``:
         the largest ``max_new_tokens`` first (stable among equals), for offline batches
@@ -786,8 +789,7 @@ class Engine(StepLoop):
         in large, efficient steps rather than one small step per finished request."""
         if any(s.pending > 1 or s.req.is_score and s.pending for s in self._running):
             return True
-        enough = min(len(self._waiting), max(1, self.max_batch // 8))
-        if not self._waiting or len(self._free_slots) < enough:
+        if not self._waiting or self._slots_wanted():
             return False
         if not self._running:  # an idle engine admits whatever fits (_admit decides)
             return True
@@ -798,6 +800,15 @@ class Engine(StepLoop):
         # A chunked prompt can start with one page; a whole prompt needs all of its pages.
         pages = 1 if self._chunks(s) else math.ceil(first / self.page_size)
         return pages + len(self._running) <= self.blocks.num_free  # + a page per decode
+
+    def _slots_wanted(self) -> int:
+        """Slots still to free before the waiting requests are admitted (an eighth of the
+        slots, or all the waiting requests if fewer; ``_prompt_work_pending``); 0 when none
+        wait or enough are free."""
+        if not self._waiting:
+            return 0
+        enough = min(len(self._waiting), max(1, self.max_batch // 8))
+        return max(0, enough - len(self._free_slots))
 
     def _constrained(self) -> bool:
         """Whether a running request has a ``response_format``: its mask for each token
@@ -1237,9 +1248,14 @@ class Engine(StepLoop):
                                    num_top)
         entries = []
         for s, n in sorted(plan, key=lambda p: p[0].slot):
-            samples = not s.req.is_score and s.num_computed + n == len(s.tokens)
-            entries.append(_Entry(s.slot, s, s.num_computed, n, samples))
-            s.num_computed += n
+            start, end = s.num_computed, s.num_computed + n
+            samples = not s.req.is_score and end == len(s.tokens)
+            entries.append(_Entry(s.slot, s, start, n, samples))
+            s.num_computed = end
+            if end // self.page_size > start // self.page_size and not s.unknown:
+                # Pages it fills, hashed now (its tokens are known): a step launched later
+                # may map them (the device runs steps in order). Else at its results.
+                self.blocks.commit(s.rid, s.tokens, end)
             if samples:
                 s.tokens.append(UNKNOWN)
                 s.unknown += 1
@@ -1276,7 +1292,7 @@ class Engine(StepLoop):
                 continue
             self._computed += n
             end = start + n
-            if end // self.page_size > start // self.page_size:  # a page filled: hash it
+            if end // self.page_size > start // self.page_size:  # if not hashed at launch
                 self.blocks.commit(s.rid, s.tokens, end)
             if s.req.is_score:
                 lo = max(start, s.first_output)
@@ -1350,8 +1366,10 @@ class Engine(StepLoop):
             self._preempt(self._running[-1])
         return 0
 
-    def _decode_inputs(self, rows: list[_Seq], b: int, k: int) -> DecodeInputs:
-        """Inputs of a decode call over slots ``[0, b)``, built with array indexing."""
+    def _decode_inputs(self, rows: list[_Seq], b: int, k: int, stop_after: int = 0
+                       ) -> DecodeInputs:
+        """Inputs of a decode call over slots ``[0, b)``, built with array indexing; it ends
+        early once ``stop_after`` rows have stopped (0: when all have)."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -1370,7 +1388,7 @@ class Engine(StepLoop):
             tokens=tokens, positions=positions, block_tables=self._tables[:b], active=active,
             remaining=remaining, limit=(self._table_len[:b] * self.page_size).astype(np.int32),
             gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
-            sampling=self._sampling(b))
+            sampling=self._sampling(b), stop_after=np.int32(stop_after or b + 1))
 
     def _dispatch_decode(self, inp: DecodeInputs, stochastic: bool, num_top: int = 0
                          ) -> dict[str, jax.Array]:
@@ -1406,7 +1424,11 @@ class Engine(StepLoop):
         if not self._running:
             return None
         b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
-        k = self._plan_decode(self._call_length(b, max_steps))
+        # Requests wait for free slots: decode until enough rows stop (on the device), up to
+        # ``decode_steps``; a shorter call would only add host round trips before they can
+        # be admitted. Otherwise about ``decode_call_seconds``, so arrivals wait little.
+        wanted = self._slots_wanted() if max_steps is None else 0
+        k = self._plan_decode(self._call_length(b, self.decode_steps if wanted else max_steps))
         if k == 0:
             return None
         rows = list(self._running)  # planning may have preempted some
@@ -1416,7 +1438,8 @@ class Engine(StepLoop):
                     not in _ANNOUNCED)
         self._inflight = (f"decode call of {b} rows x {k} iterations", rows)
         launched = time.perf_counter()
-        out = self._dispatch_decode(self._decode_inputs(rows, b, k), stochastic, num_top)
+        out = self._dispatch_decode(self._decode_inputs(rows, b, k, wanted), stochastic,
+                                    num_top)
         return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled)
 
     def _collect_decode(self, call: _Call) -> list[Event]:

@@ -339,7 +339,8 @@ class BlockManager:
         return copies
 
     def commit(self, seq: object, tokens: Sequence[int], num_computed: int) -> None:
-        """Record that the K/V of ``tokens[:num_computed]`` are written: hash full pages.
+        """Record that the K/V of ``tokens[:num_computed]`` are written (or will be, by a
+        step already launched: the device runs steps in order): hash full pages.
 
         A newly full page becomes immutable and findable by later sequences; if an equal
         block is already cached (computed concurrently), the sequence keeps its private copy.

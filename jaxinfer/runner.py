@@ -141,6 +141,9 @@ class DecodeInputs:
     stop_ids: jax.Array  # Int['B K'] stop token ids, -1 padded
     num_steps: jax.Array  # Int[] iterations to run at most (<= the static buffer size)
     sampling: SamplingArrays  # [B]
+    # Int[] the loop also ends once this many of its rows have stopped (the engine's waiting
+    # requests need that many free slots); None: only when every row has.
+    stop_after: jax.Array | None = None
 
 
 @struct.dataclass
@@ -291,7 +294,8 @@ def decode_steps(
     ``[0, B)`` used). A row stops after sampling a stop token (recorded, so the host knows
     why), after ``remaining`` tokens, or when its next input position reaches ``limit``. The
     loop ends at the first multiple of ``chunk`` (static, dividing ``max_steps``) iterations
-    where no row is active or ``num_steps`` is reached; iterations past a row's stop compute
+    where no row is active, ``inp.stop_after`` rows have stopped, or ``num_steps`` is
+    reached; iterations past a row's stop compute
     but write nothing. ``stochastic`` (static): some active row has a temperature above 0;
     ``deterministic`` (static): batch-invariant kernels (``forward_ragged``); ``num_top``
     (static): most likely tokens returned per row and iteration (``sample``). No row is
@@ -338,17 +342,20 @@ def decode_steps(
         return step + 1, pool_k, pool_v, counts_b, active, tokens, pos, remaining, gen, out
 
     def keep_going(carry: tuple) -> jax.Array:  # read on the host, once per chunk
-        return jnp.any(carry[4])
+        if inp.stop_after is None:
+            return jnp.any(carry[4])
+        stopped = jnp.sum(started & ~carry[4])
+        return jnp.any(carry[4]) & (stopped < inp.stop_after)
 
     def chunk_of_iterations(carry: tuple) -> tuple:  # static trip count: no host read
         return jax.lax.fori_loop(0, chunk, iteration, carry)
 
-    active = inp.active & (inp.remaining > 0) & (inp.num_steps > 0)
+    started = inp.active & (inp.remaining > 0) & (inp.num_steps > 0)  # [B]
     out = {"tokens": jnp.full((max_steps, b), -1, jnp.int32),
            "logprobs": jnp.zeros((max_steps, b), jnp.float32),
            "top_ids": jnp.zeros((max_steps, b, num_top), jnp.int32),
            "top_logprobs": jnp.zeros((max_steps, b, num_top), jnp.float32)}
-    carry = (jnp.int32(0), pool.k, pool.v, counts[:b], active, inp.tokens, inp.positions,
+    carry = (jnp.int32(0), pool.k, pool.v, counts[:b], started, inp.tokens, inp.positions,
              inp.remaining, inp.gen_index, out)
     _, k, v, counts_b, *_, out = jax.lax.while_loop(keep_going, chunk_of_iterations, carry)
     counts = _replicated(jax.lax.dynamic_update_slice(counts, counts_b, (0, 0)))

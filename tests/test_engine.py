@@ -532,3 +532,27 @@ def test_a_step_launched_ahead_drops_a_request_cancelled_meanwhile(model, work20
             assert engine.result(rid).token_ids == a.token_ids
     engine.blocks.check_all_free()
     assert engine.stats().pages_used == 0
+
+
+def test_a_decode_call_ends_when_waiting_requests_get_their_slots(model):
+    # 8 slots, a ninth request waiting: the decode call ends (at the chunk boundary) once
+    # one row stops, however long decode_call_seconds allows, so the ninth is admitted then
+    # (a call of decode_steps would have run the others to 40 tokens, one of 16 to ~21).
+    prompts = _long_prompts(9, seed=5)
+    lengths = [12] + [40] * 8
+    alone = [jaxinfer.generate(model, [p], max_new_tokens=m, ignore_eos=True)[0]
+             for p, m in zip(prompts, lengths, strict=True)]
+    engine = _engine(model, num_pages=256, max_batch=8, decode_steps=64,
+                     decode_call_seconds=100.0, max_seq_len=64)
+    ids = [engine.submit(p, max_new_tokens=m, ignore_eos=True)
+           for p, m in zip(prompts, lengths, strict=True)]
+    seen = dict.fromkeys(ids, 0)
+    seen_at_admission = None
+    while engine.has_unfinished():
+        for rid, new, _ in engine.step():
+            if rid == ids[8] and seen_at_admission is None:
+                seen_at_admission = seen[ids[1]]
+            seen[rid] += len(new)
+    assert seen_at_admission is not None and seen_at_admission <= 12 + runner.DECODE_CHUNK
+    for rid, a in zip(ids, alone, strict=True):
+        assert engine.result(rid).token_ids == a.token_ids
