@@ -1452,7 +1452,9 @@ class Engine(StepLoop):
             per = seconds / ran
             _update_mean(self._iteration_s, b, per)
         self._decode_calls += 1
-        self._padded += call.padded
+        # Token slots it computed: whole chunks up to its last token (it may end early).
+        self._padded += b * min(-(-ran // self.decode_chunk) * self.decode_chunk,
+                                call.padded // b)
         return self._emit_columns(call.rows, out)
 
     def _emit_columns(self, rows: list[_Seq], out: dict[str, np.ndarray]) -> list[Event]:
