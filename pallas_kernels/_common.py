@@ -164,14 +164,15 @@ def online_softmax_step(
 
 def key_block_step(
     acc: jax.Array, m: jax.Array, l_sum: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-    *, scale: float, valid: jax.Array, key_start: Any, key_end: Any,
+    *, scale: float, valid: jax.Array | None, key_start: Any, key_end: Any,
     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block of keys of an attention kernel: logits, masks, then `online_softmax_step`.
 
     `q` [rows, d]; `k`, `v` [keys, d] hold keys `[key_start, key_start + keys)` of a sequence
     with `key_end` keys; `valid` [rows, keys] says which logits count (the rest become -inf).
-    V rows at or past `key_end` are zeroed (stale rows may hold NaN). Quantized pages
+    V rows at or past `key_end` are zeroed (stale rows may hold NaN). `valid=None`: the block
+    lies below `key_end` and every row sees all its keys, so nothing is masked. Quantized pages
     (`kv_quant`) pass `k_scale`, `v_scale` [keys]: the values are widened to q's dtype
     (exact for int8 and e4m3), each key's logits are multiplied by its scale, and each
     value's softmax weight by its own (past `key_end` zeroed), so no block is dequantized.
@@ -184,6 +185,9 @@ def key_block_step(
     ) * scale
     if quantized:
         s = s * k_scale.astype(jnp.float32)[None, :]
+    if valid is None:
+        v_scale = None if v_scale is None else v_scale.astype(jnp.float32)[None, :]
+        return online_softmax_step(acc, m, l_sum, s, v, masked=False, v_scale=v_scale)
     s = jnp.where(valid, s, NEG_INF)
     vpos = key_start + lax.broadcasted_iota(jnp.int32, v.shape, 0)
     v = jnp.where(vpos < key_end, v, jnp.zeros_like(v))

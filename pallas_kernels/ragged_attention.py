@@ -221,16 +221,23 @@ def _ragged_gpu_kernel(
     last_tok = jnp.minimum(tok0 + block_q, q_len) - 1
     key_end = jnp.where(tok0 < q_len, jnp.minimum(kv_len, kv_len - q_len + last_tok + 1), 0)
     n_ksteps = cdiv(key_end, block_k)
+    # Key blocks that the block's first token (so every row) sees whole come first, with no
+    # masks (rows past q_len compute garbage there that is never stored); then the blocks
+    # that cross the causal diagonal or kv_len.
+    first_keys = jnp.minimum(kv_len - q_len + tok0 + 1, kv_len)
+    n_whole = jnp.where(tok0 < q_len, jnp.minimum(first_keys // block_k, n_ksteps), 0)
 
-    def body(j, carry):
+    def step(j, carry, masked: bool):
         acc, m, l_sum = carry
         pages = bt_ref[pl.ds(bt_row + j * pages_per_block, pages_per_block)]
         pages = jnp.clip(pages, 0, num_pages - 1)
         k = k_ref[pages].reshape(block_k, d)
         v = v_ref[pages].reshape(block_k, d)
         start_k = j * block_k
-        kpos = start_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        valid = (kpos < kv_len) & (kpos <= row_pos) & row_ok
+        valid = None
+        if masked:
+            kpos = start_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+            valid = (kpos < kv_len) & (kpos <= row_pos) & row_ok
         return key_block_step(
             acc, m, l_sum, q, k, v, scale=scale, valid=valid, key_start=start_k,
             key_end=kv_len,
@@ -238,14 +245,14 @@ def _ragged_gpu_kernel(
             v_scale=vs_ref[pages].reshape(block_k) if quantized else None,
         )
 
-    acc, _, l_sum = lax.fori_loop(
-        0, n_ksteps, body,
-        (
-            jnp.zeros((rows, d), jnp.float32),
-            jnp.full((rows,), NEG_INF, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-        ),
+    carry = (
+        jnp.zeros((rows, d), jnp.float32),
+        jnp.full((rows,), NEG_INF, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
     )
+    carry = lax.fori_loop(0, n_whole, functools.partial(step, masked=False), carry)
+    acc, _, l_sum = lax.fori_loop(n_whole, n_ksteps, functools.partial(step, masked=True),
+                                  carry)
     out = online_softmax_finish(acc, l_sum[:, None]).reshape(blk).astype(o_ref.dtype)
     plgpu.store(o_ref.at[pl.ds(start, block_q)], out, mask=mine)
 
