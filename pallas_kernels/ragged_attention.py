@@ -221,11 +221,13 @@ def _ragged_gpu_kernel(
     last_tok = jnp.minimum(tok0 + block_q, q_len) - 1
     key_end = jnp.where(tok0 < q_len, jnp.minimum(kv_len, kv_len - q_len + last_tok + 1), 0)
     n_ksteps = cdiv(key_end, block_k)
-    # Key blocks that the block's first token (so every row) sees whole come first, with no
-    # masks (rows past q_len compute garbage there that is never stored); then the blocks
-    # that cross the causal diagonal or kv_len.
+    # Prompt chunks: key blocks that the block's first token (so every row) sees whole come
+    # first, with no masks (rows past q_len compute garbage there that is never stored);
+    # then the blocks that cross the causal diagonal or kv_len. Decode tokens (q_len 1)
+    # take the masked loop only (H100 r96: their unmasked loop ran slower).
     first_keys = jnp.minimum(kv_len - q_len + tok0 + 1, kv_len)
-    n_whole = jnp.where(tok0 < q_len, jnp.minimum(first_keys // block_k, n_ksteps), 0)
+    n_whole = jnp.where((tok0 < q_len) & (q_len > 1),
+                        jnp.minimum(first_keys // block_k, n_ksteps), 0)
 
     def step(j, carry, masked: bool):
         acc, m, l_sum = carry
