@@ -253,7 +253,7 @@ collection; the device feeds it to the step launched ahead)."""
 class _Entry(NamedTuple):
     """One sequence's part of a launched mixed step."""
 
-    slot: int  # its slot at launch (the packed order); -1 later if it ended meanwhile
+    slot: int  # its slot at launch (the packed order; ``seq.slot`` differs once it ended)
     seq: _Seq
     start: int  # first position computed
     n: int  # tokens computed
@@ -598,13 +598,19 @@ class Engine(StepLoop):
                     calls.extend([ahead] if ahead is not None else [])
                 except jax.errors.JaxRuntimeError as e:
                     failure = e  # its requests fail once this step's results are kept
-            events = self._collect(calls.popleft()) if calls else []
+            events = self._collect(calls[0]) if calls else []
+            if calls:
+                calls.popleft()  # only once its results are kept
             if failure is not None:
                 raise failure
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
+                self._abandon_launched()
                 raise
             events = self._out_of_memory(e)
+        except BaseException:  # Ctrl-C, or a bug: keep the engine consistent, then raise
+            self._abandon_launched()
+            raise
         self._peak_used = max(self._peak_used, self.blocks.num_used)
         self._steps += 1
         self._step_time += time.perf_counter() - t0
@@ -1007,14 +1013,15 @@ class Engine(StepLoop):
         error naming the step's shape, and their pages are freed. If the failed program had
         already taken the pool (donated buffers), the pool starts empty and the other running
         requests recompute their tokens when readmitted."""
-        what, seqs = self._inflight
+        what = self._inflight[0]
+        seqs = self._launched_seqs()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         why = (f"the device ran out of memory in the engine's {what} ({first}); give the "
                "engine a smaller max_tokens_per_step, max_batch or memory_fraction")
         # With a mixed step launched ahead, the results of the step before it may be lost
-        # too: its requests (the ones with unread tokens) fail with the same error.
+        # too: its requests fail with the same error.
         self._launched.clear()
-        failed = [s for s in self._running if s in seqs or s.unknown]
+        failed = [s for s in self._running if id(s) in seqs]
         for s in failed:
             self._fail(s, why)
         print(f"jaxinfer: {why}; requests {[s.rid for s in failed]} ended with this error",
@@ -1025,6 +1032,25 @@ class Engine(StepLoop):
                 self._preempt(s)
             self._new_device_state()
         return [(s.rid, [], True) for s in failed]
+
+    def _launched_seqs(self) -> dict[int, _Seq]:
+        """The running requests of every program launched whose results are not kept yet
+        (and of the one being launched), by ``id``."""
+        seqs = list(self._inflight[1])
+        for call in self._launched:
+            seqs += [e.seq for e in call.entries or ()]
+            seqs += [s for s, _ in call.proposals or ()] + list(call.rows or ())
+        return {id(s): s for s in seqs if s.slot >= 0}
+
+    def _abandon_launched(self) -> None:
+        """``step()`` was interrupted between launching programs and keeping their results:
+        forget those programs and preempt their requests, which recompute their tokens (the
+        same ones) when readmitted, so no placeholder or half-advanced request remains."""
+        seqs = self._launched_seqs()
+        self._launched.clear()
+        for s in list(self._running):
+            if id(s) in seqs:
+                self._preempt(s)
 
     def _put(self, tree: Any) -> Any:
         """Host arrays for a step program: on one device, the numpy arrays themselves, which

@@ -350,7 +350,7 @@ class BlockManager:
         table = self.tables[seq]
         hashes = self.block_hashes(seq, tokens[:num_computed])
         done = self._committed.get(seq, 0)
-        self._committed[seq] = len(hashes)
+        self._committed[seq] = max(done, len(hashes))
         for j in range(done, len(hashes)):
             h, page = hashes[j], table[j]
             if page in self._page_hash or h in self._cached:

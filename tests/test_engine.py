@@ -556,3 +556,38 @@ def test_a_decode_call_ends_when_waiting_requests_get_their_slots(model):
     assert seen_at_admission is not None and seen_at_admission <= 12 + runner.DECODE_CHUNK
     for rid, a in zip(ids, alone, strict=True):
         assert engine.result(rid).token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("where", ["to_host", "_dispatch_mixed"])
+def test_an_interrupted_step_leaves_every_running_request_correct(model, monkeypatch, where):
+    # Ctrl-C while a step's results are read (a step ahead already launched), or right
+    # after a mixed step is dispatched (before the host marks its tokens): the engine
+    # preempts the requests of the programs it abandons, and they recompute the same tokens.
+    from jaxinfer import engine as engine_module
+
+    prompts = _long_prompts(6)
+    alone = [jaxinfer.generate(model, [p], max_new_tokens=8, ignore_eos=True)[0].token_ids
+             for p in prompts]
+    for at in (2, 4, 6):
+        engine = _engine(model, max_tokens_per_step=8)
+        ids = [engine.submit(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+        for _ in range(at):
+            engine.step()
+        target = engine_module if where == "to_host" else engine
+        real = getattr(target, where)
+        fired: list[int] = []
+
+        def interrupt(*args, real=real, fired=fired, **kwargs):
+            out = real(*args, **kwargs)
+            if not fired:
+                fired.append(1)
+                raise KeyboardInterrupt
+            return out
+
+        monkeypatch.setattr(target, where, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        monkeypatch.undo()
+        engine.run_until_done()
+        assert [engine.result(i).token_ids for i in ids] == alone, (where, at)
+        engine.blocks.check_all_free()
