@@ -239,6 +239,11 @@ class _Seq:
         all but the continuation's last token when scoring (nothing follows it)."""
         return len(self.tokens) - (1 if self.req.is_score else 0)
 
+    def samples_after(self, n: int) -> bool:
+        """Whether computing its next ``n`` tokens reaches its last known token, so a token
+        is sampled after them (never for a scoring request)."""
+        return not self.req.is_score and self.num_computed + n == len(self.tokens)
+
     @property
     def pending(self) -> int:
         """Tokens still to compute; 1 means a generating sequence is in its decode phase."""
@@ -476,8 +481,8 @@ class Engine(StepLoop):
         # time dominates.
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
                                            fine=accelerator)
-        # A lone request decodes in one row where every matmul is the int4 kernel's (a
-        # padding row would cost it work), in two rows otherwise (runner.row_buckets).
+        # A lone request decodes in one row where every matmul is a few-row int4 / int8
+        # kernel's (a padding row would cost it work), in two rows otherwise.
         self.row_buckets = row_buckets(slots, self._few_rows(model))
         self.prefix_caching = prefix_caching
         self._pool_budget = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
@@ -590,12 +595,14 @@ class Engine(StepLoop):
             if not calls:
                 first = (self._launch_mixed() if self._prompt_work_pending() or self._constrained()
                          else self._launch_decode_step(max_decode_steps))
-                calls.extend([first] if first is not None else [])
+                if first is not None:
+                    calls.append(first)
             failure = None
             if len(calls) == 1 and calls[0].entries is not None:
                 try:  # the next mixed step runs while this one's results are handled
                     ahead = self._launch_ahead()
-                    calls.extend([ahead] if ahead is not None else [])
+                    if ahead is not None:
+                        calls.append(ahead)
                 except jax.errors.JaxRuntimeError as e:
                     failure = e  # its requests fail once this step's results are kept
             events = self._collect(calls[0]) if calls else []
@@ -999,7 +1006,8 @@ class Engine(StepLoop):
                 for m in (self.model, draft)))
             self.max_seq_len = min(self.max_seq_len, self.num_pages * self.page_size)
         self._draft = draft
-        # A draft that is not all int4 would run one-row XLA matmuls in a one-row bucket.
+        # A draft that is not all int4 / int8 would run one-row XLA matmuls in a one-row
+        # bucket.
         self.row_buckets = row_buckets(self.max_batch, self._few_rows(self.model, draft))
         self._draft_backend = resolve_backend(draft.backend, draft.config.head_dim,
                                               draft.deterministic)
@@ -1188,9 +1196,7 @@ class Engine(StepLoop):
             last[slots] = off + ns - 1
             gen[slots] = np.fromiter((len(q.progress.tokens) + q.unknown for q, _ in plan),
                                      np.int32, m)
-            samples[slots] = np.fromiter(
-                (not q.req.is_score and q.num_computed + n == len(q.tokens) for q, n in plan),
-                bool, m)
+            samples[slots] = np.fromiter((q.samples_after(n) for q, n in plan), bool, m)
             scoring = np.fromiter((q.req.is_score for q, _ in plan), bool, m)
             one = (ns == 1) & ~scoring  # decode tokens; score entries need their targets
             idx = off[one]
@@ -1260,7 +1266,7 @@ class Engine(StepLoop):
         tokens, and a placeholder for each token sampled, as if its results were read."""
         plan = self._plan_mixed(ahead)
         if not plan:
-            if plan is not None and not ahead and self._waiting and not self._running:
+            if not ahead and self._waiting and not self._running:
                 raise RuntimeError("the engine cannot admit any waiting request with an empty "
                                    "pool; this is a scheduler bug")  # add_request's checks
             return None
@@ -1274,8 +1280,7 @@ class Engine(StepLoop):
                                    num_top)
         entries = []
         for s, n in sorted(plan, key=lambda p: p[0].slot):
-            start, end = s.num_computed, s.num_computed + n
-            samples = not s.req.is_score and end == len(s.tokens)
+            start, end, samples = s.num_computed, s.num_computed + n, s.samples_after(n)
             entries.append(_Entry(s.slot, s, start, n, samples))
             s.num_computed = end
             if end // self.page_size > start // self.page_size and not s.unknown:

@@ -96,21 +96,25 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
 
 
-def int4_kernel_weight(w: Any, stacked: bool = False) -> bool:
-    """Whether ``w`` is an int4 weight that ``pallas_kernels.int4_matmul`` multiplies on a GPU
-    (one device): groups of 32, 64 or 128 rows and, per layer (``stacked``: after the layer
-    axis), one input axis and either one output axis or a fused ``[in, 1, out]`` one."""
-    return (isinstance(w, QuantizedWeight) and w.kind == "int4" and w.group in (32, 64, 128)
+def _kernel_weight(w: Any, kind: str, groups: tuple[int, ...], stacked: bool) -> bool:
+    """Whether ``w`` is a ``kind`` weight with one of ``groups`` and, per layer
+    (``stacked``: after the layer axis), one input axis and either one output axis or a fused
+    ``[in, 1, out]`` one: what the few-row kernels take."""
+    return (isinstance(w, QuantizedWeight) and w.kind == kind and w.group in groups
             and w.q.ndim - w.out_axes == 1 + stacked
             and (w.out_axes == 1 or w.q.shape[-2] == 1))
+
+
+def int4_kernel_weight(w: Any, stacked: bool = False) -> bool:
+    """Whether ``w`` is an int4 weight that ``pallas_kernels.int4_matmul`` multiplies on a GPU
+    (one device): groups of 32, 64 or 128 rows, shaped as ``_kernel_weight`` says."""
+    return _kernel_weight(w, "int4", (32, 64, 128), stacked)
 
 
 def int8_kernel_weight(w: Any, stacked: bool = False) -> bool:
     """Whether ``w`` is an int8 weight that ``pallas_kernels.int8_matmul`` multiplies on a GPU
-    (one device): one scale per 64 rows, shaped as ``int4_kernel_weight`` says."""
-    return (isinstance(w, QuantizedWeight) and w.kind == "int8" and w.group == 64
-            and w.q.ndim - w.out_axes == 1 + stacked
-            and (w.out_axes == 1 or w.q.shape[-2] == 1))
+    (one device): one scale per 64 rows, shaped as ``_kernel_weight`` says."""
+    return _kernel_weight(w, "int8", (64,), stacked)
 
 
 def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:

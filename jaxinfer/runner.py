@@ -295,10 +295,10 @@ def decode_steps(
     why), after ``remaining`` tokens, or when its next input position reaches ``limit``. The
     loop ends at the first multiple of ``chunk`` (static, dividing ``max_steps``) iterations
     where no row is active, ``inp.stop_after`` rows have stopped, or ``num_steps`` is
-    reached; iterations past a row's stop compute
-    but write nothing. ``stochastic`` (static): some active row has a temperature above 0;
-    ``deterministic`` (static): batch-invariant kernels (``forward_ragged``); ``num_top``
-    (static): most likely tokens returned per row and iteration (``sample``). No row is
+    reached; iterations past a row's stop compute but write nothing. ``stochastic``
+    (static): some active row has a temperature above 0; ``deterministic`` (static):
+    batch-invariant kernels (``forward_ragged``); ``num_top`` (static): most likely tokens
+    returned per row and iteration (``sample``). No row is
     constrained by a token mask (the engine runs those through ``mixed_step``).
 
     Returns ``(pool, counts, out)``: ``out["tokens"]`` ``[max_steps, B]`` (-1 where a row

@@ -1,6 +1,6 @@
 """Weight-only matmul for a few rows (batch-1 decode) on the CUDA cores, reading the packed
-weight as 32-bit words: the kernel behind ``int4_matmul`` and ``int8_matmul`` up to ``WORD_ROWS``
-rows.
+weight as 32-bit words: the kernel behind ``int4_matmul`` up to ``WORD_ROWS`` rows and
+``int8_matmul`` up to ``Int8Tiles.word_rows`` (one by default).
 
 Why words: a byte-typed tile makes Triton load and convert one byte per register, and a
 tensor-core dot pads one row to 16 and moves every dequantized weight into its operand
@@ -38,10 +38,10 @@ are rounded to float16 (and the sums by ``2^8`` after), so no float16 sum overfl
 multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 (r85): 77.8 / 89.4 us
 at one / two rows against ``_word_kernel``'s 102.9 (50% / 43% of the read floor against
 38%); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
-int8 (g64: four products per float16 sum at the default 16 rows per load) has not been
-timed on a GPU yet (``scripts/bench_int4.py --int8``); its float32 kernel was slower than
-``int8_matmul``'s tensor-core kernel (r64: 174 / 255 us per 8B layer at one / two rows
-against 161 / 160).
+int8 (g64: four products per float16 sum at the default 16 rows per load), H100 r91
+(``scripts/bench_int4.py --int8``): 113.9 us per 8B layer at one row against
+``int8_matmul``'s tensor-core kernel's 121.6, but 142.3 against 122.1 at two; its float32
+kernel was slower still (r64: 174 / 255 us at one / two rows).
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero; a byte row per input row, so a word holds one input row of
@@ -84,8 +84,8 @@ class WordTiles:
     num_stages: int = 3
     half2_min_group: int = 128  # int4 groups of at least this many rows run the float16-pair
     # kernel (0: never); r82 measured it faster at 128, slower at 32
-    int8_half2: bool = True  # int8 runs the float16-pair kernel (False: the float32 one);
-    # not yet timed on a GPU (``scripts/bench_int4.py --int8``)
+    int8_half2: bool = True  # int8 runs the float16-pair kernel (False: the float32 one,
+    # slower on an H100, r64 / r91)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
