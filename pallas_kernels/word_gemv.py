@@ -86,6 +86,8 @@ class WordTiles:
     # kernel (0: never); r82 measured it faster at 128, slower at 32
     int8_half2: bool = True  # int8 runs the float16-pair kernel (False: the float32 one,
     # slower on an H100, r64 / r91)
+    prefetch: bool = False  # the float16-pair kernel loads each loop step's operands one
+    # step ahead (``_half2_kernel``)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -114,13 +116,12 @@ def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
-def _accumulate_and_store(body, steps: int, rows: int, sub: int, o_ref) -> None:
-    """Run ``body(step, acc)`` for ``steps`` loop steps from zero accumulators ``acc[r][c]``
-    (row ``r``, byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column
-    sums into ``o_ref [rows, block_n]`` (lane ``c`` holds every fourth column from ``c``)."""
+def _store_column_sums(run, rows: int, sub: int, o_ref) -> None:
+    """Run ``run(init)`` (the kernel's loop) from zero accumulators ``acc[r][c]`` (row ``r``,
+    byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column sums into
+    ``o_ref [rows, block_n]`` (lane ``c`` holds every fourth column from ``c``)."""
     words = o_ref.shape[1] // 4
-    init = [[jnp.zeros((sub, words), jnp.float32) for _ in range(4)] for _ in range(rows)]
-    acc = lax.fori_loop(0, steps, body, init)
+    acc = run([[jnp.zeros((sub, words), jnp.float32) for _ in range(4)] for _ in range(rows)])
     for r in range(rows):
         for c in range(4):
             o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
@@ -180,7 +181,8 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
                     acc[r][c] = acc[r][c] + (s * float(1 << bits)) * d[r][c] + const * x_sum[r]
         return acc
 
-    _accumulate_and_store(body, steps_per_split, rows, sub, o_ref)
+    _store_column_sums(lambda init: lax.fori_loop(0, steps_per_split, body, init), rows, sub,
+                       o_ref)
 
 
 HALF2_PRODUCTS = 8
@@ -266,36 +268,58 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
 
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
-                  groups_per_step: int, steps_per_split: int, emulate: bool) -> None:
+                  groups_per_step: int, steps_per_split: int, prefetch: bool,
+                  emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there. Per row and group, two pair accumulators: byte lanes
-    0/2 and 1/3 of each word, one product per load and field."""
+    0/2 and 1/3 of each word, one product per load and field.
+
+    ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
+    before it computes on the ones the previous step issued, so a program always has loads
+    in flight; without it every step waits for its own loads (H100 profile, r100: 63% of
+    issue slots with no eligible warp, most stalls on global loads)."""
     z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
+    loads = byte_rows // sub
     fields = 8 // bits  # field i of a group's byte row j is its row i * byte_rows + j
     split = pl.program_id(1)
     f32 = jnp.float32
 
-    def body(step, acc):  # acc[r][c]: [sub, words] float32
-        acc = [list(a) for a in acc]
+    def load(step):
+        """What ``step`` reads, per group: words ``[loads] [sub, words]`` int32; activations
+        ``[rows][loads][fields] [sub, 1]`` float32; scales and zeros (or None) ``[4 lanes]
+        [1, words]`` float32, lane ``c`` holding the columns ``c, c + 4, ...``."""
         first = (split * steps_per_split + step) * groups_per_step
+        out = []
         for j in range(groups_per_step):
             g = first + j
+            w = [lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
+                                          jnp.int32) for t in range(loads)]
+            xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
+                    .astype(f32)[:, None] for i in range(fields)] for t in range(loads)]
+                  for r in range(rows)]
+            cols = [pl.ds(c, words, stride=4) for c in range(4)]
+            s = [s_ref[pl.ds(g, 1), cols[c]].astype(f32) for c in range(4)]
+            z = None if z_ref is None else [z_ref[pl.ds(g, 1), cols[c]].astype(f32)
+                                             for c in range(4)]
+            out.append((w, xs, s, z))
+        return out
+
+    def compute(data, acc):  # acc[r][c]: [sub, words] float32
+        acc = [list(a) for a in acc]
+        for w, xs, s, z in data:
             a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
             a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
             x_sum = [None] * rows  # [sub, 1] float32, unscaled (for the zeros)
-            for t in range(byte_rows // sub):
-                w = lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
-                                             jnp.int32)  # [sub, words]
+            for t in range(loads):
                 # Field i of lanes 0 and 2 starts at bit bits * i, of lanes 1 and 3 8 above.
-                p02 = [_field_pairs(w, bits * i, bits, emulate) for i in range(fields)]
-                p13 = [_field_pairs(w, 8 + bits * i, bits, emulate) for i in range(fields)]
+                p02 = [_field_pairs(w[t], bits * i, bits, emulate) for i in range(fields)]
+                p13 = [_field_pairs(w[t], 8 + bits * i, bits, emulate) for i in range(fields)]
                 for r in range(rows):
                     for i in range(fields):
-                        xi = x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
-                        xi = xi.astype(f32)[:, None]  # [sub, 1]
-                        if z_ref is not None:
+                        xi = xs[r][t][i]
+                        if z is not None:
                             x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
                         xp = _half_pair(xi * _HALF2_X_SCALE, words)
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
@@ -304,14 +328,26 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
                          _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
                 for c in range(4):
-                    cols = pl.ds(c, words, stride=4)  # the columns of byte lane c
-                    s = s_ref[pl.ds(g, 1), cols].astype(f32) * (1 / _HALF2_X_SCALE)
-                    acc[r][c] = acc[r][c] + s * parts[c]
-                    if z_ref is not None:
-                        acc[r][c] = acc[r][c] + z_ref[pl.ds(g, 1), cols].astype(f32) * x_sum[r]
+                    acc[r][c] = acc[r][c] + (s[c] * (1 / _HALF2_X_SCALE)) * parts[c]
+                    if z is not None:
+                        acc[r][c] = acc[r][c] + z[c] * x_sum[r]
         return acc
 
-    _accumulate_and_store(body, steps_per_split, rows, sub, o_ref)
+    if prefetch:
+        def body(step, carry):
+            acc, data = carry
+            ahead = load(jnp.minimum(step + 1, steps_per_split - 1))  # the last step
+            # reloads itself: in bounds, and its result is dropped
+            return compute(data, acc), ahead
+
+        def run(init):
+            return lax.fori_loop(0, steps_per_split, body, (init, load(0)))[0]
+    else:
+        def run(init):
+            return lax.fori_loop(0, steps_per_split,
+                                 lambda step, acc: compute(load(step), acc), init)
+
+    _store_column_sums(run, rows, sub, o_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
@@ -357,7 +393,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
-            steps_per_split=steps // splits, emulate=interpret)
+            steps_per_split=steps // splits, prefetch=tiles.prefetch, emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,

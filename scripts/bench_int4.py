@@ -199,6 +199,24 @@ def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read
     return row
 
 
+def run_once() -> None:
+    """Each default kernel on each 8B shape at one row, twice (the second call is the one
+    to read in a profile: the first compiles), with no profiler of JAX's own attached:
+    ``ncu`` and ``jax.profiler`` both need CUPTI."""
+    cands = [for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word=WordTiles(half2_min_group=0))),
+             dataclasses.replace(for_tiles(Int8Tiles()), label="int8 default")]
+    for name, k, n in SHAPES_8B:
+        for cand in cands:
+            ops = operands8(1, k, n) if cand.int8 else operands(1, k, n, 128)
+            for _ in range(2):
+                jax.block_until_ready(cand.call(*ops))
+        x = operands(1, k, n, 128)[0]
+        w = jnp.asarray(np.random.default_rng(1).normal(size=(k, n)), jnp.bfloat16)
+        for _ in range(2):
+            jax.block_until_ready(jnp.dot(x, w))
+        print(f"ran {name}", flush=True)
+
+
 def main() -> None:
     """Measure the candidates (and the sweep); print each layer's time; write JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -208,6 +226,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2", help="row counts to time")
     ap.add_argument("--sweep", action="store_true",
                     help="also time word_gemv tilings (slow)")
+    ap.add_argument("--sweep-pairs", action="store_true",
+                    help="time the float16-pair kernel's tilings at one row (int4 g128, "
+                         "int8 g64): loads a step ahead or not, groups per loop step, "
+                         "programs (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -218,6 +240,10 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true",
                     help="time int8_matmul instead (g64): the float16-pair few-row kernel "
                          "against the tensor-core one")
+    ap.add_argument("--once", action="store_true",
+                    help="run each default kernel (int4 g128, int8 g64, bf16 through XLA) "
+                         "twice per shape at one row, untimed: a program for Nsight "
+                         "Compute (ncu) to profile")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
@@ -244,6 +270,9 @@ def main() -> None:
             + f"  {cand.label}", flush=True)
         return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
 
+    if args.once:
+        run_once()
+        return
     if args.int8:  # one row count at a time, both kernels, the JSON rewritten after each
         candidates = []
         for m in map(int, args.rows.split(",")):
@@ -258,7 +287,7 @@ def main() -> None:
                      Candidate("probe(read)", functools.partial(stream_probe, unpack=False),
                                probe=True)):
             trace_call(cand, operands(1, 4096, 4096, 128), args.calls)
-    candidates = [] if args.only_probe else [
+    candidates = [] if args.only_probe or args.sweep_pairs else [
         layer(c, m) for m in map(int, args.rows.split(","))
         for c in (for_tiles(Int4Tiles()),
                   for_tiles(Int4Tiles(word=WordTiles(half2_min_group=0))),
@@ -272,6 +301,19 @@ def main() -> None:
                                      step_rows=step_rows)
             candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
+    if args.sweep_pairs:  # one row, every shape; the JSON rewritten after each tiling
+        for ahead, step_rows, programs in itertools.product((False, True), (128, 256),
+                                                            (512, 1024, 2048)):
+            word = WordTiles(prefetch=ahead, step_rows=step_rows, target_programs=programs)
+            sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
+            write(candidates, sweep)
+        for ahead, step_rows, programs in itertools.product((False, True), (64, 128),
+                                                            (512, 1024, 2048)):
+            word = WordTiles(prefetch=ahead, step_rows=step_rows, target_programs=programs)
+            sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
+            write(candidates, sweep)
+        for c in sorted(sweep, key=lambda c: (c["kernel"][:4], sum(c["layer_us"].values()))):
+            print(f"{sum(c['layer_us'].values()):8.1f} us per layer  {c['kernel']}")
     if args.sweep:
         big = [s for s in SHAPES_8B if s[0] in ("gate_up", "down")]
         for block_n, sub_rows, warps in itertools.product((128, 256), (8, 16, 32), (4, 8)):

@@ -82,10 +82,15 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
                                                      half2_min_group=2 * group))
     assert not _runs_half2(m, k, n, group, WordTiles(sub_rows=group // (2 * HALF2_PRODUCTS)))
     for programs in (1, 512):
-        got = word_gemv(x, q, scale, zero, interpret=True,
-                        tiles=WordTiles(target_programs=programs, sub_rows=sub_rows), **INT4)
+        tiles = WordTiles(target_programs=programs, sub_rows=sub_rows)
+        got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **INT4)
         err = float(jnp.max(jnp.abs(got - want)))
         assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
+        # Loading each loop step's operands a step ahead changes when, not what: the same
+        # roundings in the same order, so the same bits.
+        ahead = word_gemv(x, q, scale, zero, interpret=True,
+                          tiles=dataclasses.replace(tiles, prefetch=True), **INT4)
+        np.testing.assert_array_equal(ahead, got)
 
 
 def test_half2_kernel_scales_activations_so_nothing_overflows():
@@ -137,6 +142,7 @@ def _f16_pair_bound(x: jax.Array, q: jax.Array, scale: jax.Array, products: int)
     (2, 1024, 300, WordTiles(target_programs=1)),  # K in one program
     (3, 256, 64, WordTiles(sub_rows=8, block_n=64)),  # HALF2_PRODUCTS (8) products per sum
     (WORD_ROWS, 2048, 36, WordTiles(step_rows=256, num_warps=8)),  # 4 groups per loop step
+    (2, 2048, 100, WordTiles(target_programs=1, prefetch=True)),  # 16 steps, loaded ahead
 ])
 def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles):
     """int8_matmul up to WORD_ROWS rows: word_gemv's float16-pair kernel (each int8 value
@@ -295,6 +301,14 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
         name = "jaxinfer_word_gemv_4bit" + ("_half2" if group >= 128 else "")
         assert name in exported.mlir_module()
         assert ("fma.rn.f16x2" in exported.mlir_module()) == (group >= 128)
+    # The float16-pair kernel with its loads a loop step ahead (a loop-carried load set).
+    ahead = Int4Tiles(word=WordTiles(prefetch=True))
+    args = (jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2048, 4096), jnp.uint8),
+            jax.ShapeDtypeStruct((32, 4096), jnp.float16))
+    exported = export.export(jax.jit(lambda x, q, s: int4_matmul(x, q, s, s, tiles=ahead)),
+                             platforms=["cuda"], disabled_checks=no_check)(*args)
+    assert "jaxinfer_word_gemv_4bit_half2" in exported.mlir_module()
     q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
     s8 = jax.ShapeDtypeStruct((64, 6144), jnp.float32)
     x = jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16)
