@@ -116,16 +116,17 @@ def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
-def _store_column_sums(run, rows: int, sub: int, o_ref) -> None:
+def _store_column_sums(run, rows: int, sub: int, o_ref, scale: float = 1.0) -> None:
     """Run ``run(init)`` (the kernel's loop) from zero accumulators ``acc[r][c]`` (row ``r``,
-    byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column sums into
-    ``o_ref [rows, block_n]`` (lane ``c`` holds every fourth column from ``c``)."""
+    byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column sums times
+    ``scale`` into ``o_ref [rows, block_n]`` (lane ``c`` holds every fourth column from
+    ``c``)."""
     words = o_ref.shape[1] // 4
     acc = run([[jnp.zeros((sub, words), jnp.float32) for _ in range(4)] for _ in range(rows)])
     for r in range(rows):
         for c in range(4):
             o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
-                jnp.sum(acc[r][c], axis=0)[None, :].astype(o_ref.dtype))
+                (jnp.sum(acc[r][c], axis=0) * scale)[None, :].astype(o_ref.dtype))
 
 
 def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
@@ -212,25 +213,35 @@ the signed byte ``q`` becomes ``u = q + 128``, so the float16 is ``1024 + u``; s
 the bias leaves the nibble ``u`` or ``q``, exactly."""
 
 
-def _field_pairs(w: jax.Array, shift: int, bits: int, emulate: bool) -> jax.Array:
-    """The ``bits``-wide fields (4: a nibble ``u``; 8: an int8 ``q``) at bits ``shift`` and
-    ``shift + 16`` of each int32 word, as a float16 pair of their values in the word's bits
-    (int32 ``[...]``): a shift, one ``lop3`` and a ``sub.f16x2`` (``_F16_BIAS``).
-    ``emulate``: the same in jnp (interpreter). For int8 a ``prmt`` (byte permute) per pair
-    would do the shift and the 1024s, but the top-bit flip would then cost an instruction of
-    its own per word: three integer instructions per word either way, and this form is
-    int4's."""
-    mask, bias = ((1 << bits) - 1) * 0x00010001, _F16_BIAS[bits]
+_F16_SIXTEENTH_MINUS_64 = (0x2C002C00, 0xD400D400)
+"""The float16 pairs ``(1/16, 1/16)`` and ``(-64, -64)``: ``(1024 + 16 u) / 16 - 64 = u``."""
+
+
+def _field_pairs(w: jax.Array, bits: int, high: bool, emulate: bool) -> jax.Array:
+    """The ``bits``-wide fields at bit 0 (``high``: the int4 nibble at bit 4) and bit 16 (20)
+    of each int32 word, as a float16 pair of their values (4: a nibble ``u``; 8: an int8
+    ``q``; int32 ``[...]``), exactly: one ``lop3`` puts the fields under the exponent of 1024
+    (``_F16_BIAS``) and one ``sub.f16x2`` removes it; a high nibble lands 4 bits up, as
+    ``1024 + 16 u``, and one ``fma.rn.f16x2`` by ``1/16`` and ``-64`` leaves ``u``, so no
+    shift is needed for it (Marlin's trick). Callers shift words by 8 for byte lanes 1 and
+    3. ``emulate``: the same in jnp (interpreter). For int8 a ``prmt`` (byte permute) per
+    pair would do the 1024s, but the top-bit flip would then cost an instruction of its own
+    per word: two instructions per pair either way, and this form is int4's."""
+    mask, bias = ((1 << bits) - 1) * 0x00010001 << (4 if high else 0), _F16_BIAS[bits]
+    scale, shift = _F16_SIXTEENTH_MINUS_64
     if emulate:
-        u = lax.shift_right_logical(lax.bitcast_convert_type(w, jnp.uint32), jnp.uint32(shift))
-        t = (u & jnp.uint32(mask)) ^ jnp.uint32(bias)  # [..., 2] float16 below
-        v = lax.bitcast_convert_type(t, jnp.float16) - jnp.float16(1024 + 128 * (bits == 8))
+        u = lax.bitcast_convert_type(w, jnp.uint32)
+        t = lax.bitcast_convert_type((u & jnp.uint32(mask)) ^ jnp.uint32(bias), jnp.float16)
+        if high:  # exact in float32: (1024 + 16 u) / 16 - 64
+            v = (t.astype(jnp.float32) / 16 - 64).astype(jnp.float16)
+        else:
+            v = t - jnp.float16(1024 + 128 * (bits == 8))
         return lax.bitcast_convert_type(v, jnp.int32)
-    asm = ("{ .reg .b32 t, c;\n"
-           f"shr.b32 t, $1, {shift};\n"
-           f"lop3.b32 t, t, {mask:#x}, {bias:#x}, 0x6A;\n"  # (t & mask) ^ bias
-           f"mov.b32 c, {bias:#x};\n"
-           "sub.rn.f16x2 $0, t, c; }")
+    remove = (f"mov.b32 c, {scale:#x};\n mov.b32 d, {shift:#x};\n fma.rn.f16x2 $0, t, c, d; }}"
+              if high else f"mov.b32 c, {bias:#x};\n sub.rn.f16x2 $0, t, c; }}")
+    asm = ("{ .reg .b32 t, c, d;\n"
+           f"lop3.b32 t, $1, {mask:#x}, {bias:#x}, 0x6A;\n"  # (w & mask) ^ bias
+           + remove)
     # Triton's inline asm takes signless integers: int32 in and out, the same bits.
     return plgpu.elementwise_inline_asm(
         asm, args=[w], constraints="=r,r", pack=1,
@@ -268,16 +279,19 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
 
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
-                  groups_per_step: int, steps_per_split: int, prefetch: bool,
-                  emulate: bool) -> None:
+                  groups_per_step: int, steps_per_split: int, pair_scales: bool,
+                  prefetch: bool, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
-    or int8 (no zeros): refs as there. Per row and group, two pair accumulators: byte lanes
-    0/2 and 1/3 of each word, one product per load and field.
+    or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
+    and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
+    and ``2m + 1``): two 4-byte loads give a weight word's four columns, where lane-strided
+    loads take four 2-byte ones. Per row and group, two pair accumulators: byte lanes 0/2 and
+    1/3 of each word, one product per load and field; each group's sums are widened and
+    scaled in float32 (float16 would round small products to subnormals), and the result is
+    multiplied by ``1 / _HALF2_X_SCALE`` once, at the store.
 
     ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
-    before it computes on the ones the previous step issued, so a program always has loads
-    in flight; without it every step waits for its own loads (H100 profile, r100: 63% of
-    issue slots with no eligible warp, most stalls on global loads)."""
+    before it computes on the ones the previous step issued (slower on an H100, r101)."""
     z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
@@ -286,10 +300,19 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     split = pl.program_id(1)
     f32 = jnp.float32
 
+    def lane_values(ref, g):
+        """The group's scales (or zeros) ``[4 lanes] [1, words]`` float32, lane ``c`` holding
+        columns ``c, c + 4, ...``."""
+        if pair_scales:
+            w01, w23 = (ref[pl.ds(g, 1), pl.ds(h, words, stride=2)] for h in (0, 1))
+            return [_widen(w01, 0, emulate), _widen(w01, 1, emulate),
+                    _widen(w23, 0, emulate), _widen(w23, 1, emulate)]
+        return [ref[pl.ds(g, 1), pl.ds(c, words, stride=4)].astype(f32) for c in range(4)]
+
     def load(step):
         """What ``step`` reads, per group: words ``[loads] [sub, words]`` int32; activations
-        ``[rows][loads][fields] [sub, 1]`` float32; scales and zeros (or None) ``[4 lanes]
-        [1, words]`` float32, lane ``c`` holding the columns ``c, c + 4, ...``."""
+        ``[rows][loads][fields] [sub, 1]`` float32, scaled by ``_HALF2_X_SCALE`` (exact);
+        scales and zeros (or None) as ``lane_values``."""
         first = (split * steps_per_split + step) * groups_per_step
         out = []
         for j in range(groups_per_step):
@@ -297,13 +320,10 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             w = [lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
                                           jnp.int32) for t in range(loads)]
             xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
-                    .astype(f32)[:, None] for i in range(fields)] for t in range(loads)]
-                  for r in range(rows)]
-            cols = [pl.ds(c, words, stride=4) for c in range(4)]
-            s = [s_ref[pl.ds(g, 1), cols[c]].astype(f32) for c in range(4)]
-            z = None if z_ref is None else [z_ref[pl.ds(g, 1), cols[c]].astype(f32)
-                                             for c in range(4)]
-            out.append((w, xs, s, z))
+                    .astype(f32)[:, None] * _HALF2_X_SCALE for i in range(fields)]
+                   for t in range(loads)] for r in range(rows)]
+            z = None if z_ref is None else lane_values(z_ref, g)
+            out.append((w, xs, lane_values(s_ref, g), z))
         return out
 
     def compute(data, acc):  # acc[r][c]: [sub, words] float32
@@ -311,24 +331,26 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
         for w, xs, s, z in data:
             a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
             a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
-            x_sum = [None] * rows  # [sub, 1] float32, unscaled (for the zeros)
+            x_sum = [None] * rows  # [sub, 1] float32 (for the zeros)
             for t in range(loads):
-                # Field i of lanes 0 and 2 starts at bit bits * i, of lanes 1 and 3 8 above.
-                p02 = [_field_pairs(w[t], bits * i, bits, emulate) for i in range(fields)]
-                p13 = [_field_pairs(w[t], 8 + bits * i, bits, emulate) for i in range(fields)]
+                # Lanes 0 and 2 are at bits 0 and 16 of a word, lanes 1 and 3 8 bits up;
+                # field 1 (int4's high nibble) 4 bits above field 0.
+                w8 = lax.shift_right_logical(w[t], jnp.int32(8))
+                p02 = [_field_pairs(w[t], bits, i == 1, emulate) for i in range(fields)]
+                p13 = [_field_pairs(w8, bits, i == 1, emulate) for i in range(fields)]
                 for r in range(rows):
                     for i in range(fields):
                         xi = xs[r][t][i]
                         if z is not None:
                             x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
-                        xp = _half_pair(xi * _HALF2_X_SCALE, words)
+                        xp = _half_pair(xi, words)
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
                         a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
             for r in range(rows):
                 parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
                          _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
                 for c in range(4):
-                    acc[r][c] = acc[r][c] + (s[c] * (1 / _HALF2_X_SCALE)) * parts[c]
+                    acc[r][c] = acc[r][c] + s[c] * parts[c]
                     if z is not None:
                         acc[r][c] = acc[r][c] + z[c] * x_sum[r]
         return acc
@@ -347,7 +369,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             return lax.fori_loop(0, steps_per_split,
                                  lambda step, acc: compute(load(step), acc), init)
 
-    _store_column_sums(run, rows, sub, o_ref)
+    _store_column_sums(run, rows, sub, o_ref, 1 / _HALF2_X_SCALE)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
@@ -390,10 +412,16 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
                   and 0 < tiles.half2_min_group <= group)
     int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
     half2 = (int4_pairs or int8_pairs) and group <= HALF2_PRODUCTS * sub
+    pair_scales = half2 and int4_pairs and scale.dtype == zero.dtype == jnp.float16
+    if pair_scales:  # float16 scales and zeros as int32 words of two columns
+        operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
+                        for a in (scale, zero)]
+        specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
-            steps_per_split=steps // splits, prefetch=tiles.prefetch, emulate=interpret)
+            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=tiles.prefetch,
+            emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
