@@ -56,9 +56,9 @@ class Int4Tiles:
     # Up to this many rows ``word_gemv`` runs (0: always the dot); groups of 32 rows only for
     # one row: at two, the dot kernel was as fast (H100, 8B layer: 252 vs 259 us, r68).
     word_rows: int = WORD_ROWS
-    # ``word_gemv``'s tiling: two 128-row groups per loop step and ~1,024 programs, 68.0 us
-    # per 8B layer at one row and g128 against 80.9 with its defaults (H100, r101)
-    word: WordTiles = WordTiles(step_rows=256, target_programs=1024)
+    # ``word_gemv``'s tiling: ~1,024 programs, 68.3 / 65.0 us per 8B layer at one row and
+    # g128 against 80.9 / 75.0 with 512 (H100, r101 / r102)
+    word: WordTiles = WordTiles(target_programs=1024)
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,

@@ -260,6 +260,18 @@ def _fma_pairs(a: jax.Array, b: jax.Array, c: jax.Array, emulate: bool) -> jax.A
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
 
 
+def _fma_f32(a: jax.Array, b: jax.Array, c: jax.Array, emulate: bool) -> jax.Array:
+    """``a * b + c`` in float32, broadcast to ``c``'s shape: one ``fma.rn.f32`` on the GPU
+    (Triton left ``x * y + z`` as a multiply and an add, r100's SASS); two roundings in the
+    interpreter."""
+    a, b = jnp.broadcast_to(a, c.shape), jnp.broadcast_to(b, c.shape)
+    if emulate:
+        return a * b + c
+    return plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float32)])[0]
+
+
 def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
     """The low (``half`` 0) or high float16 of each pair, as float32."""
     if emulate:
@@ -350,9 +362,9 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
                          _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
                 for c in range(4):
-                    acc[r][c] = acc[r][c] + s[c] * parts[c]
+                    acc[r][c] = _fma_f32(s[c], parts[c], acc[r][c], emulate)
                     if z is not None:
-                        acc[r][c] = acc[r][c] + z[c] * x_sum[r]
+                        acc[r][c] = _fma_f32(z[c], x_sum[r], acc[r][c], emulate)
         return acc
 
     if prefetch:
