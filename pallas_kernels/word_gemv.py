@@ -25,23 +25,28 @@ group's scale and the ``sum x`` term.
 Float16 pairs (int4 groups of ``WordTiles.half2_min_group`` to ``HALF2_PRODUCTS *
 sub_rows`` rows; int8 unless ``WordTiles.int8_half2`` is off): the float32 kernel is bound by
 its instructions, about one per weight, not by its loads (r74: ~1 TB/s in the engine).
-``_half2_kernel`` does two weights per instruction, as Marlin and TensorRT-LLM do: a shift
-(int4: by 0, 4, 8 or 12; int8: by 0 or 8) and one ``lop3`` put the fields of byte lanes 0 and
-2 (or 1 and 3) of a word into the mantissas of the float16 pair ``(1024 + u0, 1024 + u2)``,
-``sub.f16x2`` removes the bias (exact; int8: the same ``lop3`` flips each byte's top bit,
-``u = q + 128``, and the bias is 1152, leaving ``q``), and ``fma.rn.f16x2`` multiplies the
-pair by the row's activation and adds it to a float16 pair of sums; each group's few sums
-are then widened to float32 and scaled. The activations are scaled by ``2^-8`` before they
-are rounded to float16 (and the sums by ``2^8`` after), so no float16 sum overflows below
-``|x|`` of about 140k for int4 and 32k for int8 (``_HALF2_X_SCALE``). PTX through
+``_half2_kernel`` does two weights per instruction, as Marlin and TensorRT-LLM do: one ``lop3``
+puts the fields of byte lanes 0 and 2 of a word (lanes 1 and 3: of the word shifted by 8)
+into the mantissas of the float16 pair ``(1024 + u0, 1024 + u2)`` and ``sub.f16x2`` removes
+the bias (exact; int8: the same ``lop3`` flips each byte's top bit, ``u = q + 128``, and the
+bias is 1152, leaving ``q``); an int4 high nibble lands 4 bits up, as ``1024 + 16 u``, and
+an ``fma.rn.f16x2`` by ``1/16`` and ``-64`` leaves ``u`` with no shift. ``fma.rn.f16x2``
+then multiplies the pair by the row's activation and adds it to a float16 pair of sums; each
+group's few sums are widened to float32 and scaled with float32 ``fma`` (float16 scales and
+zeros read as two-column words). The activations are scaled by ``2^-8`` before they are
+rounded to float16 (and the result by ``2^8`` at the store), so no float16 sum overflows
+below ``|x|`` of about 140k for int4 and 32k for int8 (``_HALF2_X_SCALE``). PTX through
 ``plgpu.elementwise_inline_asm``; under the interpreter the same arithmetic in jnp (each
-multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 (r85): 77.8 / 89.4 us
-at one / two rows against ``_word_kernel``'s 102.9 (50% / 43% of the read floor against
-38%); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
-int8 (g64: four products per float16 sum at the default 16 rows per load), H100 r91
-(``scripts/bench_int4.py --int8``): 113.9 us per 8B layer at one row against
-``int8_matmul``'s tensor-core kernel's 121.6, but 142.3 against 122.1 at two; its float32
-kernel was slower still (r64: 174 / 255 us at one / two rows).
+float16 multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 and one row:
+63.6 us, 57% of the read floor (r103; r85, before the shift-free high nibbles, the paired
+scale loads, the float32 ``fma`` and 1,024 programs: 77.8 us, against ``_word_kernel``'s
+102.9); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
+Nsight Compute (r100) found it bound by issuing instructions, with few warps per SM: 28% of
+issue slots busy at 18% achieved occupancy, most stalls waiting on global loads. int8 (g64:
+four products per float16 sum at the default 16 rows per load; ``scripts/bench_int4.py
+--int8``): 104.1 us per 8B layer at one row (r103; r91: 113.9, against ``int8_matmul``'s
+tensor-core kernel's 121.6, but 142.3 against 122.1 at two); its float32 kernel was slower
+still (r64: 174 / 255 us at one / two rows).
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero; a byte row per input row, so a word holds one input row of
@@ -79,7 +84,8 @@ class WordTiles:
     # 128, the faster of the two for each at two rows on an H100, bench/NOTES.md r64)
     sub_rows: int = 16  # byte rows per load (a divisor of a group's byte rows)
     step_rows: int = 128  # input rows per loop iteration (whole groups, unrolled)
-    target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM)
+    target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM;
+    # ``Int4Tiles`` asks for 1,024)
     num_warps: int = 4
     num_stages: int = 3
     half2_min_group: int = 128  # int4 groups of at least this many rows run the float16-pair
