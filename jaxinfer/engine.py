@@ -484,6 +484,10 @@ class Engine(StepLoop):
         # A lone request decodes in one row where every matmul is a few-row int4 / int8
         # kernel's (a padding row would cost it work), in two rows otherwise.
         self.row_buckets = row_buckets(slots, self._few_rows(model))
+        # The draft-model speculation loop's row buckets: its draft decodes one token a row
+        # and iteration, the target verifies several, so only the draft's matmuls decide
+        # whether one row suffices (``_use_draft``).
+        self.draft_row_buckets = self.row_buckets
         self.prefix_caching = prefix_caching
         self._pool_budget = (num_pages * PagePool.bytes_per_page(cfg, page_size, model.dtype,
                                                                  model.kv_cache_dtype)
@@ -753,10 +757,11 @@ class Engine(StepLoop):
                  for st in samplers]
         mixed += [(False, st, True) for st in samplers if generate and constrained]
         decode = samplers if generate else ()
-        verify = [b for b in self.row_buckets if b <= VERIFY_MAX_ROWS] if speculative else []
         drafts = speculative is not None and speculative.draft is not None
         if drafts:
             self._use_draft(speculative.draft)
+        loops = self.draft_row_buckets if drafts else self.row_buckets
+        verify = [b for b in loops if b <= VERIFY_MAX_ROWS] if speculative else []
         n = (len(self.token_buckets) * (len(mixed) + drafts) + len(self.row_buckets)
              * len(decode) + len(verify) * len(samplers))
         print(f"jaxinfer: preparing {n} engine step programs (compiled once per shape) …",
@@ -979,8 +984,9 @@ class Engine(StepLoop):
                 kv_cache_dtype=d.kv_cache_dtype)
 
     def _few_rows(self, *models: Model) -> tuple[int, ...]:
-        """The decode row buckets below 8 for ``models`` (the target and its draft, whose
-        proposals run at the target's row bucket): 1, 2 and 4 when every matmul of each is
+        """The decode row buckets below 8 for ``models`` (decode calls and verify steps: the
+        target and its draft, whose proposals there run at the target's row bucket; the
+        draft loop: the draft alone): 1, 2 and 4 when every matmul of each is
         a few-row int4 or int8 kernel's (``model.one_row_decode_weights``), else 2
         (``runner.row_buckets``)."""
         one_device = mesh_sizes(self.mesh)[1] == 1
@@ -1009,6 +1015,7 @@ class Engine(StepLoop):
         # A draft that is not all int4 / int8 would run one-row XLA matmuls in a one-row
         # bucket.
         self.row_buckets = row_buckets(self.max_batch, self._few_rows(self.model, draft))
+        self.draft_row_buckets = row_buckets(self.max_batch, self._few_rows(draft))
         self._draft_backend = resolve_backend(draft.backend, draft.config.head_dim,
                                               draft.deterministic)
         self._draft_key = (draft.config, str(draft.dtype), draft.layout, draft.kv_cache_dtype,
@@ -1511,18 +1518,19 @@ class Engine(StepLoop):
         return events
 
     # ------------------------------------------------------------------ speculation loops
-    def _loop_pays(self, method: str, b: int) -> bool:
-        """Whether the ``method`` speculation loop is expected to yield more tokens per second
-        than a plain decode call over the ``b`` row bucket: tried first, then one decode call
+    def _loop_pays(self, method: str, b: int, decode_b: int) -> bool:
+        """Whether the ``method`` speculation loop over the ``b`` row bucket is expected to
+        yield more tokens per second than a plain decode call over ``decode_b`` rows (the
+        draft loop may take fewer, ``draft_row_buckets``): tried first, then one decode call
         is measured, then the faster runs; a losing loop is tried again every
         ``SPECULATION_RETRY`` decode calls (acceptance changes as outputs go on)."""
         if not all(s.req.sampling.speculative.adaptive
                    for s in self._running if s.req.sampling.speculative):
             return True
         loop_s, skips = self._loop_s[method], self._loop_skips[method]
-        if b not in loop_s or b not in self._iteration_s:
+        if b not in loop_s or decode_b not in self._iteration_s:
             return b not in loop_s
-        if self._loop_gain[method][b] / loop_s[b] > 1 / self._iteration_s[b]:
+        if self._loop_gain[method][b] / loop_s[b] > 1 / self._iteration_s[decode_b]:
             return True
         skips[b] = skips.get(b, 0) + 1
         if skips[b] < SPECULATION_RETRY:
@@ -1786,8 +1794,10 @@ class Engine(StepLoop):
         if len(methods) == 1 and not _num_top(self._running):
             # Proposals, verification and stops on the device, several iterations a call.
             method = methods.pop()
-            if self._loop_pays(method, b):
-                return self._launch_loop(method, b, max_steps)
+            lb = b if method == "ngram" else bucket(max(s.slot for s in self._running) + 1,
+                                                    self.draft_row_buckets)
+            if self._loop_pays(method, lb, b):
+                return self._launch_loop(method, lb, max_steps)
             return self._launch_decode(max_steps)
         rooms = {s.rid: self._proposal_room(s) for s in self._running}
         drafted = [(s, rooms[s.rid]) for s in self._running

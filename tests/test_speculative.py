@@ -378,6 +378,26 @@ def test_adaptive_draft_speculation_tries_both_step_kinds():
     assert e.stats().verify_steps >= 1 and e.stats().decode_calls >= 1
 
 
+def test_draft_loop_runs_in_the_drafts_row_bucket():
+    """A draft whose every matmul takes one row (an int4 copy, on a GPU) runs the draft loop
+    of a lone request in a one-row call, while the target's decode calls keep two rows
+    (``Engine.draft_row_buckets``; set by hand here, since on this CPU every model keeps
+    two): the same greedy tokens, and the loop measured at one row."""
+    model = _model()
+    options = dict(max_new_tokens=40, ignore_eos=True)
+    prompts = [[5, 6, 5, 6, 5, 6, 5]]
+    plain = _plain(model, options, prompts, **SIZING)
+    e = Engine(model, verbose=False, **SIZING)
+    spec = Speculative(method="draft", draft=tiny_engine_model(seed=3), num_tokens=4)
+    e.warmup(speculative=spec)
+    assert e.draft_row_buckets == e.row_buckets and e.row_buckets[0] == 2  # this CPU
+    e.draft_row_buckets = (1, *e.row_buckets)
+    out = e.run([e.submit(p, **options, speculative=spec) for p in prompts])
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert set(e._loop_gain["draft"]) == {1} and e.stats().verify_steps > 0
+    e.blocks.check_all_free()
+
+
 def test_draft_model_must_share_the_vocabulary_and_engine_stays_idle():
     model = _model()
     cfg = dataclasses.replace(model.config, vocab_size=96)
