@@ -37,7 +37,7 @@ import jaxinfer
 from jaxinfer.benchmark import device_events, top_kernels, trace_events
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
-from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
+from jaxinfer.quantize import QUANTIZATIONS, quantize_params, random_quantized_params
 from jaxinfer.requests import Model
 from sharding import make_mesh
 from sharding.random_init import random_params
@@ -148,7 +148,9 @@ def main() -> None:
                     help="random weights quantized so (one device)")
     ap.add_argument("--draft", default=None, metavar="PRESET",
                     help="with --batch1: speculate with a draft model of this preset's shapes "
-                         "(random weights; 'self' = the target), every step (not adaptive)")
+                         "(random weights; 'self' = the target; a quantization method such "
+                         "as int4-g128 = the target's weights quantized so), every step (not "
+                         "adaptive)")
     ap.add_argument("--out", default="profile_engine.json")
     args = ap.parse_args()
     if not 1 <= args.tp <= jax.local_device_count():
@@ -173,7 +175,10 @@ def main() -> None:
     spec = None
     if args.draft is not None:
         draft = model
-        if args.draft != "self":
+        if args.draft in QUANTIZATIONS:  # the target's quantized copy
+            draft = dataclasses.replace(model, name=f"{model.name}-{args.draft}",
+                                        params=quantize_params(model.params, args.draft))
+        elif args.draft != "self":
             dcfg = preset_config(args.draft)
             dparams = init_params(dcfg, jax.random.PRNGKey(1), jnp.bfloat16)
             draft = Model(dcfg, apply_layout(dparams, "auto", donate=True), None,
