@@ -1020,7 +1020,9 @@ class Engine(StepLoop):
                                               draft.deterministic)
         self._draft_key = (draft.config, str(draft.dtype), draft.layout, draft.kv_cache_dtype,
                            draft.param_bytes, self._draft_backend)
-        self._draft_s.clear()
+        self._draft_s.clear()  # the old draft's timings and gains judged another model
+        for stats in (self._loop_s, self._loop_gain, self._loop_skips):
+            stats.pop("draft", None)
         self._new_device_state()
 
     def _out_of_memory(self, e: Exception) -> list[Event]:

@@ -233,13 +233,16 @@ def _field_pairs(w: jax.Array, bits: int, high: bool, emulate: bool) -> jax.Arra
     3. ``emulate``: the same in jnp (interpreter). For int8 a ``prmt`` (byte permute) per
     pair would do the 1024s, but the top-bit flip would then cost an instruction of its own
     per word: two instructions per pair either way, and this form is int4's."""
+    check(not high or bits == 4, "only int4 fields have a high nibble")
     mask, bias = ((1 << bits) - 1) * 0x00010001 << (4 if high else 0), _F16_BIAS[bits]
     scale, shift = _F16_SIXTEENTH_MINUS_64
     if emulate:
         u = lax.bitcast_convert_type(w, jnp.uint32)
         t = lax.bitcast_convert_type((u & jnp.uint32(mask)) ^ jnp.uint32(bias), jnp.float16)
-        if high:  # exact in float32: (1024 + 16 u) / 16 - 64
-            v = (t.astype(jnp.float32) / 16 - 64).astype(jnp.float16)
+        if high:  # the PTX's constants, one rounding: exact, (1024 + 16 u) / 16 - 64
+            c, d = (lax.bitcast_convert_type(jnp.uint32(k), jnp.float16)[0]
+                    .astype(jnp.float32) for k in (scale, shift))
+            v = (t.astype(jnp.float32) * c + d).astype(jnp.float16)
         else:
             v = t - jnp.float16(1024 + 128 * (bits == 8))
         return lax.bitcast_convert_type(v, jnp.int32)

@@ -227,9 +227,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="also time word_gemv tilings (slow)")
     ap.add_argument("--sweep-pairs", action="store_true",
-                    help="time the float16-pair kernel's tilings at one row (int4 g128, "
-                         "int8 g64): loads a step ahead or not, groups per loop step, "
-                         "programs (slow)")
+                    help="time the float16-pair kernel's tilings at one row (int4 g128: "
+                         "groups per loop step and programs; int8 g64: loads a step ahead "
+                         "or not, and programs) (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -241,9 +241,9 @@ def main() -> None:
                     help="time int8_matmul instead (g64): the float16-pair few-row kernel "
                          "against the tensor-core one")
     ap.add_argument("--once", action="store_true",
-                    help="run each default kernel (int4 g128, int8 g64, bf16 through XLA) "
-                         "twice per shape at one row, untimed: a program for Nsight "
-                         "Compute (ncu) to profile")
+                    help="only run each default kernel (int4 g128, int8 g64, bf16 through "
+                         "XLA) twice per shape at one row, untimed: a program for Nsight "
+                         "Compute (ncu) to profile; other modes are ignored")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":

@@ -378,24 +378,36 @@ def test_adaptive_draft_speculation_tries_both_step_kinds():
     assert e.stats().verify_steps >= 1 and e.stats().decode_calls >= 1
 
 
-def test_draft_loop_runs_in_the_drafts_row_bucket():
-    """A draft whose every matmul takes one row (an int4 copy, on a GPU) runs the draft loop
-    of a lone request in a one-row call, while the target's decode calls keep two rows
-    (``Engine.draft_row_buckets``; set by hand here, since on this CPU every model keeps
-    two): the same greedy tokens, and the loop measured at one row."""
-    model = _model()
+def test_draft_loop_runs_in_the_drafts_row_bucket(monkeypatch):
+    """A draft whose every matmul takes one row (an int4 copy, on a GPU; faked here through
+    ``_few_rows``, since on this CPU every model keeps two) runs the draft loop of a lone
+    request in a one-row call, compiled by ``warmup``, while the target's decode calls keep
+    two rows (``Engine.draft_row_buckets``): the same greedy tokens. Adaptive mode weighs
+    the one-row loop against the two-row decode calls, and a new draft starts unmeasured."""
+    model, draft = _model(), tiny_engine_model(seed=3)
+    monkeypatch.setattr(Engine, "_few_rows",
+                        lambda self, *models: (1, 2, 4) if models[0] is draft else (2,))
     options = dict(max_new_tokens=40, ignore_eos=True)
     prompts = [[5, 6, 5, 6, 5, 6, 5]]
     plain = _plain(model, options, prompts, **SIZING)
     e = Engine(model, verbose=False, **SIZING)
-    spec = Speculative(method="draft", draft=tiny_engine_model(seed=3), num_tokens=4)
+    spec = Speculative(method="draft", draft=draft, num_tokens=4)
     e.warmup(speculative=spec)
-    assert e.draft_row_buckets == e.row_buckets and e.row_buckets[0] == 2  # this CPU
-    e.draft_row_buckets = (1, *e.row_buckets)
+    assert e.row_buckets[0] == 2 and e.draft_row_buckets[:3] == (1, 2, 4)
+    warm = e.stats().num_programs
     out = e.run([e.submit(p, **options, speculative=spec) for p in prompts])
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     assert set(e._loop_gain["draft"]) == {1} and e.stats().verify_steps > 0
+    assert e.stats().num_programs == warm  # warmup compiled the one-row loop
     e.blocks.check_all_free()
+    # 3 tokens per row and 10 ms per iteration in one row, against decode calls of two rows
+    e._loop_s["draft"][1], e._loop_gain["draft"][1] = 0.010, 3.0
+    e._iteration_s[2] = 0.005  # 200 tokens/s: the loop's 300 win
+    assert e._loop_pays("draft", 1, 2)
+    e._iteration_s[2] = 0.002  # 500 tokens/s: the decode call wins
+    assert not e._loop_pays("draft", 1, 2)
+    e.warmup(speculative=dataclasses.replace(spec, draft=model))  # another draft: unmeasured
+    assert not e._loop_s.get("draft") and not e._loop_gain.get("draft")
 
 
 def test_draft_model_must_share_the_vocabulary_and_engine_stays_idle():
