@@ -93,6 +93,26 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
         np.testing.assert_array_equal(ahead, got)
 
 
+def test_half2_kernel_reads_float16_scales_as_column_pairs():
+    """float16 scales and zeros reach the float16-pair kernel as int32 words of two columns
+    (one load for two columns); float32 ones are read per column. Both give the product."""
+    m, k, n, group = 2, 1024, 200, 128
+    x, q, scale, zero = _int4(m, k, n, group, seed=9)
+    want = word_gemv_reference(x, q, scale, zero, **INT4)
+    pairs = f"i32[{k // group},{256 // 2}]"  # 200 columns pad to two blocks of 128
+
+    def operands(s, z) -> str:
+        return str(jax.make_jaxpr(lambda x: word_gemv(x, q, s, z, interpret=True,
+                                                      tiles=WordTiles(), **INT4))(x))
+
+    assert pairs in operands(scale, zero) and "half2" in operands(scale, zero)
+    wide = (scale.astype(jnp.float32), zero.astype(jnp.float32))
+    assert pairs not in operands(*wide) and "half2" in operands(*wide)
+    for s, z in ((scale, zero), wide):
+        got = word_gemv(x, q, s, z, interpret=True, tiles=WordTiles(), **INT4)
+        assert float(jnp.max(jnp.abs(got - want))) <= 2e-3 * float(jnp.max(jnp.abs(want)))
+
+
 def test_half2_kernel_scales_activations_so_nothing_overflows():
     """Activations whose float16 products would overflow unscaled (3e4 and 1e5, x 15 per
     product) and an all-zero row: the kernel scales activations by 2^-8 before rounding to
