@@ -53,6 +53,8 @@ from jaxinfer.config import LlamaConfig
 from jaxinfer.model import Params, init_params, pool_is_stacked, prepare_params
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.presets import resolve_config
+from jaxinfer.quantize import quantize_params
+from jaxinfer.requests import Model
 from jaxinfer.runner import DecodeInputs, MixedInputs
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 
@@ -115,6 +117,15 @@ def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: in
                 jax.block_until_ready(run(xs, weights))
         events = device_events(Path(tmp))
     return [e for e in events if not e[0].startswith("Memcpy")]
+
+
+def quantized_copy(model: Model, method: str) -> Model:
+    """``model`` with its weights quantized by ``method`` (``jaxinfer.quantize``), as a draft
+    for speculation: named after the method, and running the fast kernels even when
+    ``model`` is deterministic (a draft's numerics decide which proposals are accepted,
+    never the output)."""
+    return dataclasses.replace(model, name=f"{model.name}-{method}", deterministic=False,
+                               params=quantize_params(model.params, method))
 
 
 def log(msg: str) -> None:

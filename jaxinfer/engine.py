@@ -1789,15 +1789,15 @@ class Engine(StepLoop):
                  if s.req.sampling.speculative]
         if not specs:
             return self._launch_decode(max_steps)
-        b = bucket(max(s.slot for s in self._running) + 1, self.row_buckets)
+        used = max(s.slot for s in self._running) + 1  # slots [0, used)
+        b = bucket(used, self.row_buckets)
         if b > VERIFY_MAX_ROWS:
             return self._launch_decode(max_steps)
         methods = {sp.method for sp in specs}
         if len(methods) == 1 and not _num_top(self._running):
             # Proposals, verification and stops on the device, several iterations a call.
             method = methods.pop()
-            lb = b if method == "ngram" else bucket(max(s.slot for s in self._running) + 1,
-                                                    self.draft_row_buckets)
+            lb = b if method == "ngram" else bucket(used, self.draft_row_buckets)
             if self._loop_pays(method, lb, b):
                 return self._launch_loop(method, lb, max_steps)
             return self._launch_decode(max_steps)

@@ -74,7 +74,7 @@ import jaxinfer
 from checkpoints.default_model import fetch_default_gguf
 from checkpoints.gguf import read_gguf_metadata
 from jaxinfer import roofline
-from jaxinfer.benchmark import device_name, record_path, write_record
+from jaxinfer.benchmark import device_name, quantized_copy, record_path, write_record
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.loading import cache_dir
 from jaxinfer.model import LAYOUTS, apply_layout, init_params
@@ -82,7 +82,6 @@ from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
 from jaxinfer.quantize import (
     QUANTIZATIONS,
     is_quantized,
-    quantize_params,
     random_quantized_params,
 )
 from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
@@ -303,9 +302,7 @@ def build_draft(target: jaxinfer.Model, args: argparse.Namespace) -> jaxinfer.Mo
     if args.draft_preset == "self":
         return target
     if args.draft_preset in QUANTIZATIONS:
-        return dataclasses.replace(target, name=f"{target.name}-{args.draft_preset}",
-                                   params=quantize_params(target.params, args.draft_preset),
-                                   deterministic=False)
+        return quantized_copy(target, args.draft_preset)
     return build_model(PRESETS[args.draft_preset], args.draft_preset, args.layout,
                        args.backend, args.seed + 1, False, None, args.kv_cache_dtype)
 

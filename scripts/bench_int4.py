@@ -302,9 +302,8 @@ def main() -> None:
             candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
     if args.sweep_pairs:  # one row, every shape; the JSON rewritten after each tiling
-        for ahead, step_rows, programs in itertools.product((False,), (128, 256),
-                                                            (512, 1024, 2048)):
-            word = WordTiles(prefetch=ahead, step_rows=step_rows, target_programs=programs)
+        for step_rows, programs in itertools.product((128, 256), (512, 1024, 2048)):
+            word = WordTiles(step_rows=step_rows, target_programs=programs)
             sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
             write(candidates, sweep)
         for ahead, step_rows, programs in itertools.product((False, True), (64,),

@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer.benchmark import device_events, top_kernels, trace_events
+from jaxinfer.benchmark import device_events, quantized_copy, top_kernels, trace_events
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
-from jaxinfer.quantize import QUANTIZATIONS, quantize_params, random_quantized_params
+from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
 from jaxinfer.requests import Model
 from sharding import make_mesh
 from sharding.random_init import random_params
@@ -176,8 +176,7 @@ def main() -> None:
     if args.draft is not None:
         draft = model
         if args.draft in QUANTIZATIONS:  # the target's quantized copy
-            draft = dataclasses.replace(model, name=f"{model.name}-{args.draft}",
-                                        params=quantize_params(model.params, args.draft))
+            draft = quantized_copy(model, args.draft)
         elif args.draft != "self":
             dcfg = preset_config(args.draft)
             dparams = init_params(dcfg, jax.random.PRNGKey(1), jnp.bfloat16)

@@ -266,3 +266,20 @@ def test_profile_engine_step_timelines_split_a_step_into_lead_span_idle_tail():
     assert (t0["max_gap_ms"], t0["max_gap_before"]) == (5.0, "b")
     assert (t1["kernels"], t1["lead_ms"], t1["span_ms"], t1["tail_ms"]) == (1, 20.0, 5.0, 25.0)
     assert prof.step_timelines([("s", 0, ms)], [])[0]["lead_ms"] == 1.0
+
+
+def test_quantized_copy_is_a_fast_draft_of_the_target():
+    """``benchmark.quantized_copy`` (bench_engine's and profile_engine's quantized drafts):
+    the target's weights quantized, named after the method, on the fast kernels even for a
+    deterministic target; the target itself keeps its weights."""
+    import dataclasses
+
+    from jaxinfer.benchmark import quantized_copy
+    from jaxinfer.quantize import is_quantized
+    from tests.conftest import tiny_engine_model
+
+    target = dataclasses.replace(tiny_engine_model(), name="tiny", deterministic=True)
+    draft = quantized_copy(target, "fp8")
+    assert is_quantized(draft.params) and not is_quantized(target.params)
+    assert draft.name == "tiny-fp8" and not draft.deterministic and target.deterministic
+    assert draft.config == target.config
