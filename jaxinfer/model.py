@@ -82,13 +82,31 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
-           ) -> jax.Array:
-    """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
-    (a row's result does not depend on the other rows), else XLA's GEMM. A
-    ``QuantizedWeight`` goes through ``_dense_quantized``."""
+Norm = tuple[jax.Array, float]
+"""An RMSNorm before a matmul: its weight ``[in]`` and epsilon."""
+
+
+def _prologue(x: jax.Array, norm: Norm | None, glu: bool, deterministic: bool) -> jax.Array:
+    """What ``_dense`` multiplies: ``x``, its ``rms_norm`` (``norm``), or, ``glu``, ``silu``
+    of its first half times its second (the gated MLP's activation)."""
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1], deterministic)
+    if glu:
+        half = x.shape[-1] // 2
+        x = jax.nn.silu(x[..., :half]) * x[..., half:]
+    return x
+
+
+def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False, *,
+           norm: Norm | None = None, glu: bool = False) -> jax.Array:
+    """``_prologue(x) [..., in] @ w [in, out]``: ``norm`` normalizes ``x`` (the residual
+    stream) first; ``glu`` takes ``x [..., 2 in]`` as gates then ups. ``deterministic``: the
+    batch-invariant Pallas matmul (a row's result does not depend on the other rows), else
+    XLA's GEMM. A ``QuantizedWeight`` goes through ``_dense_quantized``, whose few-row
+    kernels do the prologue as they read ``x``."""
     if isinstance(w, QuantizedWeight):
-        return _dense_quantized(x, w, x.dtype)
+        return _dense_quantized(x, w, x.dtype, norm=norm, glu=glu)
+    x = _prologue(x, norm, glu, deterministic)
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
@@ -117,26 +135,33 @@ def int8_kernel_weight(w: Any, stacked: bool = False) -> bool:
     return _kernel_weight(w, "int8", (64,), stacked)
 
 
-def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
-    """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
+def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any, *,
+                     norm: Norm | None = None, glu: bool = False) -> jax.Array:
+    """``_prologue(x) [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
-        x = jnp.take(x, w.perm, axis=-1)
-        w = dataclasses.replace(w, perm=None)
-    if w.kind == "fp8":
-        return _dense_fp8(x, w, out_dtype)
-    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-    out = None
+        x = jnp.take(_prologue(x, norm, glu, deterministic=False), w.perm, axis=-1)
+        w, norm, glu = dataclasses.replace(w, perm=None), None, False
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, in] (2 in with glu)
     if jax.default_backend() == "gpu" and w.q.ndim == 2 and not model_split():
         # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
-        # read a bf16 copy it writes first); not on a tensor-parallel mesh, where the kernel
-        # would get whole weights.
+        # read a bf16 copy it writes first), and do the prologue as they read x (at one row
+        # the norm and the gate were three ~1.4 us XLA kernels of a layer's ~15, r104); not
+        # on a tensor-parallel mesh, where the kernel would get whole weights.
         rows = x2.shape[0]
+        kw = {"out_dtype": out_dtype, "glu": glu}
+        if norm is not None:
+            kw.update(norm=norm[0], norm_eps=norm[1])
+        out = None
         if int8_kernel_weight(w) and rows <= pallas_kernels.GEMV_ROWS:
-            out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
+            out = pallas_kernels.int8_matmul(x2, w.q, w.scale, **kw)
         elif int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
-            out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
-    if out is not None:
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+            out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, **kw)
+        if out is not None:
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+    # (Quantized weights are never deterministic: load_model refuses the pair.)
+    x = _prologue(x, norm, glu, deterministic=False)
+    if w.kind == "fp8":
+        return _dense_fp8(x, w, out_dtype)
     # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
     # this layer's input, so XLA dequantizes one layer at a time rather than every layer up
     # front (which ran an 8B model out of memory).
@@ -203,12 +228,17 @@ def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtyp
     return (out * x_scale * scale).astype(out_dtype)
 
 
-def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
-                 ) -> jax.Array:
-    """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
-    ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
+def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False,
+                 *, norm: Norm | None = None) -> jax.Array:
+    """``x [..., in]`` (``rms_norm``-ed first with ``norm``, as ``_dense``) times a fused
+    weight ``[in, shards, out/shards]`` (``fuse_columns``): ``[..., shards, out/shards]``,
+    each shard's columns apart (local to that shard on a mesh)."""
     if isinstance(w, QuantizedWeight) and (w.in_last or w.q.shape[-2] == 1):
-        return _dense(x, w if w.in_last else w.first_shard())[..., None, :]
+        return _dense(x, w if w.in_last else w.first_shard(), norm=norm)[..., None, :]
+    if not isinstance(w, QuantizedWeight) and w.shape[-2] == 1:
+        # One device: the plain matmul of the unfused layout (same GEMM).
+        return _dense(x, w[:, 0], deterministic, norm=norm)[..., None, :]
+    x = _prologue(x, norm, False, deterministic)
     if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
         if w.perm is not None:  # stored rows in another order: gather x, not the weight
             x = jnp.take(x, w.perm, axis=-1)
@@ -216,36 +246,44 @@ def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bo
             return _dense_fp8(x, dataclasses.replace(w, perm=None), x.dtype)
         x, q = jax.lax.optimization_barrier((x, w.q))
         w = dataclasses.replace(w, q=q, perm=None).dequantize(x.dtype)
-    if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
-        return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
 
 
-def _qkv(x: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
+def _qkv(h: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
-    b, t = x.shape[:2]
+    """Q, K, V ``[B, T, heads, D]`` of ``rms_norm(h)`` (``attn_norm``), from one fused
+    matmul if the layout has ``wqkv``."""
+    b, t = h.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    norm = (lp["attn_norm"], c.rms_norm_eps)
     if "wqkv" in lp:
-        qkv = _dense_fused(x, lp["wqkv"], deterministic)  # [B, T, shards, (nq+2nkv)/shards]
+        qkv = _dense_fused(h, lp["wqkv"], deterministic, norm=norm)  # [B, T, shards, ...]
         nq, nkv = nq // qkv.shape[-2], nkv // qkv.shape[-2]
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
+        x = _prologue(h, norm, False, deterministic)
         q, k, v = (_dense(x, lp["wq"], deterministic), _dense(x, lp["wk"], deterministic),
                    _dense(x, lp["wv"], deterministic))
     return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
             v.reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
-def _gated_mlp(x: jax.Array, lp: Params, deterministic: bool = False) -> jax.Array:
-    """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``."""
+def _mlp(h: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False) -> jax.Array:
+    """``w_down(silu(x @ w_gate) * (x @ w_up))`` for ``x = rms_norm(h)`` (``mlp_norm``): one
+    fused matmul for gate and up if the layout has ``w_gate_up``."""
+    norm = (lp["mlp_norm"], c.rms_norm_eps)
     if "w_gate_up" in lp:
-        gu = _dense_fused(x, lp["w_gate_up"], deterministic)  # [B, T, shards, 2 I / shards]
+        gu = _dense_fused(h, lp["w_gate_up"], deterministic, norm=norm)  # [B, T, shards, 2I/s]
+        if gu.shape[-2] == 1:  # one device: gates then ups, the down matmul's prologue
+            return _dense(gu[..., 0, :], lp["w_down"], deterministic, glu=True)
         f = gu.shape[-1] // 2
         act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
-        return act.reshape(*act.shape[:-2], -1)  # shard-major columns: w_down's row order
-    return (jax.nn.silu(_dense(x, lp["w_gate"], deterministic))
-            * _dense(x, lp["w_up"], deterministic))
+        # shard-major columns: w_down's row order
+        return _dense(act.reshape(*act.shape[:-2], -1), lp["w_down"], deterministic)
+    x = _prologue(h, norm, False, deterministic)
+    act = jax.nn.silu(_dense(x, lp["w_gate"], deterministic)) * _dense(x, lp["w_up"],
+                                                                      deterministic)
+    return _dense(act, lp["w_down"], deterministic)
 
 
 LAYOUTS = ("auto", "stacked", "fast")
@@ -536,8 +574,7 @@ def decoder_layer(
     c = config
     t = h.shape[1]
     inv_freq = rope_inv_freq(config)
-    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps, deterministic)
-    q, k, v = _qkv(x, lp, c, deterministic)
+    q, k, v = _qkv(h, lp, c, deterministic)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if isinstance(k_pages, QuantizedPages) and pallas_kernels.rotates_keys(k_pages.values.dtype):
@@ -550,9 +587,7 @@ def decoder_layer(
         q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
         deterministic=deterministic)
     h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
-    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
-    return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),
-            k_pages, v_pages)
+    return h + _mlp(h, lp, c, deterministic), k_pages, v_pages
 
 
 def forward_ragged(

@@ -1,11 +1,13 @@
 """pallas_kernels.word_gemv (Pallas interpreter on CPU): the few-row weight-only kernel behind
 int4_matmul and int8_matmul, against its jnp reference and against the two formats'
 dequantize-then-matmul references, over row counts, tilings, group sizes and odd column
-counts; which kernel the two matmuls run; and its lowering for a GPU at 8B shapes."""
+counts; the prologues it does as it reads x (RMSNorm, the gated MLP's silu * up); which
+kernel the two matmuls run; and its lowering for a GPU at 8B shapes."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from pallas_kernels.word_gemv import (
     HALF2_PRODUCTS,
     WORD_ROWS,
     WordTiles,
+    gemv_prologue_reference,
     word_gemv,
     word_gemv_reference,
 )
@@ -342,3 +345,125 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
                          disabled_checks=no_check)(x1, q8, s8).mlir_module()
     assert "jaxinfer_word_gemv_8bit_half2" in text
     assert "0x64806480" in text and "fma.rn.f16x2" in text
+
+
+def _residual(m: int, k: int, seed: int) -> tuple[jax.Array, jax.Array]:
+    """bfloat16 rows shaped like a residual stream (a few large channels) and a norm weight."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m, k)) * 3.0
+    x[:, :: max(1, k // 5)] *= 40.0
+    w = 1.0 + 0.3 * rng.normal(size=(k,))
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+
+
+PROLOGUE_CASES = [  # (format, K, group, tiles)
+    ("int4", 512, 128, WordTiles()),  # float16 pairs, K split over programs
+    ("int4", 384, 128, WordTiles(target_programs=1)),  # K no power of two: mean square in 3
+    ("int4", 256, 32, WordTiles()),  # the float32 kernel (groups under half2_min_group)
+    ("int8", 512, 64, WordTiles(step_rows=64, prefetch=True)),  # int8 pairs, loaded ahead
+    ("int8", 256, 64, WordTiles(int8_half2=False)),  # int8's float32 kernel
+]
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("fmt, k, group, tiles", PROLOGUE_CASES)
+@pytest.mark.parametrize("prologue", ["norm", "glu"])
+def test_prologue_in_the_kernel_equals_the_prologue_before_it(m, fmt, k, group, tiles,
+                                                              prologue):
+    """``norm=`` (RMSNorm of the residual stream) and ``glu=`` (``silu(gate) * up`` of
+    ``[M, 2K]``), done by the kernel as it reads x, give the product of
+    ``gemv_prologue_reference``'s activations by the same kernel without a prologue, within
+    a bfloat16 step of some activations."""
+    n = 200
+    if fmt == "int4":
+        _, q, scale, zero = _int4(1, k, n, group, seed=k + m)
+        kw = INT4
+    else:
+        (_, q, scale), zero, kw = _int8(1, k, n, seed=k + m), None, INT8
+    x, norm = _residual(m, 2 * k if prologue == "glu" else k, seed=m)
+    args = {"norm": norm, "norm_eps": 1e-5} if prologue == "norm" else {"glu": True}
+    got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **kw, **args)
+    xp = gemv_prologue_reference(x, **args)
+    assert xp.shape == (m, k) and xp.dtype == jnp.bfloat16
+    same = word_gemv(xp, q, scale, zero, interpret=True, tiles=tiles, **kw)
+    want = word_gemv_reference(xp, q, scale, zero, **kw)
+    top = float(jnp.max(jnp.abs(want)))
+    # The norm's mean square is summed in another order (its activations may be a bfloat16
+    # step apart, but were identical here); the gate rounds as the reference does, but
+    # computes the sigmoid its own way (some activations a step apart).
+    tol = 2e-3 if prologue == "norm" else 1e-2
+    assert float(jnp.max(jnp.abs(got - same))) <= tol * top
+    # The prologue matters: without it the product is another one.
+    plain = x if prologue == "norm" else x[:, :k]
+    assert float(jnp.max(jnp.abs(word_gemv_reference(plain, q, scale, zero, **kw) - want))
+                 ) > 0.1 * top
+
+
+def test_prologue_reference_is_the_models_norm_and_gate():
+    """``gemv_prologue_reference`` is the model's ``rms_norm`` and gated-MLP activation, bit
+    for bit (the non-kernel paths use the model's own; the kernels follow the reference)."""
+    from jaxinfer.model import rms_norm
+
+    x, norm = _residual(3, 256, seed=4)
+    np.testing.assert_array_equal(gemv_prologue_reference(x, norm, 1e-5),
+                                  rms_norm(x, norm, 1e-5))
+    want = jax.nn.silu(x[:, :128]) * x[:, 128:]
+    np.testing.assert_array_equal(gemv_prologue_reference(x, glu=True), want)
+    np.testing.assert_array_equal(gemv_prologue_reference(x), x)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_matmuls_past_the_word_rows_do_the_prologue_in_jnp(fmt):
+    """Past the word kernel's rows int4_matmul and int8_matmul run their tensor-core kernels
+    on ``gemv_prologue_reference``'s activations: the same bits as calling them on those."""
+    m, k, n = WORD_ROWS + 1, 256, 64
+    x, norm = _residual(m, k, seed=8)
+    g, _ = _residual(m, 2 * k, seed=9)
+    if fmt == "int4":
+        _, q, scale, zero = _int4(1, k, n, 64, seed=3)
+        f = functools.partial(int4_matmul, q=q, scale=scale, zero=zero, interpret=True)
+    else:
+        _, q, scale = _int8(1, k, n, seed=3)
+        f = functools.partial(int8_matmul, q=q, scale=scale, interpret=True)
+    np.testing.assert_array_equal(f(x, norm=norm, norm_eps=1e-6),
+                                  f(gemv_prologue_reference(x, norm, 1e-6)))
+    np.testing.assert_array_equal(f(g, glu=True), f(gemv_prologue_reference(g, glu=True)))
+
+
+def test_bad_prologues_are_one_line_errors():
+    x, q, scale, zero = _int4(1, 256, 64, 64, seed=0)
+    with pytest.raises(ValueError, match=r"x must be \[M, 512\] for a weight of 256 input rows "
+                                         "and glu"):
+        int4_matmul(x, q, scale, zero, glu=True, interpret=True)
+    with pytest.raises(ValueError, match=r"norm must be \[256\]"):
+        int4_matmul(x, q, scale, zero, norm=jnp.ones(128), interpret=True)
+    with pytest.raises(ValueError, match="not both"):
+        int4_matmul(jnp.concatenate([x, x], 1), q, scale, zero, norm=jnp.ones(256), glu=True,
+                    interpret=True)
+    _, q8, s8 = _int8(1, 256, 64, seed=0)
+    with pytest.raises(ValueError, match=r"norm must be \[256\]"):
+        int8_matmul(x, q8, s8, norm=jnp.ones(3), interpret=True)
+
+
+def test_prologues_lower_to_triton_for_cuda_at_8b_shapes():
+    """The norm (qkv and gate|up shapes: its mean-square pass over the whole row) and the gate
+    (down: x ``[1, 2 x 14336]``) lower for a GPU, int4 pairs and int8 pairs."""
+    from jax import export
+
+    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def lowered(f, *shapes) -> str:
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        return export.export(jax.jit(f), platforms=["cuda"],
+                             disabled_checks=no_check)(*args).mlir_module()
+
+    bf16, u8, f16, i8, f32 = jnp.bfloat16, jnp.uint8, jnp.float16, jnp.int8, jnp.float32
+    text = lowered(lambda x, q, s, w: int4_matmul(x, q, s, s, norm=w, norm_eps=1e-5),
+                   ((1, 4096), bf16), ((2048, 6144), u8), ((32, 6144), f16), ((4096,), bf16))
+    assert "jaxinfer_word_gemv_4bit_half2" in text and "rsqrt" in text
+    text = lowered(lambda x, q, s: int4_matmul(x, q, s, s, glu=True),
+                   ((1, 28672), bf16), ((7168, 4096), u8), ((112, 4096), f16))
+    assert "jaxinfer_word_gemv_4bit_half2" in text and "exp" in text
+    text = lowered(lambda x, q, s, w: int8_matmul(x, q, s, norm=w, norm_eps=1e-5),
+                   ((1, 4096), bf16), ((4096, 28672), i8), ((64, 28672), f32), ((4096,), bf16))
+    assert "jaxinfer_word_gemv_8bit_half2" in text and "rsqrt" in text
