@@ -94,8 +94,6 @@ class WordTiles:
     # slower on an H100, r64 / r91)
     prefetch: bool = False  # the float16-pair kernel loads each loop step's operands one
     # step ahead (``_half2_kernel``; ``Int8Tiles`` turns it on)
-    stage: bool = True  # the float16-pair kernel makes its activations float16 pairs once,
-    # before its loop (``_half2_kernel``)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -200,12 +198,11 @@ def _store_column_sums(run, rows: int, sub: int, o_ref, scale: float = 1.0) -> N
 
 
 def _split_refs(refs, zeros: bool, norm: bool):
-    """``(z_ref, n_ref, o_ref, [refs after it])`` from a kernel's refs after ``s_ref`` (None
-    where absent)."""
+    """``(z_ref, n_ref, o_ref)`` from a kernel's refs after ``s_ref`` (None where absent)."""
     refs = list(refs)
     z_ref = refs.pop(0) if zeros else None
     n_ref = refs.pop(0) if norm else None
-    return z_ref, n_ref, refs[0], refs[1:]
+    return z_ref, n_ref, refs[0]
 
 
 def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
@@ -221,7 +218,7 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
     when K is split, the sum of the partials: at a few rows each extra XLA op around it was
     a launch-bound kernel.
     """
-    z_ref, n_ref, o_ref, _ = _split_refs(refs, zeros, norm)
+    z_ref, n_ref, o_ref = _split_refs(refs, zeros, norm)
     rows = x_ref.shape[0]
     k = s_ref.shape[0] * group
     read = _activation_reader(x_ref, n_ref, rows=rows, k=k, norm_eps=norm_eps, glu=glu)
@@ -369,16 +366,17 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def _pair_words(x: jax.Array) -> jax.Array:
-    """Float32 ``x`` rounded to float16, as the pairs ``(x, x)`` in int32 words (same shape)."""
+def _half_pair(x: jax.Array, words: int) -> jax.Array:
+    """``x [sub, 1]`` float32 as the float16 pair ``(x, x)`` per word: int32 ``[sub, words]``."""
     u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
-    return lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+    pair = lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+    return jnp.broadcast_to(pair, (x.shape[0], words))
 
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: bool, stage: bool, emulate: bool, zeros: bool, norm: bool,
-                  norm_eps: float, glu: bool) -> None:
+                  prefetch: bool, emulate: bool, zeros: bool, norm: bool, norm_eps: float,
+                  glu: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -390,15 +388,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
 
     ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
     before it computes on the ones the previous step issued (H100, r101-r103: 2-4% faster
-    for int8 at one group per step, its default; slower for int4 g128).
-
-    ``stage``: before its loop the program turns its split's activations (after the
-    prologue) into float16 pairs once, vector-wide, and stores them, with each group's sum
-    divided by ``sub``, into two more outputs, ``xp_ref [rows, Kx]`` int32 and ``xs_ref
-    [rows, K / G]`` float32 (every program of a split writes the same values there); the
-    loop then loads pairs ready to multiply. Unstaged, each load's ``[sub, 1]`` activations
-    are converted inside the loop, by every thread that holds a column of the same rows."""
-    z_ref, n_ref, o_ref, staged = _split_refs(refs, zeros, norm)
+    for int8 at one group per step, its default; slower for int4 g128)."""
+    z_ref, n_ref, o_ref = _split_refs(refs, zeros, norm)
     rows, words = x_ref.shape[0], q_ref.shape[1]
     read = _activation_reader(x_ref, n_ref, rows=rows, k=s_ref.shape[0] * group,
                               norm_eps=norm_eps, glu=glu)
@@ -407,22 +398,6 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     fields = 8 // bits  # field i of a group's byte row j is its row i * byte_rows + j
     split = pl.program_id(1)
     f32 = jnp.float32
-    if stage:
-        xp_ref, xs_ref = staged if zeros else (staged[0], None)
-        per_split = steps_per_split * groups_per_step
-
-        def stage_group(j, carry):
-            g = split * per_split + j
-            for r in range(rows):
-                a = read(r, g * group, group) * _HALF2_X_SCALE  # [G] float32 (exact scaling)
-                xp_ref[r, pl.ds(g * group, group)] = _pair_words(a)
-                if xs_ref is not None:  # 1 / sub of the sum in each of the sub rows of acc
-                    xs_ref[r, pl.ds(g, 1)] = jnp.sum(a, keepdims=True) * (1.0 / sub)
-            return carry
-
-        lax.fori_loop(0, per_split, stage_group, 0)
-        if not emulate:  # the stores above are this program's threads' loads below
-            plgpu.debug_barrier()
 
     def lane_values(ref, g):
         """The group's scales (or zeros) ``[4 lanes] [1, words]`` float32, lane ``c`` holding
@@ -433,29 +408,19 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                     _widen(w23, 0, emulate), _widen(w23, 1, emulate)]
         return [ref[pl.ds(g, 1), pl.ds(c, words, stride=4)].astype(f32) for c in range(4)]
 
-    def activations(r, g):
-        """Row ``r``'s activations for group ``g``: ``[loads][fields]`` float16 pairs ``[sub,
-        1]`` int32 (scaled by ``_HALF2_X_SCALE``), and for the zeros their sum: staged, the
-        group's ``[1, 1]`` (over ``sub``), else ``[sub, 1]`` per row of the loads."""
-        starts = [[g * group + i * byte_rows + t * sub for i in range(fields)]
-                  for t in range(loads)]
-        if stage:
-            x_sum = None if xs_ref is None else xs_ref[r, pl.ds(g, 1)][:, None]
-            return [[xp_ref[r, pl.ds(a, sub)][:, None] for a in row] for row in starts], x_sum
-        xs = [[read(r, a, sub)[:, None] * _HALF2_X_SCALE for a in row] for row in starts]
-        x_sum = sum((v for row in xs for v in row), start=jnp.zeros((sub, 1), f32))
-        return [[_pair_words(v) for v in row] for row in xs], x_sum
-
     def load(step):
-        """What ``step`` reads, per group: words ``[loads] [sub, words]`` int32; per row,
-        ``activations``; scales and zeros (or None) as ``lane_values``."""
+        """What ``step`` reads, per group: words ``[loads] [sub, words]`` int32; activations
+        ``[rows][loads][fields] [sub, 1]`` float32, scaled by ``_HALF2_X_SCALE`` (exact);
+        scales and zeros (or None) as ``lane_values``."""
         first = (split * steps_per_split + step) * groups_per_step
         out = []
         for j in range(groups_per_step):
             g = first + j
             w = [lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
                                           jnp.int32) for t in range(loads)]
-            xs = [activations(r, g) for r in range(rows)]
+            xs = [[[read(r, g * group + i * byte_rows + t * sub, sub)[:, None]
+                    * _HALF2_X_SCALE for i in range(fields)]
+                   for t in range(loads)] for r in range(rows)]
             z = None if z_ref is None else lane_values(z_ref, g)
             out.append((w, xs, lane_values(s_ref, g), z))
         return out
@@ -465,6 +430,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
         for w, xs, s, z in data:
             a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
             a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
+            x_sum = [None] * rows  # [sub, 1] float32 (for the zeros)
             for t in range(loads):
                 # Lanes 0 and 2 are at bits 0 and 16 of a word, lanes 1 and 3 8 bits up;
                 # field 1 (int4's high nibble) 4 bits above field 0.
@@ -473,7 +439,10 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 p13 = [_field_pairs(w8, bits, i == 1, emulate) for i in range(fields)]
                 for r in range(rows):
                     for i in range(fields):
-                        xp = jnp.broadcast_to(xs[r][0][t][i], (sub, words))
+                        xi = xs[r][t][i]
+                        if z is not None:
+                            x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
+                        xp = _half_pair(xi, words)
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
                         a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
             for r in range(rows):
@@ -482,7 +451,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 for c in range(4):
                     acc[r][c] = _fma_f32(s[c], parts[c], acc[r][c], emulate)
                     if z is not None:
-                        acc[r][c] = _fma_f32(z[c], xs[r][1], acc[r][c], emulate)
+                        acc[r][c] = _fma_f32(z[c], x_sum[r], acc[r][c], emulate)
         return acc
 
     if prefetch:
@@ -560,19 +529,11 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         operands.append(norm)
     prologue = {"zeros": zero is not None, "norm": norm is not None, "norm_eps": norm_eps,
                 "glu": glu}
-    # Unsplit, the kernel writes the result in its dtype: no XLA op after it.
-    out_specs = [pl.BlockSpec((None, m, block_n), lambda j, t: (t, 0, j))]
-    out_shape = [jax.ShapeDtypeStruct((splits, m, np_), jnp.float32 if splits > 1 else out_dtype)]
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=tiles.prefetch,
-            stage=tiles.stage, emulate=interpret, **prologue)
-        if tiles.stage:  # the staged activations (pairs) and group sums: whole, per program
-            staged = [((m, k), jnp.int32)] + ([((m, groups), jnp.float32)] if zero is not None
-                                              else [])
-            out_specs += [pl.BlockSpec(shape, lambda j, t: (0, 0)) for shape, _ in staged]
-            out_shape += [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in staged]
+            emulate=interpret, **prologue)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
@@ -581,11 +542,13 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         kernel,
         grid=(col_blocks, splits),
         in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=pl.BlockSpec((None, m, block_n), lambda j, t: (t, 0, j)),
+        # Unsplit: the result in its dtype, no XLA op after the kernel.
+        out_shape=jax.ShapeDtypeStruct((splits, m, np_),
+                                       jnp.float32 if splits > 1 else out_dtype),
         compiler_params=gpu_params(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"jaxinfer_word_gemv_{bits}bit" + ("_half2" if half2 else ""),
-    )(*operands)[0]
+    )(*operands)
     out = partial[0] if splits == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
     return out if np_ == n else out[:, :n]

@@ -228,8 +228,8 @@ def main() -> None:
                     help="also time word_gemv tilings (slow)")
     ap.add_argument("--sweep-pairs", action="store_true",
                     help="time the float16-pair kernel's tilings at one row (int4 g128: "
-                         "activations staged before the loop or not, and programs; int8 g64: "
-                         "staged or not, and loads a step ahead or not) (slow)")
+                         "groups per loop step and programs; int8 g64: loads a step ahead "
+                         "or not, and programs) (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -302,12 +302,13 @@ def main() -> None:
             candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
     if args.sweep_pairs:  # one row, every shape; the JSON rewritten after each tiling
-        for stage, programs in itertools.product((False, True), (512, 1024, 2048)):
-            word = WordTiles(stage=stage, target_programs=programs)
+        for step_rows, programs in itertools.product((128, 256), (512, 1024, 2048)):
+            word = WordTiles(step_rows=step_rows, target_programs=programs)
             sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
             write(candidates, sweep)
-        for stage, ahead in itertools.product((False, True), (False, True)):
-            word = WordTiles(stage=stage, prefetch=ahead, step_rows=64)
+        for ahead, step_rows, programs in itertools.product((False, True), (64,),
+                                                            (512, 1024)):
+            word = WordTiles(prefetch=ahead, step_rows=step_rows, target_programs=programs)
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
         for c in sorted(sweep, key=lambda c: (c["kernel"][:4], sum(c["layer_us"].values()))):
