@@ -86,27 +86,20 @@ Norm = tuple[jax.Array, float]
 """An RMSNorm before a matmul: its weight ``[in]`` and epsilon."""
 
 
-def _prologue(x: jax.Array, norm: Norm | None, glu: bool, deterministic: bool) -> jax.Array:
-    """What ``_dense`` multiplies: ``x``, its ``rms_norm`` (``norm``), or, ``glu``, ``silu``
-    of its first half times its second (the gated MLP's activation)."""
-    if norm is not None:
-        x = rms_norm(x, norm[0], norm[1], deterministic)
-    if glu:
-        half = x.shape[-1] // 2
-        x = jax.nn.silu(x[..., :half]) * x[..., half:]
-    return x
+def _normed(x: jax.Array, norm: Norm | None, deterministic: bool) -> jax.Array:
+    """``rms_norm(x)`` with ``norm``'s weight and epsilon, or ``x`` when ``norm`` is None."""
+    return x if norm is None else rms_norm(x, norm[0], norm[1], deterministic)
 
 
 def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False, *,
-           norm: Norm | None = None, glu: bool = False) -> jax.Array:
-    """``_prologue(x) [..., in] @ w [in, out]``: ``norm`` normalizes ``x`` (the residual
-    stream) first; ``glu`` takes ``x [..., 2 in]`` as gates then ups. ``deterministic``: the
-    batch-invariant Pallas matmul (a row's result does not depend on the other rows), else
-    XLA's GEMM. A ``QuantizedWeight`` goes through ``_dense_quantized``, whose few-row
-    kernels do the prologue as they read ``x``."""
+           norm: Norm | None = None) -> jax.Array:
+    """``x [..., in] @ w [in, out]``, with ``norm`` of ``rms_norm(x)`` (``x`` is then the
+    residual stream). ``deterministic``: the batch-invariant Pallas matmul (a row's result
+    does not depend on the other rows), else XLA's GEMM. A ``QuantizedWeight`` goes through
+    ``_dense_quantized``, whose few-row kernels normalize ``x`` as they read it."""
     if isinstance(w, QuantizedWeight):
-        return _dense_quantized(x, w, x.dtype, norm=norm, glu=glu)
-    x = _prologue(x, norm, glu, deterministic)
+        return _dense_quantized(x, w, x.dtype, norm=norm)
+    x = _normed(x, norm, deterministic)
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
@@ -136,19 +129,20 @@ def int8_kernel_weight(w: Any, stacked: bool = False) -> bool:
 
 
 def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any, *,
-                     norm: Norm | None = None, glu: bool = False) -> jax.Array:
-    """``_prologue(x) [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
+                     norm: Norm | None = None) -> jax.Array:
+    """``x [..., in]`` (``rms_norm``-ed first with ``norm``) times a quantized ``w [in,
+    out]``, in ``out_dtype``. (Quantized weights are never deterministic: ``load_model``
+    refuses the pair.)"""
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
-        x = jnp.take(_prologue(x, norm, glu, deterministic=False), w.perm, axis=-1)
-        w, norm, glu = dataclasses.replace(w, perm=None), None, False
-    x2 = x.reshape(-1, x.shape[-1])  # [rows, in] (2 in with glu)
+        x = jnp.take(_normed(x, norm, deterministic=False), w.perm, axis=-1)
+        w, norm = dataclasses.replace(w, perm=None), None
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
     if jax.default_backend() == "gpu" and w.q.ndim == 2 and not model_split():
         # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
-        # read a bf16 copy it writes first), and do the prologue as they read x (at one row
-        # the norm and the gate were three ~1.4 us XLA kernels of a layer's ~15, r104); not
-        # on a tensor-parallel mesh, where the kernel would get whole weights.
+        # read a bf16 copy it writes first), and normalize x as they read it; not on a
+        # tensor-parallel mesh, where the kernel would get whole weights.
         rows = x2.shape[0]
-        kw = {"out_dtype": out_dtype, "glu": glu}
+        kw: dict[str, Any] = {"out_dtype": out_dtype}
         if norm is not None:
             kw.update(norm=norm[0], norm_eps=norm[1])
         out = None
@@ -158,8 +152,7 @@ def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any, *,
             out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, **kw)
         if out is not None:
             return out.reshape(*x.shape[:-1], out.shape[-1])
-    # (Quantized weights are never deterministic: load_model refuses the pair.)
-    x = _prologue(x, norm, glu, deterministic=False)
+    x = _normed(x, norm, deterministic=False)
     if w.kind == "fp8":
         return _dense_fp8(x, w, out_dtype)
     # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
@@ -238,7 +231,7 @@ def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bo
     if not isinstance(w, QuantizedWeight) and w.shape[-2] == 1:
         # One device: the plain matmul of the unfused layout (same GEMM).
         return _dense(x, w[:, 0], deterministic, norm=norm)[..., None, :]
-    x = _prologue(x, norm, False, deterministic)
+    x = _normed(x, norm, deterministic)
     if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
         if w.perm is not None:  # stored rows in another order: gather x, not the weight
             x = jnp.take(x, w.perm, axis=-1)
@@ -252,7 +245,11 @@ def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bo
 def _qkv(h: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K, V ``[B, T, heads, D]`` of ``rms_norm(h)`` (``attn_norm``), from one fused
-    matmul if the layout has ``wqkv``."""
+    matmul if the layout has ``wqkv``. The norm is handed to the matmul: the few-row
+    quantized kernels apply it as they read ``h``, which at one row costs the QKV kernel
+    less than XLA's two norm kernels take (H100, 8B int4: +1.3 us against ~2.9; for
+    gate|up, with 4x the loop steps per program, +6.0: r109, so the MLP's norm stays
+    XLA's)."""
     b, t = h.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     norm = (lp["attn_norm"], c.rms_norm_eps)
@@ -261,29 +258,22 @@ def _qkv(h: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
         nq, nkv = nq // qkv.shape[-2], nkv // qkv.shape[-2]
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
-        x = _prologue(h, norm, False, deterministic)
+        x = _normed(h, norm, deterministic)
         q, k, v = (_dense(x, lp["wq"], deterministic), _dense(x, lp["wk"], deterministic),
                    _dense(x, lp["wv"], deterministic))
     return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
             v.reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
-def _mlp(h: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False) -> jax.Array:
-    """``w_down(silu(x @ w_gate) * (x @ w_up))`` for ``x = rms_norm(h)`` (``mlp_norm``): one
-    fused matmul for gate and up if the layout has ``w_gate_up``."""
-    norm = (lp["mlp_norm"], c.rms_norm_eps)
+def _gated_mlp(x: jax.Array, lp: Params, deterministic: bool = False) -> jax.Array:
+    """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``."""
     if "w_gate_up" in lp:
-        gu = _dense_fused(h, lp["w_gate_up"], deterministic, norm=norm)  # [B, T, shards, 2I/s]
-        if gu.shape[-2] == 1:  # one device: gates then ups, the down matmul's prologue
-            return _dense(gu[..., 0, :], lp["w_down"], deterministic, glu=True)
+        gu = _dense_fused(x, lp["w_gate_up"], deterministic)  # [B, T, shards, 2 I / shards]
         f = gu.shape[-1] // 2
         act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
-        # shard-major columns: w_down's row order
-        return _dense(act.reshape(*act.shape[:-2], -1), lp["w_down"], deterministic)
-    x = _prologue(h, norm, False, deterministic)
-    act = jax.nn.silu(_dense(x, lp["w_gate"], deterministic)) * _dense(x, lp["w_up"],
-                                                                      deterministic)
-    return _dense(act, lp["w_down"], deterministic)
+        return act.reshape(*act.shape[:-2], -1)  # shard-major columns: w_down's row order
+    return (jax.nn.silu(_dense(x, lp["w_gate"], deterministic))
+            * _dense(x, lp["w_up"], deterministic))
 
 
 LAYOUTS = ("auto", "stacked", "fast")
@@ -587,7 +577,9 @@ def decoder_layer(
         q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
         deterministic=deterministic)
     h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
-    return h + _mlp(h, lp, c, deterministic), k_pages, v_pages
+    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
+    return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),
+            k_pages, v_pages)
 
 
 def forward_ragged(

@@ -122,40 +122,33 @@ def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
-def gemv_prologue_reference(x: jax.Array, norm: jax.Array | None = None, norm_eps: float = 0.0,
-                            glu: bool = False) -> jax.Array:
-    """What a GEMV's prologue makes of ``x [M, Kx]``, in plain jnp and ``x.dtype``, with the
-    model's casts (``jaxinfer.model.rms_norm`` and its gated MLP): ``norm [Kx]`` given, the
-    RMSNorm ``norm * x * rsqrt(mean(x^2) + norm_eps)`` (float32 statistics); ``glu``,
-    ``silu(x[:, :K]) * x[:, K:]`` for ``Kx = 2K``; neither, ``x``."""
+def gemv_prologue_reference(x: jax.Array, norm: jax.Array | None = None, norm_eps: float = 0.0
+                            ) -> jax.Array:
+    """What a GEMV's prologue makes of ``x [M, K]``, in plain jnp and ``x.dtype``, with the
+    casts of ``jaxinfer.model.rms_norm``: ``norm [K]`` given, the RMSNorm ``norm * x *
+    rsqrt(mean(x^2) + norm_eps)`` (float32 statistics); else ``x``."""
     if norm is not None:
         x32 = x.astype(jnp.float32)
         mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         x = norm.astype(x.dtype) * (x32 * lax.rsqrt(mean_sq + norm_eps)).astype(x.dtype)
-    if glu:
-        half = x.shape[-1] // 2
-        x = jax.nn.silu(x[..., :half]) * x[..., half:]
     return x
 
 
-def check_prologue(x: jax.Array, k: int, norm: jax.Array | None, glu: bool) -> None:
-    """That ``x [M, Kx]`` fits a weight of ``k`` input rows with the prologue asked for
-    (``gemv_prologue_reference``): ``Kx = 2k`` with ``glu``, else ``k``; ``norm [k]``."""
-    kx = 2 * k if glu else k
-    check(x.ndim == 2 and x.shape[1] == kx,
-          f"x must be [M, {kx}] for a weight of {k} input rows{' and glu' if glu else ''}, "
-          f"got {x.shape}")
+def check_prologue(x: jax.Array, k: int, norm: jax.Array | None) -> None:
+    """That ``x [M, k]`` fits a weight of ``k`` input rows, and ``norm``, if given, is
+    ``[k]``."""
+    check(x.ndim == 2 and x.shape[1] == k,
+          f"x must be [M, {k}] for a weight of {k} input rows, got {x.shape}")
     check(norm is None or norm.shape == (k,),
           f"norm must be [{k}], got {None if norm is None else norm.shape}")
-    check(not (glu and norm is not None), "give norm or glu, not both")
 
 
-def _activation_reader(x_ref, n_ref, *, rows: int, k: int, norm_eps: float, glu: bool):
+def _activation_reader(x_ref, n_ref, *, rows: int, k: int, norm_eps: float):
     """``read(r, start, size)``: row ``r``'s activations ``[start, start + size)`` float32
     ``[size]``, after ``gemv_prologue_reference``'s prologue, computed as they are read (so
-    the norm or the gate costs no kernel of its own). ``x_ref [rows, Kx]``; ``n_ref [K]`` the
-    norm's weight or None. With a norm each program first takes its rows' mean squares over
-    the whole of ``x`` (in blocks of a power of two: Triton's shapes are)."""
+    the norm costs no kernel of its own). ``x_ref [rows, K]``; ``n_ref [K]`` the norm's
+    weight or None. With a norm each program first takes its rows' mean squares over the
+    whole of ``x`` (in blocks of a power of two: Triton's shapes are)."""
     f32 = jnp.float32
     dtype = x_ref.dtype
     inv = []
@@ -174,11 +167,6 @@ def _activation_reader(x_ref, n_ref, *, rows: int, k: int, norm_eps: float, glu:
         if n_ref is not None:  # the model's casts: normed and weight in x's dtype, multiplied
             normed = (x.astype(f32) * inv[r]).astype(dtype).astype(f32)
             x = (n_ref[pl.ds(start, size)].astype(dtype).astype(f32) * normed).astype(dtype)
-        if glu:  # jax.nn.silu(gate) * up in x's dtype: each of its three results rounded
-            g = x.astype(f32)
-            sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dtype).astype(f32)
-            silu = (g * sig).astype(dtype).astype(f32)
-            x = (silu * x_ref[r, pl.ds(k + start, size)].astype(f32)).astype(dtype)
         return x.astype(f32)
 
     return read
@@ -207,21 +195,20 @@ def _split_refs(refs, zeros: bool, norm: bool):
 
 def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
                  sub: int, groups_per_step: int, steps_per_split: int, zeros: bool,
-                 norm: bool, norm_eps: float, glu: bool) -> None:
+                 norm: bool, norm_eps: float) -> None:
     """One ``[rows, block_n]`` partial over this program's split of K (the result itself,
     in its dtype, when K is not split).
 
-    x_ref ``[rows, K]`` (``[rows, 2K]`` with ``glu``); q_ref ``[R, block_n / 4]`` uint32
-    words; s_ref and, for a format with ``zeros``, z_ref ``[K / G, block_n]``; with
-    ``norm``, n_ref ``[K]``; o_ref ``[rows, block_n]``. Everything is done here (the
-    activations' prologue too: ``_activation_reader``), so a call is this one kernel plus,
-    when K is split, the sum of the partials: at a few rows each extra XLA op around it was
-    a launch-bound kernel.
+    x_ref ``[rows, K]``; q_ref ``[R, block_n / 4]`` uint32 words; s_ref and, for a format
+    with ``zeros``, z_ref ``[K / G, block_n]``; with ``norm``, n_ref ``[K]``; o_ref ``[rows,
+    block_n]``. Everything is done here (the RMSNorm too: ``_activation_reader``), so a call
+    is this one kernel plus, when K is split, the sum of the partials: at a few rows each
+    extra XLA op around it was a launch-bound kernel.
     """
     z_ref, n_ref, o_ref = _split_refs(refs, zeros, norm)
     rows = x_ref.shape[0]
     k = s_ref.shape[0] * group
-    read = _activation_reader(x_ref, n_ref, rows=rows, k=k, norm_eps=norm_eps, glu=glu)
+    read = _activation_reader(x_ref, n_ref, rows=rows, k=k, norm_eps=norm_eps)
     words = q_ref.shape[1]
     split = pl.program_id(1)
     byte_rows = group * bits // 8  # byte rows per group
@@ -376,7 +363,7 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
                   prefetch: bool, emulate: bool, zeros: bool, norm: bool, norm_eps: float,
-                  glu: bool) -> None:
+) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -392,7 +379,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     z_ref, n_ref, o_ref = _split_refs(refs, zeros, norm)
     rows, words = x_ref.shape[0], q_ref.shape[1]
     read = _activation_reader(x_ref, n_ref, rows=rows, k=s_ref.shape[0] * group,
-                              norm_eps=norm_eps, glu=glu)
+                              norm_eps=norm_eps)
     byte_rows = group * bits // 8
     loads = byte_rows // sub
     fields = 8 // bits  # field i of a group's byte row j is its row i * byte_rows + j
@@ -472,11 +459,11 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
-                                             "out_dtype", "norm_eps", "glu"))
+                                             "out_dtype", "norm_eps"))
 def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
               bits: int, offset: int, flip: int, interpret: bool, tiles: WordTiles,
               out_dtype: jnp.dtype = jnp.float32, norm: jax.Array | None = None,
-              norm_eps: float = 0.0, glu: bool = False) -> jax.Array:
+              norm_eps: float = 0.0) -> jax.Array:
     """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
     N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
     ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
@@ -484,14 +471,14 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
     (module docstring; its pallas_call is named ``..._half2``), else the float32 one.
 
-    A prologue on ``x``, done by the kernel as it reads it (``gemv_prologue_reference``
-    says what): ``norm [K]`` the weight of an RMSNorm of each row (``x`` is then the
-    residual stream; ``norm_eps`` its epsilon), or ``glu`` with ``x [M, 2K]``, gates then
-    ups, multiplied as ``silu(gate) * up``. At one row each was two or one XLA kernels of
-    ~1.4 us before the GEMV (H100, bench/NOTES.md r104's census)."""
-    m, kx = x.shape
+    ``norm [K]``: ``x`` is the residual stream and the kernel applies an RMSNorm with this
+    weight (``norm_eps`` its epsilon) as it reads it (``gemv_prologue_reference``): each
+    program first takes the rows' mean squares over all of K, and normalizes each slice it
+    loads. At one row that removes XLA's two ~1.4 us norm kernels before the GEMV but adds
+    ~0.65 us per loop step of each program (H100, 8B: qkv +1.3 us, gate|up +6.0; r109).
+    """
+    m, k = x.shape
     groups, n = scale.shape
-    k = kx // 2 if glu else kx
     group = k // groups
     byte_rows = group * bits // 8
     sub = min(tiles.sub_rows, byte_rows)
@@ -508,7 +495,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         scale = jnp.pad(scale, ((0, 0), (0, np_ - n)))
         zero = None if zero is None else jnp.pad(zero, ((0, 0), (0, np_ - n)))
     words = lax.bitcast_convert_type(q.reshape(q.shape[0], np_ // 4, 4), jnp.uint32)
-    specs = [pl.BlockSpec((m, kx), lambda j, t: (0, 0)),
+    specs = [pl.BlockSpec((m, k), lambda j, t: (0, 0)),
              pl.BlockSpec((q.shape[0], block_n // 4), lambda j, t: (0, j)),
              pl.BlockSpec((groups, block_n), lambda j, t: (0, j))]
     operands = [x, words, scale]
@@ -528,7 +515,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         specs.append(pl.BlockSpec((k,), lambda j, t: (0,)))
         operands.append(norm)
     prologue = {"zeros": zero is not None, "norm": norm is not None, "norm_eps": norm_eps,
-                "glu": glu}
+                }
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
