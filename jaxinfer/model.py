@@ -82,24 +82,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-Norm = tuple[jax.Array, float]
-"""An RMSNorm before a matmul: its weight ``[in]`` and epsilon."""
-
-
-def _normed(x: jax.Array, norm: Norm | None, deterministic: bool) -> jax.Array:
-    """``rms_norm(x)`` with ``norm``'s weight and epsilon, or ``x`` when ``norm`` is None."""
-    return x if norm is None else rms_norm(x, norm[0], norm[1], deterministic)
-
-
-def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False, *,
-           norm: Norm | None = None) -> jax.Array:
-    """``x [..., in] @ w [in, out]``, with ``norm`` of ``rms_norm(x)`` (``x`` is then the
-    residual stream). ``deterministic``: the batch-invariant Pallas matmul (a row's result
-    does not depend on the other rows), else XLA's GEMM. A ``QuantizedWeight`` goes through
-    ``_dense_quantized``, whose few-row kernels normalize ``x`` as they read it."""
+def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
+           ) -> jax.Array:
+    """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
+    (a row's result does not depend on the other rows), else XLA's GEMM. A
+    ``QuantizedWeight`` goes through ``_dense_quantized``."""
     if isinstance(w, QuantizedWeight):
-        return _dense_quantized(x, w, x.dtype, norm=norm)
-    x = _normed(x, norm, deterministic)
+        return _dense_quantized(x, w, x.dtype)
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
@@ -128,33 +117,26 @@ def int8_kernel_weight(w: Any, stacked: bool = False) -> bool:
     return _kernel_weight(w, "int8", (64,), stacked)
 
 
-def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any, *,
-                     norm: Norm | None = None) -> jax.Array:
-    """``x [..., in]`` (``rms_norm``-ed first with ``norm``) times a quantized ``w [in,
-    out]``, in ``out_dtype``. (Quantized weights are never deterministic: ``load_model``
-    refuses the pair.)"""
+def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
+    """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
-        x = jnp.take(_normed(x, norm, deterministic=False), w.perm, axis=-1)
-        w, norm = dataclasses.replace(w, perm=None), None
-    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-    if jax.default_backend() == "gpu" and w.q.ndim == 2 and not model_split():
-        # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
-        # read a bf16 copy it writes first), and normalize x as they read it; not on a
-        # tensor-parallel mesh, where the kernel would get whole weights.
-        rows = x2.shape[0]
-        kw: dict[str, Any] = {"out_dtype": out_dtype}
-        if norm is not None:
-            kw.update(norm=norm[0], norm_eps=norm[1])
-        out = None
-        if int8_kernel_weight(w) and rows <= pallas_kernels.GEMV_ROWS:
-            out = pallas_kernels.int8_matmul(x2, w.q, w.scale, **kw)
-        elif int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
-            out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, **kw)
-        if out is not None:
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-    x = _normed(x, norm, deterministic=False)
+        x = jnp.take(x, w.perm, axis=-1)
+        w = dataclasses.replace(w, perm=None)
     if w.kind == "fp8":
         return _dense_fp8(x, w, out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+    out = None
+    if jax.default_backend() == "gpu" and w.q.ndim == 2 and not model_split():
+        # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
+        # read a bf16 copy it writes first); not on a tensor-parallel mesh, where the kernel
+        # would get whole weights.
+        rows = x2.shape[0]
+        if int8_kernel_weight(w) and rows <= pallas_kernels.GEMV_ROWS:
+            out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
+        elif int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
+            out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
+    if out is not None:
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
     # this layer's input, so XLA dequantizes one layer at a time rather than every layer up
     # front (which ran an 8B model out of memory).
@@ -221,17 +203,12 @@ def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtyp
     return (out * x_scale * scale).astype(out_dtype)
 
 
-def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False,
-                 *, norm: Norm | None = None) -> jax.Array:
-    """``x [..., in]`` (``rms_norm``-ed first with ``norm``, as ``_dense``) times a fused
-    weight ``[in, shards, out/shards]`` (``fuse_columns``): ``[..., shards, out/shards]``,
-    each shard's columns apart (local to that shard on a mesh)."""
+def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
+                 ) -> jax.Array:
+    """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
+    ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
     if isinstance(w, QuantizedWeight) and (w.in_last or w.q.shape[-2] == 1):
-        return _dense(x, w if w.in_last else w.first_shard(), norm=norm)[..., None, :]
-    if not isinstance(w, QuantizedWeight) and w.shape[-2] == 1:
-        # One device: the plain matmul of the unfused layout (same GEMM).
-        return _dense(x, w[:, 0], deterministic, norm=norm)[..., None, :]
-    x = _normed(x, norm, deterministic)
+        return _dense(x, w if w.in_last else w.first_shard())[..., None, :]
     if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
         if w.perm is not None:  # stored rows in another order: gather x, not the weight
             x = jnp.take(x, w.perm, axis=-1)
@@ -239,26 +216,21 @@ def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bo
             return _dense_fp8(x, dataclasses.replace(w, perm=None), x.dtype)
         x, q = jax.lax.optimization_barrier((x, w.q))
         w = dataclasses.replace(w, q=q, perm=None).dequantize(x.dtype)
+    if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
+        return _dense(x, w[:, 0], deterministic)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
 
 
-def _qkv(h: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
+def _qkv(x: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Q, K, V ``[B, T, heads, D]`` of ``rms_norm(h)`` (``attn_norm``), from one fused
-    matmul if the layout has ``wqkv``. The norm is handed to the matmul: the few-row
-    quantized kernels apply it as they read ``h``, which at one row costs the QKV kernel
-    less than XLA's two norm kernels take (H100, 8B int4: +1.3 us against ~2.9; for
-    gate|up, with 4x the loop steps per program, +6.0: r109, so the MLP's norm stays
-    XLA's)."""
-    b, t = h.shape[:2]
+    """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
+    b, t = x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    norm = (lp["attn_norm"], c.rms_norm_eps)
     if "wqkv" in lp:
-        qkv = _dense_fused(h, lp["wqkv"], deterministic, norm=norm)  # [B, T, shards, ...]
+        qkv = _dense_fused(x, lp["wqkv"], deterministic)  # [B, T, shards, (nq+2nkv)/shards]
         nq, nkv = nq // qkv.shape[-2], nkv // qkv.shape[-2]
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
-        x = _normed(h, norm, deterministic)
         q, k, v = (_dense(x, lp["wq"], deterministic), _dense(x, lp["wk"], deterministic),
                    _dense(x, lp["wv"], deterministic))
     return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
@@ -564,7 +536,8 @@ def decoder_layer(
     c = config
     t = h.shape[1]
     inv_freq = rope_inv_freq(config)
-    q, k, v = _qkv(h, lp, c, deterministic)
+    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps, deterministic)
+    q, k, v = _qkv(x, lp, c, deterministic)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if isinstance(k_pages, QuantizedPages) and pallas_kernels.rotates_keys(k_pages.values.dtype):

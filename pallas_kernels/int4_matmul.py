@@ -37,13 +37,7 @@ from pallas_kernels._common import (
     gpu_params,
     largest_divisor,
 )
-from pallas_kernels.word_gemv import (
-    WORD_ROWS,
-    WordTiles,
-    check_prologue,
-    gemv_prologue_reference,
-    word_gemv,
-)
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
 
 INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
@@ -110,15 +104,14 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
     o_ref[...] = lax.fori_loop(0, steps_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "norm_eps"))
-def _int4_jit(x, q, scale, zero, norm, *, out_dtype, interpret, tiles, norm_eps):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
+def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
     if m <= (tiles.word_rows if group > 32 else min(tiles.word_rows, 1)):
         return word_gemv(x, q, scale, zero, bits=4, offset=0, flip=0, interpret=interpret,
-                         tiles=tiles.word, out_dtype=out_dtype, norm=norm, norm_eps=norm_eps)
-    x = gemv_prologue_reference(x, norm, norm_eps)  # the dot kernel has no prologue
+                         tiles=tiles.word, out_dtype=out_dtype)
     rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them
     block_n = tiles.block_n
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
@@ -150,8 +143,7 @@ def _int4_jit(x, q, scale, zero, norm, *, out_dtype, interpret, tiles, norm_eps)
 
 def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
                 out_dtype: jnp.dtype | None = None, interpret: bool = False,
-                tiles: Int4Tiles = Int4Tiles(), norm: jax.Array | None = None,
-                norm_eps: float = 0.0) -> jax.Array:
+                tiles: Int4Tiles = Int4Tiles()) -> jax.Array:
     """``x [M, K] @ w`` for a packed int4 weight (module docstring): ``q [K / 2, N]`` uint8,
     ``scale`` and ``zero [K / G, N]`` float16 or float32, ``G`` (``K / scale.shape[0]``) a
     power of two of at least 32 (a tensor-core dot needs 16 rows per nibble half; Triton
@@ -160,22 +152,19 @@ def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *
     Meant for decode steps (up to ``INT4_GEMV_ROWS`` rows; it runs any M, tiled by 64 rows).
     Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
     ``tiles``: the GPU kernel's tiling (default: bench/NOTES.md r50-r51 on an H100).
-    ``norm``, ``norm_eps``: ``x`` is RMSNorm-ed with this weight first (``word_gemv``), inside
-    ``word_gemv``'s kernel, or in jnp before the dot kernel.
     """
     check(x.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {x.shape}, q "
           f"{q.shape}")
-    check_prologue(x, 2 * q.shape[0], norm)
     check(q.dtype == jnp.uint8, f"q must be uint8 (two int4 values per byte), got {q.dtype}")
     check(scale.shape == zero.shape and scale.ndim == 2 and scale.shape[1] == q.shape[1],
           f"scale {scale.shape} and zero {zero.shape} must both be [K / G, N] for q {q.shape}")
-    k = 2 * q.shape[0]
+    k = x.shape[1]
     groups = scale.shape[0]
     group = k // groups
-    check(k % groups == 0 and group >= 2 * MIN_DOT
+    check(k == 2 * q.shape[0] and k % groups == 0 and group >= 2 * MIN_DOT
           and group & (group - 1) == 0,
           f"int4_matmul needs x [M, K] with K = 2 * q.shape[0] split into groups of a power of "
           f"two, at least {2 * MIN_DOT}, rows; got x {x.shape}, q {q.shape}, {groups} groups")
     check_dtype("x", x)
-    return _int4_jit(x, q, scale, zero, norm, out_dtype=jnp.dtype(out_dtype or x.dtype),
-                     interpret=interpret, tiles=tiles, norm_eps=norm_eps)
+    return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(out_dtype or x.dtype),
+                     interpret=interpret, tiles=tiles)

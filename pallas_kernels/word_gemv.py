@@ -122,56 +122,6 @@ def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
-def gemv_prologue_reference(x: jax.Array, norm: jax.Array | None = None, norm_eps: float = 0.0
-                            ) -> jax.Array:
-    """What a GEMV's prologue makes of ``x [M, K]``, in plain jnp and ``x.dtype``, with the
-    casts of ``jaxinfer.model.rms_norm``: ``norm [K]`` given, the RMSNorm ``norm * x *
-    rsqrt(mean(x^2) + norm_eps)`` (float32 statistics); else ``x``."""
-    if norm is not None:
-        x32 = x.astype(jnp.float32)
-        mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        x = norm.astype(x.dtype) * (x32 * lax.rsqrt(mean_sq + norm_eps)).astype(x.dtype)
-    return x
-
-
-def check_prologue(x: jax.Array, k: int, norm: jax.Array | None) -> None:
-    """That ``x [M, k]`` fits a weight of ``k`` input rows, and ``norm``, if given, is
-    ``[k]``."""
-    check(x.ndim == 2 and x.shape[1] == k,
-          f"x must be [M, {k}] for a weight of {k} input rows, got {x.shape}")
-    check(norm is None or norm.shape == (k,),
-          f"norm must be [{k}], got {None if norm is None else norm.shape}")
-
-
-def _activation_reader(x_ref, n_ref, *, rows: int, k: int, norm_eps: float):
-    """``read(r, start, size)``: row ``r``'s activations ``[start, start + size)`` float32
-    ``[size]``, after ``gemv_prologue_reference``'s prologue, computed as they are read (so
-    the norm costs no kernel of its own). ``x_ref [rows, K]``; ``n_ref [K]`` the norm's
-    weight or None. With a norm each program first takes its rows' mean squares over the
-    whole of ``x`` (in blocks of a power of two: Triton's shapes are)."""
-    f32 = jnp.float32
-    dtype = x_ref.dtype
-    inv = []
-    if n_ref is not None:
-        block = min(k & -k, 4096)  # the largest power of two dividing K, at most 4,096
-        for r in range(rows):
-            def add(i, total, r=r):
-                v = x_ref[r, pl.ds(i * block, block)].astype(f32)
-                return total + jnp.sum(v * v)
-
-            total = lax.fori_loop(0, k // block, add, jnp.zeros((), f32))
-            inv.append(lax.rsqrt(total / k + norm_eps))
-
-    def read(r: int, start, size: int) -> jax.Array:
-        x = x_ref[r, pl.ds(start, size)]
-        if n_ref is not None:  # the model's casts: normed and weight in x's dtype, multiplied
-            normed = (x.astype(f32) * inv[r]).astype(dtype).astype(f32)
-            x = (n_ref[pl.ds(start, size)].astype(dtype).astype(f32) * normed).astype(dtype)
-        return x.astype(f32)
-
-    return read
-
-
 def _store_column_sums(run, rows: int, sub: int, o_ref, scale: float = 1.0) -> None:
     """Run ``run(init)`` (the kernel's loop) from zero accumulators ``acc[r][c]`` (row ``r``,
     byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column sums times
@@ -185,30 +135,18 @@ def _store_column_sums(run, rows: int, sub: int, o_ref, scale: float = 1.0) -> N
                 (jnp.sum(acc[r][c], axis=0) * scale)[None, :].astype(o_ref.dtype))
 
 
-def _split_refs(refs, zeros: bool, norm: bool):
-    """``(z_ref, n_ref, o_ref)`` from a kernel's refs after ``s_ref`` (None where absent)."""
-    refs = list(refs)
-    z_ref = refs.pop(0) if zeros else None
-    n_ref = refs.pop(0) if norm else None
-    return z_ref, n_ref, refs[0]
-
-
 def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
-                 sub: int, groups_per_step: int, steps_per_split: int, zeros: bool,
-                 norm: bool, norm_eps: float) -> None:
+                 sub: int, groups_per_step: int, steps_per_split: int) -> None:
     """One ``[rows, block_n]`` partial over this program's split of K (the result itself,
     in its dtype, when K is not split).
 
     x_ref ``[rows, K]``; q_ref ``[R, block_n / 4]`` uint32 words; s_ref and, for a format
-    with ``zeros``, z_ref ``[K / G, block_n]``; with ``norm``, n_ref ``[K]``; o_ref ``[rows,
-    block_n]``. Everything is done here (the RMSNorm too: ``_activation_reader``), so a call
-    is this one kernel plus, when K is split, the sum of the partials: at a few rows each
-    extra XLA op around it was a launch-bound kernel.
+    with zeros, z_ref ``[K / G, block_n]``; o_ref ``[rows, block_n]``. Everything is done
+    here, so a call is this one kernel plus, when K is split, the sum of the partials: at a
+    few rows each extra XLA op around it was a launch-bound kernel.
     """
-    z_ref, n_ref, o_ref = _split_refs(refs, zeros, norm)
+    z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows = x_ref.shape[0]
-    k = s_ref.shape[0] * group
-    read = _activation_reader(x_ref, n_ref, rows=rows, k=k, norm_eps=norm_eps)
     words = q_ref.shape[1]
     split = pl.program_id(1)
     byte_rows = group * bits // 8  # byte rows per group
@@ -227,8 +165,9 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
                 w = q_ref[pl.ds(g * byte_rows + t * sub, sub), :]  # [sub, words] uint32
                 if flip:
                     w = w ^ jnp.uint32(flip * 0x01010101)
-                xv = [[read(r, g * group + i * byte_rows + t * sub, sub)[:, None]
-                       for i in range(fields)] for r in range(rows)]  # [sub, 1] each
+                xv = [[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
+                       .astype(f32)[:, None] for i in range(fields)]
+                      for r in range(rows)]  # [sub, 1] each
                 for r in range(rows):
                     for v in xv[r]:
                         x_sum[r] = v if x_sum[r] is None else x_sum[r] + v
@@ -362,8 +301,7 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: bool, emulate: bool, zeros: bool, norm: bool, norm_eps: float,
-) -> None:
+                  prefetch: bool, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -376,10 +314,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
     before it computes on the ones the previous step issued (H100, r101-r103: 2-4% faster
     for int8 at one group per step, its default; slower for int4 g128)."""
-    z_ref, n_ref, o_ref = _split_refs(refs, zeros, norm)
+    z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
-    read = _activation_reader(x_ref, n_ref, rows=rows, k=s_ref.shape[0] * group,
-                              norm_eps=norm_eps)
     byte_rows = group * bits // 8
     loads = byte_rows // sub
     fields = 8 // bits  # field i of a group's byte row j is its row i * byte_rows + j
@@ -405,8 +341,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             g = first + j
             w = [lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
                                           jnp.int32) for t in range(loads)]
-            xs = [[[read(r, g * group + i * byte_rows + t * sub, sub)[:, None]
-                    * _HALF2_X_SCALE for i in range(fields)]
+            xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
+                    .astype(f32)[:, None] * _HALF2_X_SCALE for i in range(fields)]
                    for t in range(loads)] for r in range(rows)]
             z = None if z_ref is None else lane_values(z_ref, g)
             out.append((w, xs, lane_values(s_ref, g), z))
@@ -459,24 +395,16 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
-                                             "out_dtype", "norm_eps"))
+                                             "out_dtype"))
 def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
               bits: int, offset: int, flip: int, interpret: bool, tiles: WordTiles,
-              out_dtype: jnp.dtype = jnp.float32, norm: jax.Array | None = None,
-              norm_eps: float = 0.0) -> jax.Array:
+              out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
     N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
     ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
     operands (``int4_matmul``, ``int8_matmul``); ``G * bits / 8`` must be a multiple of
     ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
-    (module docstring; its pallas_call is named ``..._half2``), else the float32 one.
-
-    ``norm [K]``: ``x`` is the residual stream and the kernel applies an RMSNorm with this
-    weight (``norm_eps`` its epsilon) as it reads it (``gemv_prologue_reference``): each
-    program first takes the rows' mean squares over all of K, and normalizes each slice it
-    loads. At one row that removes XLA's two ~1.4 us norm kernels before the GEMV but adds
-    ~0.65 us per loop step of each program (H100, 8B: qkv +1.3 us, gate|up +6.0; r109).
-    """
+    (module docstring; its pallas_call is named ``..._half2``), else the float32 one."""
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
@@ -511,20 +439,15 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
-    if norm is not None:
-        specs.append(pl.BlockSpec((k,), lambda j, t: (0,)))
-        operands.append(norm)
-    prologue = {"zeros": zero is not None, "norm": norm is not None, "norm_eps": norm_eps,
-                }
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=tiles.prefetch,
-            emulate=interpret, **prologue)
+            emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
-            groups_per_step=groups_per_step, steps_per_split=steps // splits, **prologue)
+            groups_per_step=groups_per_step, steps_per_split=steps // splits)
     partial = pl.pallas_call(
         kernel,
         grid=(col_blocks, splits),

@@ -77,7 +77,7 @@ def test_bad_operands_are_one_line_errors():
         int4_matmul(x, q.astype(jnp.int8), scale, zero, interpret=True)
     with pytest.raises(ValueError, match="power of two, at least 32"):
         int4_matmul(x, q, jnp.zeros((4, 32)), jnp.zeros((4, 32)), interpret=True)
-    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+    with pytest.raises(ValueError, match="K = 2"):
         int4_matmul(x[:, :48], q, scale, zero, interpret=True)
     with pytest.raises(ValueError, match="must both be"):
         int4_matmul(x, q, scale, zero[:1], interpret=True)

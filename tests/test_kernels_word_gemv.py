@@ -1,13 +1,11 @@
 """pallas_kernels.word_gemv (Pallas interpreter on CPU): the few-row weight-only kernel behind
 int4_matmul and int8_matmul, against its jnp reference and against the two formats'
 dequantize-then-matmul references, over row counts, tilings, group sizes and odd column
-counts; the RMSNorm it can apply as it reads x; which
-kernel the two matmuls run; and its lowering for a GPU at 8B shapes."""
+counts; which kernel the two matmuls run; and its lowering for a GPU at 8B shapes."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +18,6 @@ from pallas_kernels.word_gemv import (
     HALF2_PRODUCTS,
     WORD_ROWS,
     WordTiles,
-    gemv_prologue_reference,
     word_gemv,
     word_gemv_reference,
 )
@@ -345,107 +342,3 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
                          disabled_checks=no_check)(x1, q8, s8).mlir_module()
     assert "jaxinfer_word_gemv_8bit_half2" in text
     assert "0x64806480" in text and "fma.rn.f16x2" in text
-
-
-def _residual(m: int, k: int, seed: int) -> tuple[jax.Array, jax.Array]:
-    """bfloat16 rows shaped like a residual stream (a few large channels) and a norm weight."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(m, k)) * 3.0
-    x[:, :: max(1, k // 5)] *= 40.0
-    w = 1.0 + 0.3 * rng.normal(size=(k,))
-    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-
-
-NORM_CASES = [  # (format, K, group, tiles)
-    ("int4", 512, 128, WordTiles()),  # float16 pairs, K split over programs
-    ("int4", 384, 128, WordTiles(target_programs=1)),  # K no power of two: mean square in 3
-    ("int4", 256, 32, WordTiles()),  # the float32 kernel (groups under half2_min_group)
-    ("int8", 512, 64, WordTiles(step_rows=64, prefetch=True)),  # int8 pairs, loaded ahead
-    ("int8", 256, 64, WordTiles(int8_half2=False)),  # int8's float32 kernel
-]
-
-
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("fmt, k, group, tiles", NORM_CASES)
-def test_norm_in_the_kernel_equals_the_norm_before_it(m, fmt, k, group, tiles):
-    """``norm=`` (an RMSNorm of the residual stream ``x``), done by the kernel as it reads x,
-    gives the product of ``gemv_prologue_reference``'s normalized rows by the same kernel
-    without it: the same activations up to the mean square's summation order (identical
-    here; a bfloat16 step apart at worst)."""
-    n = 200
-    if fmt == "int4":
-        _, q, scale, zero = _int4(1, k, n, group, seed=k + m)
-        kw = INT4
-    else:
-        (_, q, scale), zero, kw = _int8(1, k, n, seed=k + m), None, INT8
-    x, norm = _residual(m, k, seed=m)
-    got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, norm=norm, norm_eps=1e-5,
-                    **kw)
-    xn = gemv_prologue_reference(x, norm, 1e-5)
-    assert xn.shape == (m, k) and xn.dtype == jnp.bfloat16
-    same = word_gemv(xn, q, scale, zero, interpret=True, tiles=tiles, **kw)
-    want = word_gemv_reference(xn, q, scale, zero, **kw)
-    top = float(jnp.max(jnp.abs(want)))
-    assert float(jnp.max(jnp.abs(got - same))) <= 2e-3 * top
-    # The norm matters: without it the product is another one.
-    assert float(jnp.max(jnp.abs(word_gemv_reference(x, q, scale, zero, **kw) - want))
-                 ) > 0.1 * top
-
-
-def test_prologue_reference_is_the_models_norm():
-    """``gemv_prologue_reference`` is the model's ``rms_norm`` bit for bit (the non-kernel
-    paths use the model's own; the kernels follow the reference)."""
-    from jaxinfer.model import rms_norm
-
-    x, norm = _residual(3, 256, seed=4)
-    np.testing.assert_array_equal(gemv_prologue_reference(x, norm, 1e-5),
-                                  rms_norm(x, norm, 1e-5))
-    np.testing.assert_array_equal(gemv_prologue_reference(x), x)
-
-
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_matmuls_past_the_word_rows_normalize_in_jnp(fmt):
-    """Past the word kernel's rows int4_matmul and int8_matmul run their tensor-core kernels
-    on ``gemv_prologue_reference``'s rows: the same bits as calling them on those."""
-    m, k, n = WORD_ROWS + 1, 256, 64
-    x, norm = _residual(m, k, seed=8)
-    if fmt == "int4":
-        _, q, scale, zero = _int4(1, k, n, 64, seed=3)
-        f = functools.partial(int4_matmul, q=q, scale=scale, zero=zero, interpret=True)
-    else:
-        _, q, scale = _int8(1, k, n, seed=3)
-        f = functools.partial(int8_matmul, q=q, scale=scale, interpret=True)
-    np.testing.assert_array_equal(f(x, norm=norm, norm_eps=1e-6),
-                                  f(gemv_prologue_reference(x, norm, 1e-6)))
-
-
-def test_bad_norms_are_one_line_errors():
-    x, q, scale, zero = _int4(1, 256, 64, 64, seed=0)
-    with pytest.raises(ValueError, match=r"norm must be \[256\]"):
-        int4_matmul(x, q, scale, zero, norm=jnp.ones(128), interpret=True)
-    _, q8, s8 = _int8(1, 256, 64, seed=0)
-    with pytest.raises(ValueError, match=r"norm must be \[256\]"):
-        int8_matmul(x, q8, s8, norm=jnp.ones(3), interpret=True)
-    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
-        int8_matmul(x[:, :128], q8, s8, interpret=True)
-
-
-def test_norms_lower_to_triton_for_cuda_at_8b_shapes():
-    """The norm (its mean-square pass over the whole row, rsqrt) lowers for a GPU at the
-    8B QKV shape, int4 pairs and int8 pairs."""
-    from jax import export
-
-    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-
-    def lowered(f, *shapes) -> str:
-        args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-        return export.export(jax.jit(f), platforms=["cuda"],
-                             disabled_checks=no_check)(*args).mlir_module()
-
-    bf16, u8, f16, i8, f32 = jnp.bfloat16, jnp.uint8, jnp.float16, jnp.int8, jnp.float32
-    text = lowered(lambda x, q, s, w: int4_matmul(x, q, s, s, norm=w, norm_eps=1e-5),
-                   ((1, 4096), bf16), ((2048, 6144), u8), ((32, 6144), f16), ((4096,), bf16))
-    assert "jaxinfer_word_gemv_4bit_half2" in text and "rsqrt" in text
-    text = lowered(lambda x, q, s, w: int8_matmul(x, q, s, norm=w, norm_eps=1e-5),
-                   ((1, 4096), bf16), ((4096, 6144), i8), ((64, 6144), f32), ((4096,), bf16))
-    assert "jaxinfer_word_gemv_8bit_half2" in text and "rsqrt" in text
