@@ -12,7 +12,9 @@ Before running it prints the workload's device floor (prefill FLOPs at the matmu
 decode bytes at the read bandwidth, ``workload_floor``), then per rate: output tokens/s and
 its fraction of the floor, requests/s, TTFT/TPOT percentiles and the engine's counters.
 ``--batch1-tokens N`` adds one request decoding N tokens alone (the single-stream rate
-against its roofline). ``--kv-cache-dtype int8|fp8`` stores the engine's K/V quantized
+against its roofline), ``--batch1-repeats`` times (3) with new prompts, recording the median
+run and every run's rate (one run's figure moved by a few percent between runs and
+machines, bench/NOTES.md r112). ``--kv-cache-dtype int8|fp8`` stores the engine's K/V quantized
 (``load_model(kv_cache_dtype=...)``); every run records the pool's capacity in tokens and the
 tokens the same bytes would hold in bfloat16, and the floor counts the quantized K/V bytes.
 
@@ -410,15 +412,16 @@ def _completed(engine: jaxinfer.Engine, rid: int) -> jaxinfer.Completion:
 
 def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: int,
                new_tokens: int, read_bytes_per_s: float, dtype_bytes: int,
-               spec: jaxinfer.Speculative | None = None) -> dict[str, Any]:
+               spec: jaxinfer.Speculative | None = None, seed: int = 1) -> dict[str, Any]:
     """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
+    Its prompt is ``prompt_len`` tokens drawn with ``seed``.
 
     The roofline reads the weights (``roofline.weight_bytes_per_step``, or the model's own
     bytes less its embedding table when the weights are quantized) and the K/V of the mean
     context once per token (``kv_bytes_per_position``), at the read bandwidth.
     """
     vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
-    prompt = np.random.default_rng(1).choice(vocab, size=prompt_len).tolist()
+    prompt = np.random.default_rng(seed).choice(vocab, size=prompt_len).tolist()
     before = engine.stats()
     rid = engine.submit(prompt, max_new_tokens=new_tokens, speculative=spec)
     engine.run_until_done()
@@ -456,10 +459,27 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
                 verify_ms_per_step=verify_s / verify_steps * 1e3 if verify_steps else None)
 
 
+def run_batch1_median(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, args: Any,
+                      read_bytes_per_s: float, dtype_bytes: int,
+                      spec: jaxinfer.Speculative | None = None
+                      ) -> tuple[dict[str, Any], list[int]]:
+    """``run_batch1`` ``args.batch1_repeats`` times, prompt ``i`` drawn with seed ``i + 1`` (a
+    new prompt each time, so no run reuses an earlier one's cached prefix): the run with the
+    median decode rate, every run's rate in ``decode_tok_per_s_runs``, and every run's
+    tokens, in order, as one list (to compare a speculative run's with a plain one's)."""
+    runs = [run_batch1(engine, cfg, args.batch1_prompt, args.batch1_tokens, read_bytes_per_s,
+                       dtype_bytes, spec, seed=i + 1) for i in range(args.batch1_repeats)]
+    token_ids = [t for r in runs for t in r.pop("token_ids")]
+    rates = [r["decode_tok_per_s"] or 0.0 for r in runs]
+    median = sorted(range(len(runs)), key=rates.__getitem__)[(len(runs) - 1) // 2]
+    return dict(runs[median], decode_tok_per_s_runs=rates), token_ids
+
+
 def compare_speculative(spec: dict[str, Any], plain: dict[str, Any], spec_ids: list[int],
                         plain_ids: list[int], k: int) -> dict[str, Any]:
-    """A speculative batch-1 run against the plain one: speed-up, identical tokens, and the
-    speed-ups its measured cycle costs would give at other acceptance rates."""
+    """A speculative batch-1 run against the plain one: speed-up, identical tokens (``spec_ids``
+    and ``plain_ids``: every repeat's tokens, in order; ``first_difference`` indexes them),
+    and the speed-ups its measured cycle costs would give at other acceptance rates."""
     differ = [i for i, (a, b) in enumerate(zip(spec_ids, plain_ids, strict=False)) if a != b]
     out: dict[str, Any] = dict(plain=plain, identical_tokens=spec_ids == plain_ids,
                                first_difference=differ[0] if differ else None,
@@ -578,6 +598,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="> 0: also decode this many tokens for one request alone")
     ap.add_argument("--batch1-prompt", type=int, default=128,
                     help="prompt tokens of the batch-1 request")
+    ap.add_argument("--batch1-repeats", type=int, default=3,
+                    help="batch-1 requests run one after another (new prompts); the record "
+                         "keeps the one with the median decode rate")
     ap.add_argument("--compile-cache", default=None,
                     help="JAX persistent compilation cache folder (reused across processes)")
     ap.add_argument("--response-format", choices=("none", "json"), default="none",
@@ -593,6 +616,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.requests < 0:
         ap.error(f"--requests {args.requests} must be 0 or more")
+    if args.batch1_repeats < 1:
+        ap.error(f"--batch1-repeats {args.batch1_repeats} must be 1 or more")
     if (args.speculative == "draft") != (args.draft_preset is not None):
         ap.error("--speculative draft needs --draft-preset, which is only for it")
     if args.kv_bytes is None:
@@ -666,24 +691,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del engine
     if args.batch1_tokens > 0:
         plain = None
-        if spec is not None:  # the same request without speculation, to compare with
+        if spec is not None:  # the same requests without speculation, to compare with
             engine = make_engine(model, args)
             warmup(engine)
-            plain = run_batch1(engine, cfg, args.batch1_prompt, args.batch1_tokens, bandwidth,
-                               dtype_bytes)
+            plain, plain_ids = run_batch1_median(engine, cfg, args, bandwidth, dtype_bytes)
             del engine
         engine = make_engine(model, args)
         warmup_s = warmup(engine, spec=spec)
-        b1 = dict(warmup_s=warmup_s, **run_batch1(engine, cfg, args.batch1_prompt,
-                                                 args.batch1_tokens, bandwidth, dtype_bytes,
-                                                 spec))
-        token_ids = b1.pop("token_ids")
+        b1, token_ids = run_batch1_median(engine, cfg, args, bandwidth, dtype_bytes, spec)
+        b1 = dict(warmup_s=warmup_s, repeats=args.batch1_repeats, **b1)
         if plain is not None:
-            b1.update(compare_speculative(b1, plain, token_ids, plain.pop("token_ids"),
+            b1.update(compare_speculative(b1, plain, token_ids, plain_ids,
                                           args.num_speculative_tokens))
         b1_tok_per_s = b1["decode_tok_per_s"]
+        rates = ", ".join(f"{r:.1f}" for r in b1["decode_tok_per_s_runs"])
         print(f"\n-- batch 1: {b1['tokens']} tokens after a {b1['prompt_len']}-token prompt: "
-              + (f"decode {b1_tok_per_s:.1f} tok/s, roofline {b1['floor_tok_per_s']:.4g} tok/s "
+              + (f"decode {b1_tok_per_s:.1f} tok/s (median of {rates}), roofline "
+                 f"{b1['floor_tok_per_s']:.4g} tok/s "
                  f"({b1['step_bytes'] / 1e9:.3f} GB per step) = "
                  f"{100 * b1['fraction_of_floor']:.3g}%"
                  if b1_tok_per_s else "under 2 tokens, no decode rate")

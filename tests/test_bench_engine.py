@@ -92,6 +92,11 @@ def test_tiny_end_to_end(bench, tmp_path):
     assert b1["tokens"] == 6 and b1["decode_tok_per_s"] > 0
     assert b1["fraction_of_floor"] == pytest.approx(b1["decode_tok_per_s"]
                                                     / b1["floor_tok_per_s"])
+    # Three batch-1 requests (the default), the record keeping the median one's figures.
+    rates = b1["decode_tok_per_s_runs"]
+    assert b1["repeats"] == len(rates) == 3 and b1["decode_tok_per_s"] == sorted(rates)[1]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch1-repeats", "0"])
 
 
 def test_int4_batch1_counts_the_packed_bytes(bench):
@@ -150,6 +155,7 @@ def test_draft_model_run_compares_batch1_with_plain(bench):
     assert run["programs_compiled_in_run"] == 0  # warmup compiled the draft's steps too
     assert run["draft_tokens"] > 0 and b1["draft_tokens"] > 0
     assert b1["plain"]["tokens"] == b1["tokens"] == 12 and "token_ids" not in b1
+    assert len(b1["plain"]["decode_tok_per_s_runs"]) == len(b1["decode_tok_per_s_runs"]) == 3
     assert b1["verify_steps"] > 0 and b1["speedup"] > 0
     # The draft loop's device time is verify time, not plain decode time (its iterations
     # include the draft's proposals).
