@@ -14,7 +14,9 @@ kernel time, and the kernels that take the most time. A record for bench/NOTES.m
 ``--batch1 N`` profiles single-request decode instead: one 128-token prompt, its N new
 tokens traced after the prompt step, every kernel reported per generated token (count and
 microseconds), with the kernel-time and first-to-last-kernel span per token (bench/NOTES.md
-r37). ``--quantize int4-g128`` (any of ``jaxinfer.quantize.QUANTIZATIONS``) profiles random
+r37), and the idle device time just before each kernel name (``benchmark.idle_before``: where
+the span's gaps sit; r111-r112 found a change that removed kernels but added idle time).
+``--quantize int4-g128`` (any of ``jaxinfer.quantize.QUANTIZATIONS``) profiles random
 weights quantized at those shapes (one device). ``--tp N`` shards the model over N local
 devices (``make_mesh(data=1, model=N)``, weights made in shards); kernels are then counted
 on the first device, where the collectives show up beside the GEMMs.
@@ -34,7 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer.benchmark import device_events, quantized_copy, top_kernels, trace_events
+from jaxinfer.benchmark import (
+    device_events,
+    idle_before,
+    kernel_gaps,
+    quantized_copy,
+    top_kernels,
+    trace_events,
+)
 from jaxinfer.model import apply_layout, init_params
 from jaxinfer.presets import preset_config
 from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
@@ -48,7 +57,7 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     """Trace one request's decode calls (with ``spec``: its speculation loop calls); print
     and record its kernels per generated token (on the first device of a mesh: each device
     runs the same kernels on its shard), and the host's wall time per engine step."""
-    prompt = list(range(100, 228))
+    prompt = [(100 + i) % model.config.vocab_size for i in range(128)]
     engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=spec)
     engine.run_until_done()  # the decode call lengths settle on measured times
     engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=spec)
@@ -67,6 +76,7 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
     span_ms = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / tokens
     top = top_kernels(events, 40)
+    idle = idle_before(events, 12)
     record = {
         "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "tp": 1 if model.mesh is None else model.mesh.size,
@@ -78,6 +88,8 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         "top_kernels": [{"name": n[:100], "per_token": len(ds) / tokens,
                          "us_per_token": sum(ds) / 1e3 / tokens,
                          "mean_us": sum(ds) / len(ds) / 1e3} for n, ds in top],
+        "idle_before": [{"name": n[:100], "per_token": c / tokens,
+                         "idle_us_per_token": g / 1e3 / tokens} for n, g, c in idle],
     }
     print(f"{tokens} tokens: {kernel_ms:.3f} ms of kernels per token, first-to-last span "
           f"{span_ms:.3f} ms, {record['kernels_per_token']:.1f} kernels per token; "
@@ -86,6 +98,10 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     for k in record["top_kernels"]:
         print(f"{k['us_per_token']:9.1f} us/token {k['per_token']:6.1f}/token "
               f"{k['mean_us']:8.2f} us  {k['name']}")
+    print("idle device time just before a kernel (launch gaps; under the profiler):")
+    for k in record["idle_before"]:
+        print(f"{k['idle_us_per_token']:9.1f} us/token before {k['per_token']:6.1f}/token  "
+              f"{k['name']}")
     Path(out).write_text(json.dumps(record, indent=1))
 
 
@@ -119,16 +135,13 @@ def step_timelines(marks: list[tuple[str, float, float]],
             out.append(dict(kernels=0, kernel_ms=0.0, lead_ms=mdur / 1e6, span_ms=0.0,
                             idle_ms=0.0, tail_ms=0.0, max_gap_ms=0.0, max_gap_before=""))
             continue
-        busy_end, idle, gap, before = ks[0][1], 0.0, 0.0, ks[0][0]
-        for name, start, dur in ks:
-            if start > busy_end:
-                idle += start - busy_end
-                if start - busy_end > gap:
-                    gap, before = start - busy_end, name
-            busy_end = max(busy_end, start + dur)
+        gaps = kernel_gaps(ks)
+        before, gap = max(gaps, key=lambda g: g[1])
+        busy_end = max(s + d for _, s, d in ks)
         out.append(dict(kernels=len(ks), kernel_ms=sum(k[2] for k in ks) / 1e6,
                         lead_ms=(ks[0][1] - m0) / 1e6, span_ms=(busy_end - ks[0][1]) / 1e6,
-                        idle_ms=idle / 1e6, tail_ms=max(0.0, m0 + mdur - busy_end) / 1e6,
+                        idle_ms=sum(g for _, g in gaps) / 1e6,
+                        tail_ms=max(0.0, m0 + mdur - busy_end) / 1e6,
                         max_gap_ms=gap / 1e6, max_gap_before=before[:60]))
     return out
 

@@ -141,6 +141,20 @@ def test_impl_names():
         benchmark.Impl.parse("pallas+sliced")
 
 
+def test_idle_before_puts_each_gap_on_the_kernel_after_it():
+    """``kernel_gaps``: the idle time before each kernel, from the end of everything that
+    started earlier (an overlapped kernel has none, a kernel inside a longer one none);
+    ``idle_before`` sums it per name, most idle first, with each name's count."""
+    from jaxinfer.benchmark import idle_before, kernel_gaps
+
+    events = [("b", 12, 3.0), ("a", 0, 10.0), ("c", 11, 0.5), ("b", 20, 2.0), ("a", 22, 1.0),
+              ("d", 22.5, 0.1)]  # out of order on purpose; d inside a
+    assert kernel_gaps(events) == [("a", 0.0), ("c", 1.0), ("b", 0.5), ("b", 5.0), ("a", 0.0),
+                                   ("d", 0.0)]
+    assert idle_before(events, 2) == [("b", 5.5, 2), ("c", 1.0, 1)]
+    assert kernel_gaps([]) == []
+
+
 def test_top_kernels_ranks_names_by_summed_time(tmp_path):
     """``top_kernels`` groups events by name and ranks by total time, not by count or by the
     longest event; ``device_events`` reads a real trace (on CPU it holds no accelerator

@@ -289,3 +289,28 @@ def test_quantized_copy_is_a_fast_draft_of_the_target():
     assert is_quantized(draft.params) and not is_quantized(target.params)
     assert draft.name == "tiny-fp8" and not draft.deterministic and target.deterministic
     assert draft.config == target.config
+
+
+def test_profile_batch1_records_kernels_and_the_idle_before_them(monkeypatch, tmp_path):
+    """``profile_engine.profile_batch1`` on a traced run (the trace's device events replaced
+    by a fixed timeline: a CPU trace holds none): kernels per token and the idle time before
+    each kernel name, per generated token."""
+    from jaxinfer.engine import Engine
+    from tests.conftest import tiny_engine_model
+
+    prof = load_script("profile_engine")
+    us = 1_000
+    timeline = [("gemv", 0, 10 * us), ("norm", 12 * us, 1 * us), ("gemv", 13 * us, 10 * us),
+                ("norm", 30 * us, 1 * us)]
+    monkeypatch.setattr(prof, "device_events", lambda *a: timeline)
+    model = tiny_engine_model()
+    engine = Engine(model, num_pages=80, page_size=4, verbose=False)
+    out = tmp_path / "p.json"
+    prof.profile_batch1(engine, model, 3, str(out))
+    record = json.loads(out.read_text())
+    tokens = record["tokens"]
+    assert tokens == 2  # the prompt step gives the first of 3 outside the trace
+    assert record["kernels_per_token"] == 4 / tokens
+    assert record["idle_before"] == [
+        {"name": "norm", "per_token": 2 / tokens, "idle_us_per_token": 9 / tokens},
+        {"name": "gemv", "per_token": 2 / tokens, "idle_us_per_token": 0.0}]
