@@ -558,11 +558,16 @@ def _fits(config: LlamaConfig, batch: int, context: int, budget: float | None) -
 def device_name() -> str:
     """A short folder name for the default device: ``h100``, ``cpu``, ..."""
     d = jax.devices()[0]
-    kind = getattr(d, "device_kind", d.platform).lower()
+    return device_folder(getattr(d, "device_kind", d.platform), d.platform)
+
+
+def device_folder(kind: str, platform: str) -> str:
+    """``bench/results``' folder for a device kind (``NVIDIA H100 80GB HBM3`` -> ``h100``),
+    else ``platform``."""
     for known in ("h100", "h200", "a100", "a10", "v5e", "v5p", "v5 lite", "v4"):
-        if known in kind:
+        if known in kind.lower():
             return known.replace(" ", "")
-    return d.platform
+    return platform
 
 
 def record_path(json_arg: str | None, auto: Path) -> Path | None:

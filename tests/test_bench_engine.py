@@ -314,3 +314,45 @@ def test_profile_batch1_records_kernels_and_the_idle_before_them(monkeypatch, tm
     assert record["idle_before"] == [
         {"name": "norm", "per_token": 2 / tokens, "idle_us_per_token": 9 / tokens},
         {"name": "gemv", "per_token": 2 / tokens, "idle_us_per_token": 0.0}]
+
+
+def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path):
+    ab = load_script("ab_engine")
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--base", str(tmp_path), "--", "--preset", "tiny"])  # no bench script
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--base", str(REPO), "--", "--preset", "tiny", "--json", "x.json"])
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--base", str(REPO)])  # nothing for bench_engine
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--base", str(REPO), "--rounds", "0", "--", "--preset", "tiny"])
+    args = ab.parse_args(["--base", str(REPO), "--rounds", "3", "--", "--preset", "tiny"])
+    assert (args.rounds, args.bench_args) == (3, ["--preset", "tiny"])
+    # The summary: each figure's runs, medians and new / base.
+    base = [{"b1": 10.0, "only_base": 1.0}, {"b1": 14.0}, {"b1": 12.0}]
+    new = [{"b1": 9.0}, {"b1": 9.5}, {"b1": 30.0}]
+    s = ab.summarize(base, new)
+    assert list(s) == ["b1"] and s["b1"]["base_median"] == 12.0
+    assert s["b1"]["new_median"] == 9.5 and s["b1"]["ratio"] == pytest.approx(9.5 / 12.0)
+
+
+def test_ab_engine_runs_both_trees_alternating(tmp_path):
+    """Two copies of this tree, one round: each side's run is a bench_engine record of its
+    own, and the summary compares their batch-1 and offline figures."""
+    import shutil
+
+    ab = load_script("ab_engine")
+    base = tmp_path / "base"
+    for name in ("jaxinfer", "pallas_kernels", "sharding", "checkpoints", "scripts"):
+        shutil.copytree(REPO / name, base / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "ab.json"
+    record = ab.main(["--base", str(base), "--rounds", "1", "--json", str(out), "--",
+                      "--preset", "tiny", "--requests", "4", "--max-batch", "2",
+                      "--token-budget", "16", "--batch1-tokens", "4", "--batch1-repeats", "1"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert [len(record["records"][side]) for side in ("base", "new")] == [1, 1]
+    assert "--batch1-repeats 1 --json" in record["records"]["base"][0]["command"]
+    summary = record["summary"]
+    assert set(summary) == {"batch1_decode_tok_per_s", "output_tok_per_s@0"}
+    for s in summary.values():
+        assert len(s["base"]) == len(s["new"]) == 1 and s["ratio"] > 0
