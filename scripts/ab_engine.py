@@ -17,7 +17,10 @@ Usage (the base tree made on the host and carried to the device, e.g. in an igno
         --preset 8b --quantize int4-g128 --requests 0 --batch1-tokens 512
 
 Arguments after ``--`` go to ``bench_engine.py`` unchanged (not ``--json``: each run's record
-is kept inside this one's). A record for bench/NOTES.md, not a test.
+is kept inside this one's). ``--new-env NAME=VALUE`` (repeatable) sets an environment variable
+for the new side's runs only, so one tree can be compared with itself under, say, other
+``XLA_FLAGS`` (``--base . --new-env XLA_FLAGS=...``). A record for bench/NOTES.md, not a
+test.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ def figures(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_bench(tree: Path, bench_args: list[str], json_path: Path) -> dict[str, Any]:
+def run_bench(tree: Path, bench_args: list[str], json_path: Path,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
     """One ``bench_engine.py`` run from ``tree`` (its working directory and ``PYTHONPATH``),
-    its record read back; a failed run stops the comparison with its output's tail."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with ``env`` added to this process's environment, its record read back; a failed run
+    stops the comparison with its output's tail."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
     proc = subprocess.run([sys.executable, str(BENCH), *bench_args, "--json", str(json_path)],
                           cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -84,12 +89,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--base", required=True, help="the base source tree (git archive of a rev)")
     ap.add_argument("--new", default=str(REPO), help="the new source tree (default: this one)")
     ap.add_argument("--rounds", type=int, default=2, help="base-then-new pairs to run")
+    ap.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the new side's runs only (repeatable)")
     ap.add_argument("--json", default=None, help="write the record here ('auto': bench/"
                     "results/<device>/ab_engine_<date>.json)")
     args = ap.parse_args(argv[:split])
     args.bench_args = argv[split + 1:]
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds} must be 1 or more")
+    bad = [e for e in args.new_env if "=" not in e or not e.split("=", 1)[0]]
+    if bad:
+        ap.error(f"--new-env {bad[0]!r} must be NAME=VALUE")
+    args.new_env = dict(e.split("=", 1) for e in args.new_env)
     for side in ("base", "new"):
         if not (Path(getattr(args, side)) / BENCH).is_file():
             ap.error(f"--{side} {getattr(args, side)} holds no {BENCH}; make it with "
@@ -109,11 +120,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record: dict[str, Any] = dict(
         command=" ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         date=time.strftime("%Y-%m-%d %H:%M:%S"), base=str(trees["base"]),
-        new=str(trees["new"]), bench_args=args.bench_args, records={"base": [], "new": []})
+        new=str(trees["new"]), new_env=args.new_env, bench_args=args.bench_args,
+        records={"base": [], "new": []})
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for side, tree in trees.items():
-                rec = run_bench(tree, args.bench_args, Path(tmp) / f"{side}_{i}.json")
+                rec = run_bench(tree, args.bench_args, Path(tmp) / f"{side}_{i}.json",
+                                args.new_env if side == "new" else None)
                 record["records"][side].append(rec)
                 print(f"round {i + 1} {side}: " + ", ".join(
                     f"{k} {v:.1f}" for k, v in figures(rec).items()), flush=True)

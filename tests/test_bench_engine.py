@@ -326,8 +326,12 @@ def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path):
         ab.parse_args(["--base", str(REPO)])  # nothing for bench_engine
     with pytest.raises(SystemExit):
         ab.parse_args(["--base", str(REPO), "--rounds", "0", "--", "--preset", "tiny"])
-    args = ab.parse_args(["--base", str(REPO), "--rounds", "3", "--", "--preset", "tiny"])
-    assert (args.rounds, args.bench_args) == (3, ["--preset", "tiny"])
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--base", str(REPO), "--new-env", "XLA_FLAGS", "--", "--preset", "t"])
+    args = ab.parse_args(["--base", str(REPO), "--rounds", "3", "--new-env", "A=x=1", "--",
+                          "--preset", "tiny"])
+    assert (args.rounds, args.bench_args, args.new_env) == (3, ["--preset", "tiny"],
+                                                            {"A": "x=1"})
     # The summary: each figure's runs, medians and new / base.
     base = [{"b1": 10.0, "only_base": 1.0}, {"b1": 14.0}, {"b1": 12.0}]
     new = [{"b1": 9.0}, {"b1": 9.5}, {"b1": 30.0}]
@@ -356,3 +360,22 @@ def test_ab_engine_runs_both_trees_alternating(tmp_path):
     assert set(summary) == {"batch1_decode_tok_per_s", "output_tok_per_s@0"}
     for s in summary.values():
         assert len(s["base"]) == len(s["new"]) == 1 and s["ratio"] > 0
+
+
+def test_ab_engine_sets_new_env_for_the_new_side_only(tmp_path):
+    """``--new-env``: the new side's runs see the variable, the base's do not (two stub trees
+    whose bench_engine.py reports the variable as its batch-1 rate), alternating rounds."""
+    ab = load_script("ab_engine")
+    stub = ("import json, os, sys\n"
+            "out = sys.argv[sys.argv.index('--json') + 1]\n"
+            "rate = float(os.environ.get('AB_RATE', '2'))\n"
+            "json.dump({'device': 'cpu', 'command': ' '.join(sys.argv), 'runs': [],\n"
+            "           'batch1': {'decode_tok_per_s': rate}}, open(out, 'w'))\n")
+    for side in ("base", "new"):
+        (tmp_path / side / "scripts").mkdir(parents=True)
+        (tmp_path / side / "scripts" / "bench_engine.py").write_text(stub)
+    record = ab.main(["--base", str(tmp_path / "base"), "--new", str(tmp_path / "new"),
+                      "--rounds", "2", "--new-env", "AB_RATE=7", "--", "--preset", "tiny"])
+    s = record["summary"]["batch1_decode_tok_per_s"]
+    assert (s["base"], s["new"], s["ratio"]) == ([2.0, 2.0], [7.0, 7.0], 3.5)
+    assert record["new_env"] == {"AB_RATE": "7"}
