@@ -134,8 +134,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     for side in ("base", "new")))
     for name, s in record["summary"].items():
         runs = {side: ", ".join(f"{v:.1f}" for v in s[side]) for side in ("base", "new")}
+        ratio = "no ratio (a zero base)" if s["ratio"] is None else f"{s['ratio']:.3f}x"
         print(f"{name}: base {s['base_median']:.1f} (runs {runs['base']}), new "
-              f"{s['new_median']:.1f} (runs {runs['new']}) = {s['ratio']:.3f}x")
+              f"{s['new_median']:.1f} (runs {runs['new']}) = {ratio}")
     if args.json:
         kind = record["records"]["new"][0]["device"]
         auto = (REPO / "bench" / "results" / device_folder(kind, kind.lower())
