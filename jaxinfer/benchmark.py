@@ -95,24 +95,24 @@ def kernel_gaps(events: list[tuple[str, float, float]]) -> list[tuple[str, float
     """Idle device time before each kernel: ``(name, gap)`` in start order, ``gap`` from the
     end of everything that started before it to its start (0 where it overlaps them); the
     first kernel's gap is 0. Same time unit as ``events`` ``(name, start, duration)``."""
-    out, busy_end = [], None
+    out: list[tuple[str, float]] = []
+    busy_end: float | None = None
     for name, start, dur in sorted(events, key=lambda e: e[1]):
         out.append((name, 0.0 if busy_end is None else max(0.0, start - busy_end)))
         busy_end = start + dur if busy_end is None else max(busy_end, start + dur)
     return out
 
 
-def idle_before(events: list[tuple[str, float, float]], n: int
-                ) -> list[tuple[str, float, int]]:
-    """The ``n`` kernel names with the most idle device time just before them
-    (``kernel_gaps``): ``(name, summed gap, kernels of that name)``, most idle first (where a
-    timeline's launch gaps sit)."""
-    gaps: dict[str, float] = collections.defaultdict(float)
+def idle_before(gaps: list[tuple[str, float]], n: int) -> list[tuple[str, float, int]]:
+    """The ``n`` kernel names with the most idle device time just before them, from
+    ``kernel_gaps`` (of one timeline, or of several steps' put together): ``(name, summed
+    gap, kernels of that name)``, most idle first (where a timeline's launch gaps sit)."""
+    total: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter[str] = collections.Counter()
-    for name, gap in kernel_gaps(events):
-        gaps[name] += gap
+    for name, gap in gaps:
+        total[name] += gap
         counts[name] += 1
-    return sorted(((k, gaps[k], counts[k]) for k in gaps), key=lambda t: -t[1])[:n]
+    return sorted(((k, total[k], counts[k]) for k in total), key=lambda t: -t[1])[:n]
 
 
 def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: int,

@@ -459,30 +459,46 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
                 verify_ms_per_step=verify_s / verify_steps * 1e3 if verify_steps else None)
 
 
-def run_batch1_median(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, args: Any,
-                      read_bytes_per_s: float, dtype_bytes: int,
+def run_batch1_median(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig,
+                      args: argparse.Namespace, read_bytes_per_s: float, dtype_bytes: int,
                       spec: jaxinfer.Speculative | None = None
-                      ) -> tuple[dict[str, Any], list[int]]:
-    """``run_batch1`` ``args.batch1_repeats`` times, prompt ``i`` drawn with seed ``i + 1`` (a
-    new prompt each time, so no run reuses an earlier one's cached prefix): the run with the
-    median decode rate, every run's rate in ``decode_tok_per_s_runs``, and every run's
-    tokens, in order, as one list (to compare a speculative run's with a plain one's)."""
-    runs = [run_batch1(engine, cfg, args.batch1_prompt, args.batch1_tokens, read_bytes_per_s,
-                       dtype_bytes, spec, seed=i + 1) for i in range(args.batch1_repeats)]
-    token_ids = [t for r in runs for t in r.pop("token_ids")]
-    rates = [r["decode_tok_per_s"] or 0.0 for r in runs]
-    median = sorted(range(len(runs)), key=rates.__getitem__)[(len(runs) - 1) // 2]
+                      ) -> tuple[dict[str, Any], list[list[int]]]:
+    """``run_batch1`` ``args.batch1_repeats`` times on ``engine``, prompt ``i`` drawn with seed
+    ``i + 1`` (a new prompt each time, so no run reuses an earlier one's cached prefix): the
+    run with the median decode rate (the lower one of an even count; its ``prompt_seed``
+    recorded), every run's rate in ``decode_tok_per_s_runs`` (None: under 2 tokens), and
+    each run's tokens (to compare a speculative run's with a plain one's). The runs share
+    the engine, so the first starts from its state after warm-up and the later ones from the
+    decode-call lengths and speculation gains it measured."""
+    runs = [dict(run_batch1(engine, cfg, args.batch1_prompt, args.batch1_tokens,
+                            read_bytes_per_s, dtype_bytes, spec, seed=i + 1), prompt_seed=i + 1)
+            for i in range(args.batch1_repeats)]
+    token_ids = [r.pop("token_ids") for r in runs]
+    rates = [r["decode_tok_per_s"] for r in runs]
+    median = sorted(range(len(runs)), key=lambda i: rates[i] or 0.0)[(len(runs) - 1) // 2]
     return dict(runs[median], decode_tok_per_s_runs=rates), token_ids
 
 
-def compare_speculative(spec: dict[str, Any], plain: dict[str, Any], spec_ids: list[int],
-                        plain_ids: list[int], k: int) -> dict[str, Any]:
-    """A speculative batch-1 run against the plain one: speed-up, identical tokens (``spec_ids``
-    and ``plain_ids``: every repeat's tokens, in order; ``first_difference`` indexes them),
-    and the speed-ups its measured cycle costs would give at other acceptance rates."""
-    differ = [i for i, (a, b) in enumerate(zip(spec_ids, plain_ids, strict=False)) if a != b]
-    out: dict[str, Any] = dict(plain=plain, identical_tokens=spec_ids == plain_ids,
-                               first_difference=differ[0] if differ else None,
+def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """The first ``(run, token)`` where two runs' token lists differ (a token past the end of
+    the shorter list counts), or None if they are identical."""
+    for run, (x, y) in enumerate(zip(a, b, strict=True)):
+        for i in range(max(len(x), len(y))):
+            if i >= min(len(x), len(y)) or x[i] != y[i]:
+                return run, i
+    return None
+
+
+def compare_speculative(spec: dict[str, Any], plain: dict[str, Any],
+                        spec_ids: list[list[int]], plain_ids: list[list[int]], k: int
+                        ) -> dict[str, Any]:
+    """Speculative batch-1 runs against plain ones on the same prompts (``spec_ids``,
+    ``plain_ids``: each run's tokens): the speed-up of the median runs, whether every run's
+    tokens are identical (else the first differing ``(run, token)``), and the speed-ups the
+    median speculative run's measured cycle costs would give at other acceptance rates."""
+    differ = first_difference(spec_ids, plain_ids)
+    out: dict[str, Any] = dict(plain=plain, identical_tokens=differ is None,
+                               first_difference=differ,
                                speedup=None, projected_speedup=None)
     if spec["decode_tok_per_s"] and plain["decode_tok_per_s"]:
         out["speedup"] = spec["decode_tok_per_s"] / plain["decode_tok_per_s"]
@@ -500,8 +516,8 @@ def report_speculative(b1: dict[str, Any]) -> None:
           f"{b1['decode_tok_per_s'] or 0:.1f} tok/s = {b1['speedup'] or 0:.2f}x, identical "
           f"tokens: {b1['identical_tokens']}"
           + ("" if b1["first_difference"] is None else
-             f" (first difference at token {b1['first_difference']}: bf16 near-ties, see "
-             "--deterministic)")
+             f" (first difference in run {b1['first_difference'][0] + 1} at token "
+             f"{b1['first_difference'][1]}: bf16 near-ties, see --deterministic)")
           + f"; {b1['verify_steps']} verify steps, "
           f"{b1['accepted_tokens']} of {b1['draft_tokens']} proposals accepted, "
           f"{b1['decode_calls']} decode calls", flush=True)
@@ -600,7 +616,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="prompt tokens of the batch-1 request")
     ap.add_argument("--batch1-repeats", type=int, default=3,
                     help="batch-1 requests run one after another (new prompts); the record "
-                         "keeps the one with the median decode rate")
+                         "keeps the one with the median decode rate (the lower median of an "
+                         "even count)")
     ap.add_argument("--compile-cache", default=None,
                     help="JAX persistent compilation cache folder (reused across processes)")
     ap.add_argument("--response-format", choices=("none", "json"), default="none",
@@ -704,9 +721,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             b1.update(compare_speculative(b1, plain, token_ids, plain_ids,
                                           args.num_speculative_tokens))
         b1_tok_per_s = b1["decode_tok_per_s"]
-        rates = ", ".join(f"{r:.1f}" for r in b1["decode_tok_per_s_runs"])
+        each = ", ".join(f"{r or 0:.1f}" for r in b1["decode_tok_per_s_runs"])
         print(f"\n-- batch 1: {b1['tokens']} tokens after a {b1['prompt_len']}-token prompt: "
-              + (f"decode {b1_tok_per_s:.1f} tok/s (median of {rates}), roofline "
+              + (f"decode {b1_tok_per_s:.1f} tok/s (median of {each}), roofline "
                  f"{b1['floor_tok_per_s']:.4g} tok/s "
                  f"({b1['step_bytes'] / 1e9:.3f} GB per step) = "
                  f"{100 * b1['fraction_of_floor']:.3g}%"

@@ -14,8 +14,9 @@ kernel time, and the kernels that take the most time. A record for bench/NOTES.m
 ``--batch1 N`` profiles single-request decode instead: one 128-token prompt, its N new
 tokens traced after the prompt step, every kernel reported per generated token (count and
 microseconds), with the kernel-time and first-to-last-kernel span per token (bench/NOTES.md
-r37), and the idle device time just before each kernel name (``benchmark.idle_before``: where
-the span's gaps sit; r111-r112 found a change that removed kernels but added idle time).
+r37), and the idle device time just before each kernel name within an engine step
+(``benchmark.idle_before``: where the span's gaps sit, the host's time between steps left
+out; r111-r112 found a change that removed kernels but added idle time).
 ``--quantize int4-g128`` (any of ``jaxinfer.quantize.QUANTIZATIONS``) profiles random
 weights quantized at those shapes (one device). ``--tp N`` shards the model over N local
 devices (``make_mesh(data=1, model=N)``, weights made in shards); kernels are then counted
@@ -67,16 +68,20 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         with jax.profiler.trace(tmp):
             while engine.has_unfinished():
                 t0 = time.perf_counter()
-                tokens += sum(len(new) for _, new, _ in engine.step())
+                with jax.profiler.TraceAnnotation(f"{STEP_MARK}{len(step_ms)}"):
+                    tokens += sum(len(new) for _, new, _ in engine.step())
                 step_ms.append(1e3 * (time.perf_counter() - t0))
         events = device_events(Path(tmp), "/device:GPU:0" if model.mesh is not None else
                                "/device:")
+        marks = host_marks(Path(tmp))
     if not events:
         raise SystemExit("profile_engine: the trace holds no accelerator kernels (a CPU run?)")
     kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
     span_ms = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / tokens
     top = top_kernels(events, 40)
-    idle = idle_before(events, 12)
+    # Gaps inside each engine step: the host's round trip between steps is not a launch gap.
+    idle = idle_before([g for _, m0, dur in marks for g in kernel_gaps(
+        [k for k in events if m0 <= k[1] < m0 + dur])], 12)
     record = {
         "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "tp": 1 if model.mesh is None else model.mesh.size,
@@ -98,7 +103,7 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     for k in record["top_kernels"]:
         print(f"{k['us_per_token']:9.1f} us/token {k['per_token']:6.1f}/token "
               f"{k['mean_us']:8.2f} us  {k['name']}")
-    print("idle device time just before a kernel (launch gaps; under the profiler):")
+    print("idle device time just before a kernel, within engine steps (under the profiler):")
     for k in record["idle_before"]:
         print(f"{k['idle_us_per_token']:9.1f} us/token before {k['per_token']:6.1f}/token  "
               f"{k['name']}")

@@ -148,11 +148,12 @@ def test_idle_before_puts_each_gap_on_the_kernel_after_it():
     from jaxinfer.benchmark import idle_before, kernel_gaps
 
     events = [("b", 12, 3.0), ("a", 0, 10.0), ("c", 11, 0.5), ("b", 20, 2.0), ("a", 22, 1.0),
-              ("d", 22.5, 0.1)]  # out of order on purpose; d inside a
+              ("d", 22.5, 0.1), ("e", 23.5, 1.0)]  # out of order on purpose; d inside a
+    # e's gap runs from a's end (23), not d's (22.6): the latest end so far counts.
     assert kernel_gaps(events) == [("a", 0.0), ("c", 1.0), ("b", 0.5), ("b", 5.0), ("a", 0.0),
-                                   ("d", 0.0)]
-    assert idle_before(events, 2) == [("b", 5.5, 2), ("c", 1.0, 1)]
-    assert kernel_gaps([]) == []
+                                   ("d", 0.0), ("e", 0.5)]
+    assert idle_before(kernel_gaps(events), 2) == [("b", 5.5, 2), ("c", 1.0, 1)]
+    assert kernel_gaps([]) == [] and idle_before([], 3) == []
 
 
 def test_top_kernels_ranks_names_by_summed_time(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -292,9 +293,9 @@ def test_quantized_copy_is_a_fast_draft_of_the_target():
 
 
 def test_profile_batch1_records_kernels_and_the_idle_before_them(monkeypatch, tmp_path):
-    """``profile_engine.profile_batch1`` on a traced run (the trace's device events replaced
-    by a fixed timeline: a CPU trace holds none): kernels per token and the idle time before
-    each kernel name, per generated token."""
+    """``profile_engine.profile_batch1`` on a traced run (the trace's device events and step
+    marks replaced by a fixed timeline: a CPU trace holds no kernels): kernels per token and
+    the idle time before each kernel name within engine steps, per generated token."""
     from jaxinfer.engine import Engine
     from tests.conftest import tiny_engine_model
 
@@ -303,6 +304,9 @@ def test_profile_batch1_records_kernels_and_the_idle_before_them(monkeypatch, tm
     timeline = [("gemv", 0, 10 * us), ("norm", 12 * us, 1 * us), ("gemv", 13 * us, 10 * us),
                 ("norm", 30 * us, 1 * us)]
     monkeypatch.setattr(prof, "device_events", lambda *a: timeline)
+    # Two engine steps: the 7 us between them is the host's, not a gap before "norm".
+    steps = [("s0", 0, 24 * us), ("s1", 25 * us, 10 * us)]
+    monkeypatch.setattr(prof, "host_marks", lambda *a: steps)
     model = tiny_engine_model()
     engine = Engine(model, num_pages=80, page_size=4, verbose=False)
     out = tmp_path / "p.json"
@@ -312,11 +316,12 @@ def test_profile_batch1_records_kernels_and_the_idle_before_them(monkeypatch, tm
     assert tokens == 2  # the prompt step gives the first of 3 outside the trace
     assert record["kernels_per_token"] == 4 / tokens
     assert record["idle_before"] == [
-        {"name": "norm", "per_token": 2 / tokens, "idle_us_per_token": 9 / tokens},
+        {"name": "norm", "per_token": 2 / tokens, "idle_us_per_token": 2 / tokens},
         {"name": "gemv", "per_token": 2 / tokens, "idle_us_per_token": 0.0}]
 
 
 def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path):
+    """Bad arguments are argparse errors (one line, exit 2); the summary of runs."""
     ab = load_script("ab_engine")
     with pytest.raises(SystemExit):
         ab.parse_args(["--base", str(tmp_path), "--", "--preset", "tiny"])  # no bench script
@@ -328,6 +333,8 @@ def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path):
         ab.parse_args(["--base", str(REPO), "--rounds", "0", "--", "--preset", "tiny"])
     with pytest.raises(SystemExit):
         ab.parse_args(["--base", str(REPO), "--new-env", "XLA_FLAGS", "--", "--preset", "t"])
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--base", str(REPO), "--new-env", "PYTHONPATH=x", "--", "--preset", "t"])
     args = ab.parse_args(["--base", str(REPO), "--rounds", "3", "--new-env", "A=x=1", "--",
                           "--preset", "tiny"])
     assert (args.rounds, args.bench_args, args.new_env) == (3, ["--preset", "tiny"],
@@ -340,9 +347,9 @@ def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path):
     assert s["b1"]["new_median"] == 9.5 and s["b1"]["ratio"] == pytest.approx(9.5 / 12.0)
 
 
-def test_ab_engine_runs_both_trees_alternating(tmp_path):
-    """Two copies of this tree, one round: each side's run is a bench_engine record of its
-    own, and the summary compares their batch-1 and offline figures."""
+def test_ab_engine_runs_bench_engine_from_both_trees(tmp_path):
+    """Two copies of this tree, one round, the real bench_engine: each side's run is a record
+    of its own, and the summary compares their batch-1 and offline figures."""
     import shutil
 
     ab = load_script("ab_engine")
@@ -362,20 +369,68 @@ def test_ab_engine_runs_both_trees_alternating(tmp_path):
         assert len(s["base"]) == len(s["new"]) == 1 and s["ratio"] > 0
 
 
-def test_ab_engine_sets_new_env_for_the_new_side_only(tmp_path):
-    """``--new-env``: the new side's runs see the variable, the base's do not (two stub trees
-    whose bench_engine.py reports the variable as its batch-1 rate), alternating rounds."""
+def test_ab_engine_runs_each_tree_in_abba_order_with_its_env(tmp_path, monkeypatch):
+    """Two stub trees whose bench_engine.py records what it saw: each run has its own tree
+    first on PYTHONPATH (the caller's entries after it) and the caller's working directory;
+    ``--new-env`` reaches the new side's runs only (its value is their batch-1 rate); the
+    runs go base, new, new, base; a stub that writes no record stops it with one line."""
     ab = load_script("ab_engine")
+    log = tmp_path / "order.log"
     stub = ("import json, os, sys\n"
             "out = sys.argv[sys.argv.index('--json') + 1]\n"
             "rate = float(os.environ.get('AB_RATE', '2'))\n"
+            "tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))\n"
+            f"open({str(log)!r}, 'a').write(os.path.basename(tree) + '\\n')\n"
             "json.dump({'device': 'cpu', 'command': ' '.join(sys.argv), 'runs': [],\n"
+            "           'path': os.environ['PYTHONPATH'], 'cwd': os.getcwd(),\n"
             "           'batch1': {'decode_tok_per_s': rate}}, open(out, 'w'))\n")
     for side in ("base", "new"):
         (tmp_path / side / "scripts").mkdir(parents=True)
         (tmp_path / side / "scripts" / "bench_engine.py").write_text(stub)
-    record = ab.main(["--base", str(tmp_path / "base"), "--new", str(tmp_path / "new"),
-                      "--rounds", "2", "--new-env", "AB_RATE=7", "--", "--preset", "tiny"])
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "ab.json"
+    record = ab.main(["--base", "base", "--new", "new", "--rounds", "2", "--json", str(out),
+                      "--new-env", "AB_RATE=7", "--", "--preset", "tiny"])
     s = record["summary"]["batch1_decode_tok_per_s"]
     assert (s["base"], s["new"], s["ratio"]) == ([2.0, 2.0], [7.0, 7.0], 3.5)
-    assert record["new_env"] == {"AB_RATE": "7"}
+    assert log.read_text().split() == record["order"] == ["base", "new", "new", "base"]
+    for side in ("base", "new"):
+        for rec in record["records"][side]:
+            path = rec["path"].split(os.pathsep)
+            assert path == [str(tmp_path / side), "/elsewhere"] and rec["cwd"] == str(tmp_path)
+    assert json.loads(out.read_text())["summary"] == record["summary"]
+    (tmp_path / "new" / "scripts" / "bench_engine.py").write_text("pass\n")
+    with pytest.raises(SystemExit, match="wrote no record"):
+        ab.main(["--base", "base", "--new", "new", "--rounds", "1", "--", "--preset", "t"])
+
+
+@pytest.mark.parametrize("rates, kept", [([3.0, 1.0], 1.0), ([3.0, 1.0, 4.0, 2.0], 2.0),
+                                         ([5.0, None, 4.0], 4.0)])
+def test_batch1_median_keeps_the_lower_median_run_with_its_seed(bench, monkeypatch, rates,
+                                                                kept):
+    """``run_batch1_median``: one prompt seed per run (1, 2, ...), the run with the (lower)
+    median rate kept with its seed, every rate recorded (None: no decode rate, sorted as 0),
+    each run's tokens apart."""
+    seen = []
+
+    def fake(engine, cfg, prompt_len, new_tokens, bw, db, spec=None, seed=1):
+        seen.append(seed)
+        return dict(decode_tok_per_s=rates[seed - 1], token_ids=[seed] * 2)
+
+    monkeypatch.setattr(bench, "run_batch1", fake)
+    args = bench.parse_args(["--batch1-tokens", "4", "--batch1-repeats", str(len(rates))])
+    run, ids = bench.run_batch1_median(None, None, args, 1e12, 2)
+    assert seen == list(range(1, len(rates) + 1)) and ids == [[s] * 2 for s in seen]
+    assert run["decode_tok_per_s"] == kept and run["decode_tok_per_s_runs"] == rates
+    assert run["prompt_seed"] == rates.index(kept) + 1
+
+
+def test_first_difference_names_the_run_and_token(bench):
+    assert bench.first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
+    assert bench.first_difference([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == (1, 1)
+    assert bench.first_difference([[1, 2], [3]], [[1, 2], [3, 4]]) == (1, 1)  # shorter
+    out = bench.compare_speculative({"decode_tok_per_s": 2.0, "verify_steps": 0},
+                                    {"decode_tok_per_s": 1.0}, [[1], [2]], [[1], [9]], 4)
+    assert (out["identical_tokens"], out["first_difference"], out["speedup"]) == (
+        False, (1, 0), 2.0)
