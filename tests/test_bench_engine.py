@@ -97,7 +97,7 @@ def test_tiny_end_to_end(bench, tmp_path):
     rates = b1["decode_tok_per_s_runs"]
     assert b1["repeats"] == len(rates) == 3 and b1["decode_tok_per_s"] == sorted(rates)[1]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--batch1-repeats", "0"])
+        bench.parse_args(["--batch1-repeats", "0"])  # "must be 1 or more", argparse's exit
 
 
 def test_int4_batch1_counts_the_packed_bytes(bench):
@@ -320,21 +320,25 @@ def test_profile_batch1_records_kernels_and_the_idle_before_them(monkeypatch, tm
         {"name": "gemv", "per_token": 2 / tokens, "idle_us_per_token": 0.0}]
 
 
-def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path):
-    """Bad arguments are argparse errors (one line, exit 2); the summary of runs."""
+def test_ab_engine_refuses_bad_trees_and_arguments(tmp_path, capsys):
+    """Bad arguments are argparse errors (one line saying what is wrong, exit 2); the
+    summary of runs."""
     ab = load_script("ab_engine")
-    with pytest.raises(SystemExit):
-        ab.parse_args(["--base", str(tmp_path), "--", "--preset", "tiny"])  # no bench script
-    with pytest.raises(SystemExit):
-        ab.parse_args(["--base", str(REPO), "--", "--preset", "tiny", "--json", "x.json"])
-    with pytest.raises(SystemExit):
-        ab.parse_args(["--base", str(REPO)])  # nothing for bench_engine
-    with pytest.raises(SystemExit):
-        ab.parse_args(["--base", str(REPO), "--rounds", "0", "--", "--preset", "tiny"])
-    with pytest.raises(SystemExit):
-        ab.parse_args(["--base", str(REPO), "--new-env", "XLA_FLAGS", "--", "--preset", "t"])
-    with pytest.raises(SystemExit):
-        ab.parse_args(["--base", str(REPO), "--new-env", "PYTHONPATH=x", "--", "--preset", "t"])
+    for argv, says in [
+            (["--base", str(tmp_path), "--", "--preset", "tiny"], "holds no scripts"),
+            (["--base", str(REPO), "--", "--preset", "tiny", "--json", "x.json"],
+             "leave --json out"),
+            (["--base", str(REPO)], "arguments after --"),
+            (["--base", str(REPO), "--rounds", "0", "--", "--preset", "tiny"],
+             "--rounds 0 must be 1 or more"),
+            (["--base", str(REPO), "--new-env", "XLA_FLAGS", "--", "--preset", "t"],
+             "must be NAME=VALUE"),
+            (["--base", str(REPO), "--new-env", "PYTHONPATH=x", "--", "--preset", "t"],
+             "cannot set PYTHONPATH")]:
+        with pytest.raises(SystemExit) as exit_:
+            ab.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and says in err, err
     args = ab.parse_args(["--base", str(REPO), "--rounds", "3", "--new-env", "A=x=1", "--",
                           "--preset", "tiny"])
     assert (args.rounds, args.bench_args, args.new_env) == (3, ["--preset", "tiny"],
