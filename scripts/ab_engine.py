@@ -76,10 +76,11 @@ def run_bench(tree: Path, bench_args: list[str], json_path: Path,
     return json.loads(json_path.read_text())
 
 
-def order(rounds: int) -> list[str]:
-    """The sides' run order: base, new, then new, base, and so on (ABBA)."""
-    return [side for i in range(rounds)
-            for side in (("base", "new") if i % 2 == 0 else ("new", "base"))]
+def order(rounds: int, start: str = "base") -> list[str]:
+    """The sides' run order: ``start``, the other, then the other, ``start``, and so on
+    (ABBA)."""
+    pair = ("base", "new") if start == "base" else ("new", "base")
+    return [side for i in range(rounds) for side in (pair if i % 2 == 0 else pair[::-1])]
 
 
 def summarize(base: list[dict[str, float]], new: list[dict[str, float]]
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--new", default=str(REPO), help="the new source tree (default: this one)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="pairs of runs, one per side (order: base new, new base, ...)")
+    ap.add_argument("--start", choices=("base", "new"), default="base",
+                    help="the side that runs first (a second call of one round each can "
+                         "start with the other side)")
     ap.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the new side's runs only (repeatable)")
     ap.add_argument("--json", default=None, help="write the record here ('auto': bench/"
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command=" ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         date=time.strftime("%Y-%m-%d %H:%M:%S"), base=str(trees["base"]),
         new=str(trees["new"]), new_env=args.new_env, bench_args=args.bench_args,
-        order=order(args.rounds), records={"base": [], "new": []}, summary={})
+        order=order(args.rounds, args.start), records={"base": [], "new": []}, summary={})
     path = None
     with tempfile.TemporaryDirectory() as tmp:
         for i, side in enumerate(record["order"]):

@@ -399,6 +399,7 @@ def test_ab_engine_runs_each_tree_in_abba_order_with_its_env(tmp_path, monkeypat
     s = record["summary"]["batch1_decode_tok_per_s"]
     assert (s["base"], s["new"], s["ratio"]) == ([2.0, 2.0], [7.0, 7.0], 3.5)
     assert log.read_text().split() == record["order"] == ["base", "new", "new", "base"]
+    assert ab.order(3, "new") == ["new", "base", "base", "new", "new", "base"]
     for side in ("base", "new"):
         for rec in record["records"][side]:
             path = rec["path"].split(os.pathsep)
