@@ -80,8 +80,8 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
     span_ms = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / tokens
     top = top_kernels(events, 40)
     # Gaps inside each engine step: the host's round trip between steps is not a launch gap.
-    idle = idle_before([g for _, m0, dur in marks for g in kernel_gaps(
-        [k for k in events if m0 <= k[1] < m0 + dur])], 12)
+    idle = idle_before([g for _, ks in step_kernels(marks, events) for g in kernel_gaps(ks)],
+                       12)
     record = {
         "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "tp": 1 if model.mesh is None else model.mesh.size,
@@ -121,21 +121,29 @@ def host_marks(trace_dir: Path) -> list[tuple[str, float, float]]:
             if e[0].startswith(STEP_MARK)]
 
 
+def step_kernels(marks: list[tuple[str, float, float]],
+                 kernels: list[tuple[str, float, float]]
+                 ) -> list[tuple[tuple[str, float, float], list[tuple[str, float, float]]]]:
+    """Each host mark ``(name, start_ns, duration_ns)``, by start time, with its kernels in
+    start order: a kernel belongs to the step whose mark it starts in (kernels share the
+    host's clock in a ``jax.profiler`` trace)."""
+    return [(m, sorted((k for k in kernels if m[1] <= k[1] < m[1] + m[2]), key=lambda k: k[1]))
+            for m in sorted(marks, key=lambda m: m[1])]
+
+
 def step_timelines(marks: list[tuple[str, float, float]],
                    kernels: list[tuple[str, float, float]]) -> list[dict]:
     """Where a step's wall time goes on the device, one dict per host mark (by start time).
 
     ``marks`` are the host annotations ``(name, start_ns, duration_ns)`` around each step,
-    ``kernels`` the device events; a kernel belongs to the step whose mark it starts in
-    (kernels share the host's clock in a ``jax.profiler`` trace). Per step: kernel count and
-    summed time; ``lead`` from the step's start to its first kernel (planning, input
-    transfers, dispatch); ``span`` from first kernel start to last kernel end; ``idle`` the
-    time inside the span with no kernel running (launch gaps); ``tail`` from the last kernel
-    to the step's end (results to the host, output processing); the largest gap and the
-    kernel after it. Milliseconds."""
+    ``kernels`` the device events, assigned to steps by ``step_kernels``. Per step: kernel
+    count and summed time; ``lead`` from the step's start to its first kernel (planning,
+    input transfers, dispatch); ``span`` from first kernel start to last kernel end; ``idle``
+    the time inside the span with no kernel running (launch gaps); ``tail`` from the last
+    kernel to the step's end (results to the host, output processing); the largest gap and
+    the kernel after it. Milliseconds."""
     out = []
-    for _, m0, mdur in sorted(marks, key=lambda m: m[1]):
-        ks = sorted((k for k in kernels if m0 <= k[1] < m0 + mdur), key=lambda k: k[1])
+    for (_, m0, mdur), ks in step_kernels(marks, kernels):
         if not ks:
             out.append(dict(kernels=0, kernel_ms=0.0, lead_ms=mdur / 1e6, span_ms=0.0,
                             idle_ms=0.0, tail_ms=0.0, max_gap_ms=0.0, max_gap_before=""))
