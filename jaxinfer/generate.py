@@ -8,7 +8,6 @@ sampling and stop rules serve one prompt or thousands.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ from jaxinfer.requests import (
     make_requests,
     make_score_requests,
 )
+from jaxinfer.runner import step_program
 from jaxinfer.sampling import SamplingParams
 from sharding.placement import on_mesh, put_replicated, to_host
 
@@ -242,8 +242,9 @@ def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | 
                        cached_tokens=sum(p.cached_tokens for p in parts))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "page_size",
-                                            "deterministic", "kv_cache_dtype"))
+@step_program(lambda tokens, length: tokens.shape[0],
+              static_argnames=("config", "backend", "dtype", "page_size", "deterministic",
+                               "kv_cache_dtype"))
 def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,
                      config: LlamaConfig, backend: str, dtype: Any, page_size: int,
                      deterministic: bool, kv_cache_dtype: str | None) -> jax.Array:

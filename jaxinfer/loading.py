@@ -14,7 +14,12 @@ import numpy as np
 from jaxinfer.attention import check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
-from jaxinfer.model import apply_layout, param_shapes, resolve_layout
+from jaxinfer.model import (
+    apply_layout,
+    fp8_prefill_layout,
+    param_shapes,
+    resolve_layout,
+)
 from jaxinfer.paged_cache import check_kv_cache_dtype
 from jaxinfer.quantize import (
     QUANTIZATIONS,
@@ -148,7 +153,9 @@ def load_model(
         ``dtype``. ``"int8"``: one scale per output column and 64 input rows; ``"int4"``:
         two values per byte, a float16 scale and zero (minimum) per column and 32 input rows
         (``"int4-g64"``, ``"int4-g128"``: 64 / 128 rows, fewer scale bytes, less accurate);
-        ``"fp8"``: float8_e4m3fn with a scale per output column. ``"native"`` (a ``.gguf``
+        ``"fp8"``: float8_e4m3fn with a scale per output column; on one GPU with fp8 tensor
+        cores (Ada, Hopper) matmuls of 64 rows or more (prefill) then scale their activations
+        into e4m3 too and run fp8 x fp8 (``model.fp8_input_last``). ``"native"`` (a ``.gguf``
         file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
         as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
         tensors are dequantized. An AWQ / GPTQ 4-bit HF folder runs its packed weights as
@@ -220,6 +227,8 @@ def load_model(
     if quantize is not None and not native:  # the layout's arrays are ours: freed as we go
         # (not on a data-only mesh, where a replica may share the loaded array's buffer)
         params = quantize_params(params, quantize, donate=mesh is None or split)
+    if mesh is None:
+        params = fp8_prefill_layout(params, jax.devices()[0])
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)

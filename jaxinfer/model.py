@@ -433,10 +433,10 @@ def fp8_input_last(params: Params) -> Params:
     stay as they are. Consumes ``params`` (its fp8 buffers are freed); raises ``ValueError``
     for a stacked layout.
 
-    Opt-in, not applied by ``load_model``: on an H100 the engine's step programs for such
-    weights did not finish compiling in 4-5 minutes (1B and 8B shapes, bench/NOTES.md
-    r88-r89; bf16's take ~1.5 minutes), while the ``[in, out]`` layout ran the engine at
-    1.10x bf16 (r55)."""
+    ``load_model`` applies it on one GPU with fp8 tensor cores (``fp8_tensor_cores``). A
+    program whose matmuls then run fp8 x fp8 must leave its GEMMs to cuBLAS
+    (``runner.gemm_options``): XLA's autotuning of its own fp8 GEMMs at thousands of rows did
+    not finish in minutes (H100, bench/NOTES.md r88-r89, r106)."""
     if not isinstance(params["layers"], list | tuple):
         raise ValueError("fp8_input_last lays out per-layer weights on one device: "
                          "prepare_params(unstack=True) first")
@@ -449,6 +449,37 @@ def fp8_input_last(params: Params) -> Params:
                 _delete(w, keep=new[name])
         layers.append(new)
     return {**params, "layers": layers}
+
+
+def fp8_gemms(params: Params) -> bool:
+    """Whether ``params`` hold ``fp8_input_last`` weights, whose matmuls of
+    ``FP8_ACTIVATION_ROWS`` rows or more run fp8 x fp8 (the layout is all layers or none, so
+    the first layer says)."""
+    layers = params["layers"]
+    if not isinstance(layers, list | tuple):
+        return False  # fp8_input_last takes per-layer weights only
+    return any(isinstance(w, QuantizedWeight) and w.in_last for w in layers[0].values())
+
+
+def fp8_tensor_cores(device: Any) -> bool:
+    """Whether ``device`` multiplies fp8 x fp8 on its tensor cores: an NVIDIA GPU of compute
+    capability 8.9 (Ada) or above, Hopper included."""
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return False
+    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    return (major, minor) >= (8, 9)
+
+
+def fp8_prefill_layout(params: Params, device: Any) -> Params:
+    """``params`` for one ``device``: ``fp8_input_last(params)`` when the device has fp8
+    tensor cores (``fp8_tensor_cores``) and the params hold per-layer fp8 weights, so their
+    prefill matmuls run fp8 x fp8; else ``params`` as they are. What ``load_model`` does last
+    on one device."""
+    layers = params["layers"]
+    fp8 = isinstance(layers, list | tuple) and any(
+        isinstance(w, QuantizedWeight) and w.kind == "fp8" for w in layers[0].values())
+    return fp8_input_last(params) if fp8 and fp8_tensor_cores(device) else params
 
 
 def one_row_decode_weights(params: Params, platform: str) -> bool:

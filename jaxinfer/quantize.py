@@ -144,7 +144,7 @@ class QuantizedWeight:
 def input_axis_last(w: QuantizedWeight) -> QuantizedWeight:
     """A one-device fp8 weight (``[in, out]``, or fused ``[in, 1, out]``) as ``q [out, in]``
     (``in_last``): the layout cuBLASLt's fp8 x fp8 GEMM reads, which prefill matmuls then
-    use (``model._dense_fp8``; opt-in through ``model.fp8_input_last``). XLA transposes an
+    use (``model._dense_fp8``; applied by ``model.fp8_input_last``). XLA transposes an
     ``[in, out]`` fp8 weight before every such GEMM (bench/NOTES.md r54: 5-8x slower); this
     transposes it once."""
     if w.kind != "fp8" or w.perm is not None or w.q.ndim - w.out_axes != 1:

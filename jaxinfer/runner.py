@@ -31,6 +31,7 @@ about the tokens it has while the number of compiled programs stays fixed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -39,7 +40,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import LlamaConfig
-from jaxinfer.model import Params, forward_ragged, lm_head
+from jaxinfer.model import FP8_ACTIVATION_ROWS, Params, forward_ragged, fp8_gemms, lm_head
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.quantize import is_quantized
 from jaxinfer.sampling import SamplingArrays, logsumexp_rows, record_tokens, sample
@@ -206,9 +207,63 @@ def new_counts(rows: int, vocab: int) -> np.ndarray:
     return np.zeros((rows, vocab), np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len", "score",
-                                            "stochastic", "deterministic", "num_top"),
-                   donate_argnums=(1, 2))
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+"""XLA options of a program whose matmuls run fp8 x fp8 (``gemm_options``): every GEMM a
+cuBLAS(Lt) call, none a Triton GEMM XLA autotunes. H100, 8 layers of 8B shapes at 4,096 rows
+(bench/NOTES.md r113): compiled in 1.4 s and ran 1.98 ms per layer (bf16: 2.70); with XLA's
+Triton GEMMs the same program did not compile in minutes (r88-r89, r106)."""
+
+
+def gemm_options(params: Params, rows: int) -> dict[str, Any] | None:
+    """The XLA compiler options of a program over ``params`` whose matmuls take ``rows``
+    token rows: ``CUBLAS_GEMMS`` where those run fp8 x fp8 (``model.fp8_gemms`` params, at
+    least ``FP8_ACTIVATION_ROWS`` rows), else None (XLA's defaults: fewer rows convert the
+    fp8 weight inside a Triton GEMM, which cuBLAS cannot)."""
+    return CUBLAS_GEMMS if rows >= FP8_ACTIVATION_ROWS and fp8_gemms(params) else None
+
+
+class StepProgram:
+    """``fn(params, *args, **kwargs)`` jitted (``jit_kwargs``) twice, with XLA's default options
+    and with ``CUBLAS_GEMMS``: a call runs the one ``gemm_options`` picks for its params and
+    ``rows(*args)`` token rows. Each is compiled on first use only."""
+
+    def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], **jit_kwargs: Any):
+        functools.update_wrapper(self, fn)
+        self._rows = rows
+        self._default = jax.jit(fn, **jit_kwargs)
+        self._cublas = jax.jit(fn, compiler_options=CUBLAS_GEMMS, **jit_kwargs)
+
+    def options(self, params: Params, *args: Any) -> dict[str, Any] | None:
+        """The compiler options of the program a call with these arguments runs."""
+        return gemm_options(params, self._rows(*args))
+
+    def _cache_size(self) -> int:
+        """Programs compiled so far, both variants together: ``jax.jit``'s count, so tests
+        that watch for recompilation treat this like any jitted step."""
+        return self._default._cache_size() + self._cublas._cache_size()
+
+    def _program(self, params: Params, *args: Any) -> Any:
+        return self._default if self.options(params, *args) is None else self._cublas
+
+    def lower(self, params: Params, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The program a call with these arguments runs, lowered (``jax.jit(...).lower``)."""
+        return self._program(params, *args).lower(params, *args, **kwargs)
+
+    def __call__(self, params: Params, *args: Any, **kwargs: Any) -> Any:
+        """``fn``'s result, from the program ``options`` picks."""
+        return self._program(params, *args)(params, *args, **kwargs)
+
+
+def step_program(rows: Callable[..., int], **jit_kwargs: Any
+                 ) -> Callable[[Callable[..., Any]], StepProgram]:
+    """Decorator: ``StepProgram(fn, rows, **jit_kwargs)``."""
+    return lambda fn: StepProgram(fn, rows, **jit_kwargs)
+
+
+@step_program(lambda pool, counts, inp: inp.tokens.shape[0],
+              static_argnames=("config", "backend", "dtype", "max_q_len", "score",
+                               "stochastic", "deterministic", "num_top"),
+              donate_argnums=(1, 2))
 def mixed_step(
     params: Params,
     pool: PagePool,

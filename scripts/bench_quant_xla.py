@@ -237,7 +237,7 @@ def measure(name: str, m: int, args: argparse.Namespace) -> dict:
     x = jax.random.normal(jax.random.key(1), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
     f = chain(apply)
     t0 = time.perf_counter()
-    compiled = f.lower(x, weights).compile()
+    compiled = f.lower(x, weights).compile(compiler_options=args.compiler_options or None)
     compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
     kinds = gemm_kinds(hlo)
@@ -255,7 +255,8 @@ def measure(name: str, m: int, args: argparse.Namespace) -> dict:
     floor = max(nbytes / (args.read_tbps * 1e12), flops / (args.matmul_tflops * 1e12))
     row = dict(variant=name, rows=m, layer_us=s * 1e6, floor_us=floor * 1e6,
                fraction_of_floor=floor / s, weight_mb_per_layer=nbytes / 1e6,
-               compile_s=compile_s, gemm_kinds=kinds, finite=finite)
+               compile_s=compile_s, gemm_kinds=kinds, finite=finite,
+               compiler_options=args.compiler_options)
     print(f"{name:22s} M={m:<4d} {s * 1e6:8.1f} us/layer  floor {floor * 1e6:7.1f} us "
           f"({row['fraction_of_floor']:6.1%})  compile {compile_s:5.1f} s  {kinds}"
           f"{'' if finite else '  NON-FINITE'}", flush=True)
@@ -264,6 +265,18 @@ def measure(name: str, m: int, args: argparse.Namespace) -> dict:
         (Path(args.hlo_dir) / f"{name}_m{m}.hlo.txt").write_text(hlo)
     del weights
     return row
+
+
+def compiler_option(text: str) -> tuple[str, bool | int | str]:
+    """``NAME=VALUE`` as ``(NAME, VALUE)``, the value a bool (true / false), an int or the
+    text itself; one line for the user otherwise."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"bench_quant_xla: --compiler-option {text!r} is not NAME=VALUE, "
+                         "e.g. xla_gpu_enable_triton_gemm=false")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
 
 
 def main() -> None:
@@ -276,8 +289,12 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64,512", help="row counts (tokens per step)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--hlo-dir", default=None, help="write each optimised HLO here")
+    ap.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an XLA option for every program compiled here (repeatable), e.g. "
+                         "xla_gpu_enable_triton_gemm=false")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.compiler_options = dict(compiler_option(o) for o in args.compiler_option)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -294,7 +311,7 @@ def main() -> None:
     record = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   int4_probe_bytes=after - before, date=time.strftime("%Y-%m-%d %H:%M:%S"),
                   read_tbps=args.read_tbps, matmul_tflops=args.matmul_tflops,
-                  layers=args.layers, rows=rows)
+                  layers=args.layers, compiler_options=args.compiler_options, rows=rows)
     for m in (int(v) for v in args.rows.split(",")):
         for name in names:
             if VARIANTS[name][2] and m > VARIANTS[name][2]:

@@ -233,11 +233,18 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
         save_params("/nonexistent/never-written", {"wo": wl})
 
 
-def test_load_model_keeps_fp8_weights_in_out(tmp_path):
-    """``load_model(quantize="fp8")`` and a converted fp8 folder hold each layer's fp8 weights
-    ``[in, out]``, the layout measured on a GPU (r55); ``fp8_input_last`` is opt-in (its
-    programs did not finish compiling on an H100, r88-r89). Greedy tokens agree."""
+def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypatch):
+    """``load_model(quantize="fp8")`` and a converted fp8 folder keep each layer's fp8
+    weights ``[in, out]`` where there are no fp8 tensor cores (here: CPU), with the same
+    greedy tokens; on one GPU that has them (faked here) they are laid out ``[in, out]`` ->
+    ``[out, in]`` (``fp8_input_last``), and the programs of 64 rows or more over them leave
+    their GEMMs to cuBLAS (``runner.gemm_options``): prompts of 64+ tokens run there."""
+    import types
+
+    from jaxinfer import model as model_module
+    from jaxinfer import runner
     from jaxinfer.loading import convert
+    from jaxinfer.model import FP8_ACTIVATION_ROWS, fp8_gemms, fp8_tensor_cores
     from sharding.testing import write_tiny_model
 
     src = write_tiny_model(tmp_path / "src")
@@ -248,11 +255,32 @@ def test_load_model_keeps_fp8_weights_in_out(tmp_path):
     for model in (quantized, converted):
         layer = model.params["layers"][0]
         assert layer["wo"].kind == "fp8" and not layer["wo"].in_last
-        assert not layer["w_gate_up"].in_last
+        assert not layer["w_gate_up"].in_last and not fp8_gemms(model.params)
+        assert runner.gemm_options(model.params, 4096) is None
     prompt = [[5, 9, 2, 77, 31, 8]]
     got, want = (jaxinfer.generate(m, prompt, max_new_tokens=5, ignore_eos=True)
                  for m in (converted, quantized))
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+    monkeypatch.setattr(model_module, "fp8_tensor_cores", lambda device: True)
+    for source, q in ((src, "fp8"), (dst, None)):
+        last = jaxinfer.load_model(source, quantize=q, **kw)
+        assert all(w.in_last for lp in last.params["layers"] for w in lp.values()
+                   if isinstance(w, QuantizedWeight))
+        assert fp8_gemms(last.params)
+        assert runner.gemm_options(last.params, FP8_ACTIVATION_ROWS) == runner.CUBLAS_GEMMS
+        assert runner.gemm_options(last.params, FP8_ACTIVATION_ROWS - 1) is None
+        ids = [3 + i % 60 for i in range(FP8_ACTIVATION_ROWS + 6)]
+        ref = jaxinfer.compute_logits(quantized, ids)
+        logits = jaxinfer.compute_logits(last, ids)  # the cuBLAS program (accepted on CPU)
+        assert np.linalg.norm(logits - ref) / np.linalg.norm(ref) < 0.15
+        long = jaxinfer.generate(last, [ids], max_new_tokens=3, ignore_eos=True)[0]
+        assert len(long.token_ids) == 3
+    assert not fp8_gemms(jaxinfer.load_model(src, quantize="int8", **kw).params)
+    gpu = types.SimpleNamespace(platform="gpu")
+    assert [fp8_tensor_cores(types.SimpleNamespace(platform="gpu", compute_capability=c))
+            for c in ("8.0", "8.6", "8.9", "9.0", "10.0")] == [False, False, True, True, True]
+    assert not fp8_tensor_cores(gpu) and not fp8_tensor_cores(jax.devices()[0])
 
 
 @pytest.mark.parametrize("layout", ["stacked", "fast"])
