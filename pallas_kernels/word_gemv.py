@@ -94,9 +94,6 @@ class WordTiles:
     # slower on an H100, r64 / r91)
     prefetch: bool = False  # the float16-pair kernel loads each loop step's operands one
     # step ahead (``_half2_kernel``; ``Int8Tiles`` turns it on)
-    x_pairs: bool = False  # the float16-pair kernel reads its activations as the float16
-    # pairs it multiplies, made before the kernel (``half_pairs``; XLA fuses them into the op
-    # that makes ``x``), instead of converting each one inside every program
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -295,21 +292,16 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def half_pairs(x: jax.Array) -> jax.Array:
-    """``x [...]`` (float) times ``_HALF2_X_SCALE``, rounded to float16, as the pair ``(x, x)``
-    in an int32 ``[...]``: what the float16-pair kernel multiplies each weight pair by."""
-    return _f16_pair(x.astype(jnp.float32) * _HALF2_X_SCALE)
-
-
-def _f16_pair(x: jax.Array) -> jax.Array:
-    """``x [...]`` float32 rounded to float16, as the pair ``(x, x)`` in an int32 ``[...]``."""
+def _half_pair(x: jax.Array, words: int) -> jax.Array:
+    """``x [sub, 1]`` float32 as the float16 pair ``(x, x)`` per word: int32 ``[sub, words]``."""
     u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
-    return lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+    pair = lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+    return jnp.broadcast_to(pair, (x.shape[0], words))
 
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: bool, x_pairs: bool, emulate: bool) -> None:
+                  prefetch: bool, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -318,9 +310,6 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     1/3 of each word, one product per load and field; each group's sums are widened and
     scaled in float32 (float16 would round small products to subnormals), and the result is
     multiplied by ``1 / _HALF2_X_SCALE`` once, at the store.
-
-    ``x_pairs``: ``x_ref`` holds ``half_pairs(x)`` (int32), so no activation is converted
-    here; the zeros' ``sum x`` widens each pair's low half.
 
     ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
     before it computes on the ones the previous step issued (H100, r101-r103: 2-4% faster
@@ -342,31 +331,19 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                     _widen(w23, 0, emulate), _widen(w23, 1, emulate)]
         return [ref[pl.ds(g, 1), pl.ds(c, words, stride=4)].astype(f32) for c in range(4)]
 
-    def activation(x):
-        """``x [sub]`` as loaded to ``[sub, 1]``: the float16 pair of ``x * _HALF2_X_SCALE``
-        (int32) when ``x_pairs``, else that product in float32 (exact)."""
-        return x[:, None] if x_pairs else x.astype(f32)[:, None] * _HALF2_X_SCALE
-
-    def pair(x):
-        """An ``activation`` as the float16 pair ``[sub, words]`` int32 it multiplies by."""
-        return jnp.broadcast_to(x if x_pairs else _f16_pair(x), (x.shape[0], words))
-
-    def widened(x):
-        """An ``activation`` as float32 ``[sub, 1]`` (for the zeros' ``sum x``)."""
-        return _widen(x, 0, emulate) if x_pairs else x
-
     def load(step):
         """What ``step`` reads, per group: words ``[loads] [sub, words]`` int32; activations
-        ``[rows][loads][fields] [sub, 1]`` (``activation``); scales and zeros (or None) as
-        ``lane_values``."""
+        ``[rows][loads][fields] [sub, 1]`` float32, scaled by ``_HALF2_X_SCALE`` (exact);
+        scales and zeros (or None) as ``lane_values``."""
         first = (split * steps_per_split + step) * groups_per_step
         out = []
         for j in range(groups_per_step):
             g = first + j
             w = [lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
                                           jnp.int32) for t in range(loads)]
-            xs = [[[activation(x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)])
-                    for i in range(fields)] for t in range(loads)] for r in range(rows)]
+            xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
+                    .astype(f32)[:, None] * _HALF2_X_SCALE for i in range(fields)]
+                   for t in range(loads)] for r in range(rows)]
             z = None if z_ref is None else lane_values(z_ref, g)
             out.append((w, xs, lane_values(s_ref, g), z))
         return out
@@ -387,9 +364,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                     for i in range(fields):
                         xi = xs[r][t][i]
                         if z is not None:
-                            xw = widened(xi)
-                            x_sum[r] = xw if x_sum[r] is None else x_sum[r] + xw
-                        xp = pair(xi)
+                            x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
+                        xp = _half_pair(xi, words)
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
                         a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
             for r in range(rows):
@@ -428,9 +404,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
     operands (``int4_matmul``, ``int8_matmul``); ``G * bits / 8`` must be a multiple of
     ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
-    (module docstring; its pallas_call is named ``..._half2``), else the float32 one. ``x``
-    may also be ``half_pairs(x)`` (int32), for the float16-pair kernel only; with
-    ``tiles.x_pairs`` a float ``x`` is made so here."""
+    (module docstring; its pallas_call is named ``..._half2``), else the float32 one."""
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
@@ -465,16 +439,11 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
-    x_pairs = x.dtype == jnp.int32
-    check(half2 or not x_pairs, "word_gemv: activations as float16 pairs (int32) need the "
-          "float16-pair kernel, which this format or tiling does not run")
-    if half2 and tiles.x_pairs and not x_pairs:
-        operands[0], x_pairs = half_pairs(x), True
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=tiles.prefetch,
-            x_pairs=x_pairs, emulate=interpret)
+            emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,

@@ -50,7 +50,7 @@ from jaxinfer.benchmark import call_kernels, top_kernels
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, field_as_float, half_pairs, word_gemv
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, field_as_float
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -96,8 +96,6 @@ class Candidate:
     call: Call
     probe: bool = False  # a stripped kernel (``--probe``): timed, not checked
     int8: bool = False
-    pairs: bool = False  # ``call`` takes ``half_pairs(x)``, made outside the timed program
-    # (in a model XLA fuses them into the op that makes ``x``)
 
 
 def for_tiles(tiles: Int4Tiles | Int8Tiles) -> Candidate:
@@ -188,8 +186,6 @@ def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read
     ops = operands8(m, k, n) if cand.int8 else operands(m, k, n, group)
     reference = int8_matmul_reference if cand.int8 else int4_matmul_reference
     want = reference(*ops, out_dtype=jnp.float32)
-    if cand.pairs:
-        ops = (half_pairs(ops[0]), *ops[1:])
     err = (float("nan") if cand.probe else
            float(jnp.max(jnp.abs(cand.call(*ops).astype(jnp.float32) - want))))
     s = time_call(cand.call, ops, calls, repeats)
@@ -244,10 +240,6 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true",
                     help="time int8_matmul instead (g64): the float16-pair few-row kernel "
                          "against the tensor-core one")
-    ap.add_argument("--x-pairs", action="store_true",
-                    help="only time the float16-pair kernel taking its activations as premade "
-                         "float16 pairs against converting them itself (one row: int4 g128, "
-                         "int8 g64)")
     ap.add_argument("--once", action="store_true",
                     help="only run each default kernel (int4 g128, int8 g64, bf16 through "
                          "XLA) twice per shape at one row, untimed: a program for Nsight "
@@ -280,22 +272,6 @@ def main() -> None:
 
     if args.once:
         run_once()
-        return
-    if args.x_pairs:  # the JSON rewritten after each candidate
-        candidates = []
-        for int8 in (False, True):
-            fmt = dict(bits=8, offset=-128, flip=0x80) if int8 else dict(bits=4, offset=0,
-                                                                         flip=0)
-            word = Int8Tiles().word if int8 else Int4Tiles().word
-            for pairs in (False, True):
-                def call(x, q, s, z=None, fmt=fmt, word=word):
-                    return word_gemv(x, q, s, z, interpret=False, tiles=word,
-                                     out_dtype=jnp.bfloat16, **fmt)
-                label = (f"{'int8' if int8 else 'int4'} float16 pairs, activations "
-                         f"{'premade' if pairs else 'converted inside'}")
-                cand = Candidate(label, call, int8=int8, pairs=pairs)
-                candidates.append(layer(cand, 1, groups=(64,) if int8 else (128,)))
-                write(candidates, [])
         return
     if args.int8:  # one row count at a time, both kernels, the JSON rewritten after each
         candidates = []

@@ -18,7 +18,6 @@ from pallas_kernels.word_gemv import (
     HALF2_PRODUCTS,
     WORD_ROWS,
     WordTiles,
-    half_pairs,
     word_gemv,
     word_gemv_reference,
 )
@@ -92,27 +91,6 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
         ahead = word_gemv(x, q, scale, zero, interpret=True,
                           tiles=dataclasses.replace(tiles, prefetch=True), **INT4)
         np.testing.assert_array_equal(ahead, got)
-
-
-def test_half2_kernel_takes_activations_as_premade_float16_pairs():
-    """``WordTiles.x_pairs`` (or ``x`` given as ``half_pairs(x)``) feeds the kernel the float16
-    pairs it multiplies, made before the call: int8 (no zeros) gives the same bits as
-    converting inside; int4's zeros then sum the float16-rounded activations, within
-    float16 rounding of the reference; the float32 kernel refuses pairs in one line."""
-    x, q, scale = _int8(2, 512, 260, seed=3)
-    inside = word_gemv(x, q, scale, None, interpret=True, tiles=WordTiles(), **INT8)
-    for tiles, xin in ((WordTiles(x_pairs=True), x), (WordTiles(), half_pairs(x))):
-        np.testing.assert_array_equal(
-            word_gemv(xin, q, scale, None, interpret=True, tiles=tiles, **INT8), inside)
-    x, q, scale, zero = _int4(2, 1024, 200, 128, seed=4)
-    want = word_gemv_reference(x, q, scale, zero, **INT4)
-    got = word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(x_pairs=True), **INT4)
-    np.testing.assert_array_equal(
-        word_gemv(half_pairs(x), q, scale, zero, interpret=True, tiles=WordTiles(), **INT4), got)
-    assert 0 < float(jnp.max(jnp.abs(got - want))) <= 2e-3 * float(jnp.max(jnp.abs(want)))
-    with pytest.raises(ValueError, match="float16-pair kernel"):
-        word_gemv(half_pairs(x), q, scale, zero, interpret=True,
-                  tiles=WordTiles(half2_min_group=0), **INT4)
 
 
 def test_half2_kernel_reads_float16_scales_as_column_pairs():
