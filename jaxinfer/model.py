@@ -176,11 +176,12 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     return jnp.sum(out * w.scale, axis=-1 - len(cols)).astype(out_dtype)
 
 
-FP8_ACTIVATION_ROWS = 64
+FP8_ACTIVATION_ROWS = 128
 """Rows from which a matmul with an ``in_last`` fp8 weight scales its activations into e4m3
 and runs fp8 x fp8 (prefill); fewer rows (decode) convert the weight inside the matmul, as the
-``[in, out]`` layout does. At 64 rows both ran about as fast on an H100 (bench/NOTES.md r54,
-r55: 163 us fp8 x fp8 against 174 us weight-only per 8B layer; 300 against 543 at 512)."""
+``[in, out]`` layout does. H100, 8 chained 8B layers (bench/NOTES.md r116): weight-only 157
+us per layer at 64 rows against 166 fp8 x fp8 (cuBLASLt), 197 against 160 at 128, 336
+against 205 at 256."""
 
 
 def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype: Any

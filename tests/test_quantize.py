@@ -22,7 +22,7 @@ from jaxinfer.quantize import (
 )
 
 CFG = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
+                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
                            tie_word_embeddings=False)
 
 
@@ -168,7 +168,11 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
         "those used to make wine. Books became cheaper, literacy spread across Europe, and "
         "ideas travelled faster than ever before. Within fifty years, presses were running in "
-        "more than two hundred cities, and millions of volumes had been printed.")
+        "more than two hundred cities, and millions of volumes had been printed. Printers "
+        "standardised spelling and grammar, scholars compared identical copies of the same "
+        "text for the first time, and pamphlets carried news and arguments to readers who "
+        "had never owned a book. Historians still debate how much the press changed the "
+        "way people thought, but few doubt that it changed what they could read.")
 
 
 @pytest.mark.slow
