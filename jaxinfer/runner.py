@@ -325,9 +325,10 @@ def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
     return counts.at[row, generated_ids].add(2, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_steps", "chunk",
-                                            "stochastic", "deterministic", "num_top"),
-                   donate_argnums=(1, 2))
+@step_program(lambda pool, counts, inp: inp.tokens.shape[0],
+              static_argnames=("config", "backend", "dtype", "max_steps", "chunk", "stochastic",
+                               "deterministic", "num_top"),
+              donate_argnums=(1, 2))
 def decode_steps(
     params: Params,
     pool: PagePool,
@@ -755,9 +756,10 @@ def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len",
-                                            "stochastic", "deterministic", "num_top"),
-                   donate_argnums=(1, 2))
+@step_program(lambda pool, counts, inp, proposals, num_proposed: inp.tokens.shape[0],
+              static_argnames=("config", "backend", "dtype", "max_q_len", "stochastic",
+                               "deterministic", "num_top"),
+              donate_argnums=(1, 2))
 def verify_step(
     params: Params,
     pool: PagePool,

@@ -45,7 +45,7 @@ from jaxinfer.benchmark import (
     top_kernels,
     trace_events,
 )
-from jaxinfer.model import apply_layout, init_params
+from jaxinfer.model import apply_layout, fp8_prefill_layout, init_params
 from jaxinfer.presets import preset_config
 from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
 from jaxinfer.requests import Model
@@ -196,6 +196,8 @@ def main() -> None:
     else:  # made in shards; the config may repeat K/V heads to fill the model axis
         cfg, params = random_params(cfg, mesh, jnp.bfloat16)
     params = apply_layout(params, "auto", mesh=mesh, donate=True)
+    if mesh is None:  # as load_model does
+        params = fp8_prefill_layout(params, jax.devices()[0])
     model = Model(cfg, params, None, jnp.bfloat16, name=args.model, mesh=mesh)
     engine = jaxinfer.Engine(model)
     spec = None
