@@ -271,6 +271,7 @@ def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypa
         last = jaxinfer.load_model(source, quantize=q, **kw)
         assert all(w.in_last for lp in last.params["layers"] for w in lp.values()
                    if isinstance(w, QuantizedWeight))
+        assert last.params["lm_head"].in_last  # an untied head: fp8 x fp8 in cuBLAS programs
         assert fp8_gemms(last.params)
         assert runner.gemm_options(last.params, FP8_ACTIVATION_ROWS) == runner.CUBLAS_GEMMS
         assert runner.gemm_options(last.params, FP8_ACTIVATION_ROWS - 1) is None
