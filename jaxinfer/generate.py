@@ -242,7 +242,7 @@ def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | 
                        cached_tokens=sum(p.cached_tokens for p in parts))
 
 
-@step_program(lambda tokens, length: tokens.shape[0],
+@step_program(lambda tokens, length, **_: tokens.shape[0],
               static_argnames=("config", "backend", "dtype", "page_size", "deterministic",
                                "kv_cache_dtype"))
 def _sequence_logits(params: Params, tokens: jax.Array, length: jax.Array, *,

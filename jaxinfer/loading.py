@@ -154,8 +154,9 @@ def load_model(
         two values per byte, a float16 scale and zero (minimum) per column and 32 input rows
         (``"int4-g64"``, ``"int4-g128"``: 64 / 128 rows, fewer scale bytes, less accurate);
         ``"fp8"``: float8_e4m3fn with a scale per output column; on one GPU with fp8 tensor
-        cores (Ada, Hopper) matmuls of 128 rows or more (prefill) then scale their activations
-        into e4m3 too and run fp8 x fp8 (``model.fp8_input_last``). ``"native"`` (a ``.gguf``
+        cores (Ada, Hopper) and a per-layer layout (not ``"stacked"``), programs of 128 rows
+        or more (prefill) then scale their activations into e4m3 too and run fp8 x fp8
+        (``model.fp8_input_last``, ``runner.FP8_ACTIVATION_ROWS``). ``"native"`` (a ``.gguf``
         file or the default model): Q8_0, Q4_0 and Q4_1 matmul weights are kept as stored,
         as int8 / int4 with group 32, without a float copy (``checkpoints.gguf``); other
         tensors are dequantized. An AWQ / GPTQ 4-bit HF folder runs its packed weights as

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -161,7 +162,7 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     """
     x, q = jax.lax.optimization_barrier((x, w.q))
     if w.in_last:  # q [out, in]: one device, ``fp8_input_last``
-        return _dense_fp8_input_last(x, q, w.scale[0], out_dtype)
+        return _dense_fp8_input_last(x, q, w.scale[0], out_dtype, w.fp8_activations)
     groups = w.scale.shape[0]  # scale [G, *out]: 1, or one group per device's rows
     cols = "f" if q.ndim == 2 else "sf"
     if groups == 1:
@@ -176,24 +177,16 @@ def _dense_fp8(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
     return jnp.sum(out * w.scale, axis=-1 - len(cols)).astype(out_dtype)
 
 
-FP8_ACTIVATION_ROWS = 128
-"""Rows from which a matmul with an ``in_last`` fp8 weight scales its activations into e4m3
-and runs fp8 x fp8 (prefill); fewer rows (decode) convert the weight inside the matmul, as the
-``[in, out]`` layout does. H100, 8 chained 8B layers (bench/NOTES.md r116): weight-only 157
-us per layer at 64 rows against 166 fp8 x fp8 (cuBLASLt), 197 against 160 at 128, 336
-against 205 at 256."""
-
-
-def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype: Any
-                          ) -> jax.Array:
+def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype: Any,
+                          fp8_activations: bool) -> jax.Array:
     """``x [..., in]`` times an fp8 weight stored ``q [out, in]`` with column scales ``scale
-    [out]``. From ``FP8_ACTIVATION_ROWS`` rows each row of ``x`` is scaled into e4m3 (its
-    absolute maximum to 448) and the product runs on fp8 tensor cores (cuBLASLt reads both
-    operands with their contracted axis contiguous, so nothing is transposed); the row and
-    column scales are applied to the float32 result. Rounding the activations to 3 mantissa
-    bits costs accuracy: the default model's perplexity stays within 3% of bf16
-    (tests/test_quantize.py)."""
-    if math.prod(x.shape[:-1]) < FP8_ACTIVATION_ROWS:
+    [out]``. With ``fp8_activations`` each row of ``x`` is scaled into e4m3 (its absolute
+    maximum to 448) and the product runs on fp8 tensor cores (cuBLASLt reads both operands
+    with their contracted axis contiguous, so nothing is transposed); the row and column
+    scales are applied to the float32 result. Rounding the activations to 3 mantissa bits
+    costs accuracy: the default model's perplexity stays within 3% of bf16
+    (tests/test_quantize.py). Without, the weight is converted inside the matmul."""
+    if not fp8_activations:
         out = jnp.einsum("...d,fd->...f", x, q.astype(x.dtype),
                          preferred_element_type=jnp.float32)
         return (out * scale).astype(out_dtype)
@@ -430,7 +423,7 @@ def apply_layout(params: Params, layout: str, *, mesh: Any = None, place: Any = 
 def fp8_input_last(params: Params) -> Params:
     """Per-layer ``params`` with each layer's fp8 weights and an fp8 LM head laid out ``q
     [out, in]`` (``quantize.input_axis_last``), the one-device layout in which prefill
-    matmuls run fp8 x fp8 (``FP8_ACTIVATION_ROWS``). Other weights stay as they are.
+    matmuls run fp8 x fp8 (``runner.FP8_ACTIVATION_ROWS``). Other weights stay as they are.
     Consumes ``params`` (its layers' ``[in, out]`` fp8 buffers are freed); raises
     ``ValueError`` for a stacked layout.
 
@@ -454,8 +447,6 @@ def fp8_input_last(params: Params) -> Params:
     if isinstance(head, QuantizedWeight) and head.kind == "fp8" and not head.in_last:
         # In a program that leaves its GEMMs to cuBLAS, an [in, out] fp8 head would be
         # converted to a bf16 copy on every call (H100 r119: 0.62 ms, then a 0.45 ms GEMM).
-        # (A mixed step of 128+ tokens over fewer slots still runs the head weight-only, so
-        # converted: once per such step.)
         # Not deleted: prepare_params passes the head through, so another layout of the same
         # params may hold it; the caller's reference is its last.
         out["lm_head"] = input_axis_last(head)
@@ -463,22 +454,33 @@ def fp8_input_last(params: Params) -> Params:
 
 
 def fp8_gemms(params: Params) -> bool:
-    """Whether ``params`` hold ``fp8_input_last`` weights, whose matmuls of
-    ``FP8_ACTIVATION_ROWS`` rows or more run fp8 x fp8 (the layout is all layers or none, so
-    the first layer says)."""
+    """Whether ``params`` hold ``fp8_input_last`` weights, which can run fp8 x fp8
+    (``with_fp8_activations``; the layout is all layers or none, so the first layer says)."""
     layers = params["layers"]
     if not isinstance(layers, list | tuple):
         return False  # fp8_input_last takes per-layer weights only
     return any(isinstance(w, QuantizedWeight) and w.in_last for w in layers[0].values())
 
 
+def with_fp8_activations(params: Params, on: bool) -> Params:
+    """``params`` with every ``in_last`` fp8 weight's matmuls set to run fp8 x fp8 (``on``)
+    or weight-only (``QuantizedWeight.fp8_activations``); other weights as they are. A
+    static choice: a program traced with one runs every such matmul that way."""
+    def mark(w: Any) -> Any:
+        if isinstance(w, QuantizedWeight) and w.in_last and w.fp8_activations != on:
+            return dataclasses.replace(w, fp8_activations=on)
+        return w
+
+    return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+
+
 def fp8_tensor_cores(device: Any) -> bool:
     """Whether ``device`` multiplies fp8 x fp8 on its tensor cores: an NVIDIA GPU of compute
     capability 8.9 (Ada) or above, Hopper included."""
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or not capability:
-        return False
-    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    capability = str(getattr(device, "compute_capability", "") or "")
+    if device.platform != "gpu" or not re.fullmatch(r"\d+\.\d+", capability):
+        return False  # not NVIDIA (a ROCm device names its architecture, e.g. gfx942)
+    major, minor = (int(v) for v in capability.split("."))
     return (major, minor) >= (8, 9)
 
 

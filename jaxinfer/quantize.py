@@ -79,6 +79,9 @@ class QuantizedWeight:
     ``out_axes`` counts the output axes: 2 for a fused ``[in, shards, out / shards]`` weight.
     ``zero`` is None except for int4; ``perm`` is None unless the stored rows are permuted.
     ``in_last``: ``q`` holds the input axis last (``[out, in]``, fp8 only, ``input_axis_last``).
+    ``fp8_activations`` (``in_last`` only): a matmul scales its activations into e4m3 and runs
+    fp8 x fp8; else it converts the weight inside the matmul. Set for a whole program by
+    ``runner.StepProgram`` (``model.with_fp8_activations``).
     """
 
     q: jax.Array
@@ -89,6 +92,7 @@ class QuantizedWeight:
     group: int = struct.field(pytree_node=False, default=GROUP)
     kind: str = struct.field(pytree_node=False, default="int8")
     in_last: bool = struct.field(pytree_node=False, default=False)
+    fp8_activations: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def in_axis(self) -> int:
@@ -109,7 +113,7 @@ class QuantizedWeight:
     def _input_axis_back(self) -> QuantizedWeight:
         """An ``in_last`` weight in the module's ``[..., in, *out]`` layout."""
         q = jnp.moveaxis(self.q, -1, -1 - self.out_axes)
-        return dataclasses.replace(self, q=q, in_last=False)
+        return dataclasses.replace(self, q=q, in_last=False, fp8_activations=False)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """The weight, computed in float32 and returned in ``dtype`` (with ``perm``, its

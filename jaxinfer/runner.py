@@ -31,7 +31,7 @@ about the tokens it has while the number of compiled programs stays fixed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -40,7 +40,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import LlamaConfig
-from jaxinfer.model import FP8_ACTIVATION_ROWS, Params, forward_ragged, fp8_gemms, lm_head
+from jaxinfer.model import Params, forward_ragged, fp8_gemms, lm_head, with_fp8_activations
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.quantize import is_quantized
 from jaxinfer.sampling import SamplingArrays, logsumexp_rows, record_tokens, sample
@@ -207,6 +207,15 @@ def new_counts(rows: int, vocab: int) -> np.ndarray:
     return np.zeros((rows, vocab), np.int32)
 
 
+FP8_ACTIVATION_ROWS = 128
+"""Token rows from which a step program over ``model.fp8_input_last`` weights runs every fp8
+matmul fp8 x fp8 (activations scaled into e4m3 per row) and is compiled with
+``CUBLAS_GEMMS``; with fewer, every such matmul converts its weight inside XLA's Triton GEMM.
+H100, 8 chained 8B layers (bench/NOTES.md r116): weight-only 157 us per layer at 64 rows
+against 166 fp8 x fp8 (cuBLASLt), 197 against 160 at 128, 336 against 205 at 256. The choice
+is per program, not per matmul: cuBLAS cannot fuse the weight's convert (a bf16 copy each
+call: 508 us at 64 rows), and XLA's own fp8 x fp8 GEMMs compile slowly."""
+
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 """XLA options of a program whose matmuls run fp8 x fp8 (``gemm_options``): every GEMM a
 cuBLAS(Lt) call, none a Triton GEMM XLA autotunes. H100, 8 layers of 8B shapes at 4,096 rows
@@ -214,53 +223,66 @@ cuBLAS(Lt) call, none a Triton GEMM XLA autotunes. H100, 8 layers of 8B shapes a
 Triton GEMMs the same program did not compile in minutes (r88-r89, r106)."""
 
 
-def gemm_options(params: Params, rows: int) -> dict[str, Any] | None:
-    """The XLA compiler options of a program over ``params`` whose matmuls take ``rows``
-    token rows: ``CUBLAS_GEMMS`` where those run fp8 x fp8 (``model.fp8_gemms`` params, at
-    least ``FP8_ACTIVATION_ROWS`` rows), else None (XLA's defaults: fewer rows convert the
-    fp8 weight inside a Triton GEMM, which cuBLAS cannot)."""
-    return CUBLAS_GEMMS if rows >= FP8_ACTIVATION_ROWS and fp8_gemms(params) else None
+def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any] | None:
+    """The XLA compiler options of a program over ``params`` (one model's, or several:
+    target and draft) whose largest matmuls take ``rows`` rows: ``CUBLAS_GEMMS`` where its
+    fp8 matmuls run fp8 x fp8 (some params are ``model.fp8_gemms``, and at least
+    ``FP8_ACTIVATION_ROWS`` rows), else None (XLA's defaults)."""
+    models = [params] if isinstance(params, dict) else list(params)
+    fp8 = any(fp8_gemms(p) for p in models)
+    return CUBLAS_GEMMS if fp8 and rows >= FP8_ACTIVATION_ROWS else None
 
 
 class StepProgram:
-    """``fn(params, *args, **kwargs)`` jitted (``jit_kwargs``) twice, with XLA's default options
-    and with ``CUBLAS_GEMMS``: a call runs the one ``gemm_options`` picks for its params and
-    ``rows(*args)`` token rows. Each is compiled on first use only."""
+    """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) twice, with XLA's default
+    options and with ``CUBLAS_GEMMS``; ``models`` are the first ``num_models`` arguments
+    (model params). A call runs the one ``gemm_options`` picks for those params and
+    ``rows(*args, **kwargs)``, their fp8 matmuls set to match (``model.with_fp8_activations``:
+    fp8 x fp8 in the cuBLAS program, weight-only in the other). Each is compiled on first use."""
 
-    def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], **jit_kwargs: Any):
+    def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], num_models: int = 1,
+                 **jit_kwargs: Any):
         functools.update_wrapper(self, fn)
         self._rows = rows
+        self._num_models = num_models
         self._default = jax.jit(fn, **jit_kwargs)
         self._cublas = jax.jit(fn, compiler_options=CUBLAS_GEMMS, **jit_kwargs)
 
-    def options(self, params: Params, *args: Any) -> dict[str, Any] | None:
+    def options(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
         """The compiler options of the program a call with these arguments runs."""
-        return gemm_options(params, self._rows(*args))
+        models, rest = args[:self._num_models], args[self._num_models:]
+        return gemm_options(models, self._rows(*rest, **kwargs))
 
     def _cache_size(self) -> int:
         """Programs compiled so far, both variants together: ``jax.jit``'s count, so tests
         that watch for recompilation treat this like any jitted step."""
         return self._default._cache_size() + self._cublas._cache_size()
 
-    def _program(self, params: Params, *args: Any) -> Any:
-        return self._default if self.options(params, *args) is None else self._cublas
+    def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Any, tuple[Any, ...]]:
+        cublas = self.options(*args, **kwargs) is not None
+        models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, cublas)
+                       for m in args[:self._num_models])
+        return (self._cublas if cublas else self._default), models + args[self._num_models:]
 
-    def lower(self, params: Params, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program a call with these arguments runs, lowered (``jax.jit(...).lower``)."""
-        return self._program(params, *args).lower(params, *args, **kwargs)
+        program, args = self._program(args, kwargs)
+        return program.lower(*args, **kwargs)
 
-    def __call__(self, params: Params, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``fn``'s result, from the program ``options`` picks."""
-        return self._program(params, *args)(params, *args, **kwargs)
+        program, args = self._program(args, kwargs)
+        return program(*args, **kwargs)
 
 
-def step_program(rows: Callable[..., int], **jit_kwargs: Any
+def step_program(rows: Callable[..., int], num_models: int = 1, **jit_kwargs: Any
                  ) -> Callable[[Callable[..., Any]], StepProgram]:
-    """Decorator: ``StepProgram(fn, rows, **jit_kwargs)``."""
-    return lambda fn: StepProgram(fn, rows, **jit_kwargs)
+    """Decorator: ``StepProgram(fn, rows, num_models, **jit_kwargs)``."""
+    return lambda fn: StepProgram(fn, rows, num_models, **jit_kwargs)
 
 
-@step_program(lambda pool, counts, inp: inp.tokens.shape[0],
+@step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0],
               static_argnames=("config", "backend", "dtype", "max_q_len", "score",
                                "stochastic", "deterministic", "num_top"),
               donate_argnums=(1, 2))
@@ -325,7 +347,7 @@ def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
     return counts.at[row, generated_ids].add(2, mode="drop")
 
 
-@step_program(lambda pool, counts, inp: inp.tokens.shape[0],
+@step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0],
               static_argnames=("config", "backend", "dtype", "max_steps", "chunk", "stochastic",
                                "deterministic", "num_top"),
               donate_argnums=(1, 2))
@@ -549,10 +571,10 @@ def _speculation_loop(params: Params, pool: PagePool, counts: jax.Array, inp: Sp
     return PagePool(k=k, v=v), counts, extra, {**out, **stats}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "width", "longest",
-                                            "max_steps", "chunk", "stochastic",
-                                            "deterministic"),
-                   donate_argnums=(1, 2))
+@step_program(lambda pool, counts, inp, *, width, **_: inp.decode.tokens.shape[0] * (width + 1),
+              static_argnames=("config", "backend", "dtype", "width", "longest", "max_steps",
+                               "chunk", "stochastic", "deterministic"),
+              donate_argnums=(1, 2))
 def ngram_steps(
     params: Params,
     pool: PagePool,
@@ -598,10 +620,12 @@ def ngram_steps(
     return pool, counts, out
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "config", "backend", "dtype", "draft_config", "draft_backend", "draft_dtype", "width",
-    "max_steps", "chunk", "stochastic", "deterministic", "draft_deterministic"),
-                   donate_argnums=(2, 3, 4))
+@step_program(lambda pool, draft_pool, counts, inp, *, width, **_:
+              inp.decode.tokens.shape[0] * (width + 1), num_models=2, static_argnames=(
+                  "config", "backend", "dtype", "draft_config", "draft_backend", "draft_dtype",
+                  "width", "max_steps", "chunk", "stochastic", "deterministic",
+                  "draft_deterministic"),
+              donate_argnums=(2, 3, 4))
 def draft_steps(
     params: Params,
     draft_params: Params,
@@ -672,9 +696,10 @@ def _in_loop(params: Params) -> Params:
     return jax.lax.optimization_barrier(params) if is_quantized(params) else params
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "max_q_len",
-                                            "num_steps", "deterministic"),
-                   donate_argnums=(1,))
+@step_program(lambda pool, inp, num_proposed, **_: inp.tokens.shape[0],
+              static_argnames=("config", "backend", "dtype", "max_q_len", "num_steps",
+                               "deterministic"),
+              donate_argnums=(1,))
 def draft_step(
     params: Params,
     pool: PagePool,
@@ -756,7 +781,7 @@ def accepted_lengths(samples: jax.Array, proposals: jax.Array, num_proposed: jax
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-@step_program(lambda pool, counts, inp, proposals, num_proposed: inp.tokens.shape[0],
+@step_program(lambda pool, counts, inp, proposals, num_proposed, **_: inp.tokens.shape[0],
               static_argnames=("config", "backend", "dtype", "max_q_len", "stochastic",
                                "deterministic", "num_top"),
               donate_argnums=(1, 2))

@@ -189,7 +189,8 @@ def test_default_model_perplexity_int8_int4_fp8(default_gguf):
         quant = dataclasses.replace(base, params=quantize_params(base.params, method))
         assert abs(perplexity(quant) / ppl - 1) < limit, (method, perplexity(quant), ppl)
     # fp8 as Hopper runs it: the prompt's matmuls fp8 x fp8 (activations in e4m3 too).
-    from jaxinfer.model import FP8_ACTIVATION_ROWS, fp8_input_last, prepare_params
+    from jaxinfer.model import fp8_input_last, prepare_params
+    from jaxinfer.runner import FP8_ACTIVATION_ROWS
 
     assert len(ids) >= FP8_ACTIVATION_ROWS
     last = fp8_input_last(prepare_params(quant.params, fuse=True, unstack=True))
@@ -198,13 +199,14 @@ def test_default_model_perplexity_int8_int4_fp8(default_gguf):
 
 
 def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
-    """``fp8_input_last`` lays each layer's fp8 weights out as ``q [out, in]``. Below
-    ``FP8_ACTIVATION_ROWS`` rows the matmul is the weight-only one; from there the
-    activations are scaled into e4m3 per row (the fp8 x fp8 GEMM of Hopper prefill), within
-    a few percent of the float product. Such a layout is not a checkpoint."""
+    """``fp8_input_last`` lays each layer's fp8 weights out as ``q [out, in]``. Its matmuls
+    are weight-only, unless ``with_fp8_activations`` sets them to scale their activations
+    into e4m3 per row (the fp8 x fp8 GEMM of Hopper prefill), within a few percent of the
+    float product. Such a layout is not a checkpoint."""
     from checkpoints.orbax_io import save_params
     from jaxinfer.errors import CheckpointError
-    from jaxinfer.model import FP8_ACTIVATION_ROWS, _dense, fp8_input_last, prepare_params
+    from jaxinfer.model import _dense, fp8_input_last, prepare_params, with_fp8_activations
+    from jaxinfer.runner import FP8_ACTIVATION_ROWS
 
     h, inter = CFG.hidden_size, CFG.intermediate_size
     params = quantize_params(init_params(CFG, jax.random.PRNGKey(0), jnp.float32), "fp8")
@@ -217,13 +219,20 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
     w, wl = fast["layers"][0]["wo"], last["layers"][0]["wo"]
     x = jax.random.normal(jax.random.PRNGKey(1), (FP8_ACTIVATION_ROWS, h), jnp.float32)
     want = x @ w.dequantize()
-    np.testing.assert_allclose(_dense(x[:5], wl), _dense(x[:5], w), rtol=1e-5, atol=1e-5)
-    got = _dense(x, wl)
+    np.testing.assert_allclose(_dense(x, wl), _dense(x, w), rtol=1e-5, atol=1e-5)
+    w8 = with_fp8_activations({"wo": wl}, True)["wo"]
+    assert w8.fp8_activations and not wl.fp8_activations
+    assert not with_fp8_activations({"wo": w8}, False)["wo"].fp8_activations
+    got = _dense(x, w8)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.05
     assert float(jnp.linalg.norm(_dense(x, w) - want) / jnp.linalg.norm(want)) < 1e-5
-    eqns = jax.make_jaxpr(_dense)(x, wl).eqns
-    assert [e for e in eqns if e.primitive.name == "convert_element_type"
-            and e.params["new_dtype"] == jnp.float8_e4m3fn]
+
+    def e4m3_activations(weight) -> bool:
+        return any(e.primitive.name == "convert_element_type"
+                   and e.params["new_dtype"] == jnp.float8_e4m3fn
+                   for e in jax.make_jaxpr(_dense)(x[:1], weight).eqns)
+
+    assert e4m3_activations(w8) and not e4m3_activations(wl)  # one row too: per program
     # The whole model: random weights compound each matmul's ~2.5% through the layers; a
     # wrong layout would be off by ~100% (quality: the default model's perplexity below).
     model = jaxinfer.Model(CFG, fast, None, dtype=jnp.float32, backend="reference")
@@ -237,18 +246,60 @@ def test_fp8_input_last_layout_runs_prefill_fp8_x_fp8():
         save_params("/nonexistent/never-written", {"wo": wl})
 
 
+def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
+    """A ``runner.StepProgram`` over ``fp8_input_last`` params runs every fp8 matmul of a
+    program of ``FP8_ACTIVATION_ROWS`` rows or more fp8 x fp8 (activations rounded to e4m3)
+    and compiles it with ``CUBLAS_GEMMS``; fewer rows, or params without that layout, get
+    XLA's defaults and weight-only matmuls, whatever the row count of each matmul inside
+    (here a 2-row matmul beside the step's rows). Target and draft params count alike."""
+    from jaxinfer import runner
+    from jaxinfer.model import _dense, fp8_input_last, prepare_params
+    from jaxinfer.runner import FP8_ACTIVATION_ROWS
+
+    params = quantize_params(init_params(CFG, jax.random.PRNGKey(0), jnp.float32), "fp8")
+    fast = prepare_params(params, fuse=True, unstack=True)
+    last = fp8_input_last(prepare_params(params, fuse=True, unstack=True))
+    h = CFG.hidden_size
+
+    def fn(target, draft, x):  # the step's rows, and a 2-row matmul of the draft's
+        return _dense(x, target["layers"][0]["wo"]), _dense(x[:2], draft["layers"][0]["wo"])
+
+    program = runner.StepProgram(fn, lambda x, **_: x.shape[0], num_models=2)
+    e4m3 = "xf8E4M3FN>"
+    for rows in (FP8_ACTIVATION_ROWS - 1, FP8_ACTIVATION_ROWS):
+        x = jax.random.normal(jax.random.PRNGKey(rows), (rows, h), jnp.float32)
+        big = rows >= FP8_ACTIVATION_ROWS
+        for target, draft, fp8 in ((last, fast, big), (fast, last, big), (fast, fast, False)):
+            assert program.options(target, draft, x) == (runner.CUBLAS_GEMMS if fp8 else None)
+            text = program.lower(target, draft, x).as_text()
+            # activations rounded to e4m3: [rows, h] for the target, [2, h] for the draft
+            assert (f"tensor<{rows}x{h}{e4m3}" in text) == (fp8 and target is last)
+            assert (f"tensor<2x{h}{e4m3}" in text) == (fp8 and draft is last)
+            a, b = program(target, draft, x)
+            want = x @ fast["layers"][0]["wo"].dequantize()
+            for got, ref in ((a, want), (b, want[:2])):
+                err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                assert err < (0.05 if fp8 else 1e-5), (rows, err)
+    # 127 rows: three param layouts, default options; 128: two cuBLAS programs, one default
+    assert program._cache_size() == 6
+    assert runner.gemm_options([fast, last], FP8_ACTIVATION_ROWS) == runner.CUBLAS_GEMMS
+    assert runner.gemm_options(fast, 10 * FP8_ACTIVATION_ROWS) is None
+
+
 def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypatch):
     """``load_model(quantize="fp8")`` and a converted fp8 folder keep each layer's fp8
     weights ``[in, out]`` where there are no fp8 tensor cores (here: CPU), with the same
     greedy tokens; on one GPU that has them (faked here) they are laid out ``[in, out]`` ->
-    ``[out, in]`` (``fp8_input_last``), and the programs of 64 rows or more over them leave
-    their GEMMs to cuBLAS (``runner.gemm_options``): prompts of 64+ tokens run there."""
+    ``[out, in]`` (``fp8_input_last``), and the programs of ``FP8_ACTIVATION_ROWS`` rows or
+    more over them run fp8 x fp8 and leave their GEMMs to cuBLAS (``runner.gemm_options``):
+    prompts of that many tokens run there."""
     import types
 
     from jaxinfer import model as model_module
     from jaxinfer import runner
     from jaxinfer.loading import convert
-    from jaxinfer.model import FP8_ACTIVATION_ROWS, fp8_gemms, fp8_tensor_cores
+    from jaxinfer.model import fp8_gemms, fp8_tensor_cores
+    from jaxinfer.runner import FP8_ACTIVATION_ROWS
     from sharding.testing import write_tiny_model
 
     src = write_tiny_model(tmp_path / "src")
@@ -279,6 +330,11 @@ def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypa
         ref = jaxinfer.compute_logits(quantized, ids)
         logits = jaxinfer.compute_logits(last, ids)  # the cuBLAS program (accepted on CPU)
         assert np.linalg.norm(logits - ref) / np.linalg.norm(ref) < 0.15
+        assert 0 < np.linalg.norm(logits - ref)  # fp8 activations: not the weight-only model
+        short = ids[:40]  # padded to a 64-row program: weight-only
+        np.testing.assert_allclose(jaxinfer.compute_logits(last, short),
+                                   jaxinfer.compute_logits(quantized, short),
+                                   rtol=1e-5, atol=1e-5)
         long = jaxinfer.generate(last, [ids], max_new_tokens=3, ignore_eos=True)[0]
         assert len(long.token_ids) == 3
     assert not fp8_gemms(jaxinfer.load_model(src, quantize="int8", **kw).params)
