@@ -471,6 +471,11 @@ def with_fp8_activations(params: Params, on: bool) -> Params:
             return dataclasses.replace(w, fp8_activations=on)
         return w
 
+    layers = params.get("layers")
+    first = layers[0] if isinstance(layers, list | tuple) else layers
+    if isinstance(first, dict) and all(w.fp8_activations == on for w in first.values()
+                                       if isinstance(w, QuantizedWeight) and w.in_last):
+        return params  # set already (all layers alike): no host time spent rebuilding
     return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
 
 

@@ -253,10 +253,14 @@ class StepProgram:
         models, rest = args[:self._num_models], args[self._num_models:]
         return gemm_options(models, self._rows(*rest, **kwargs))
 
+    def compiled(self) -> dict[str, int]:
+        """Programs compiled so far: ``{"default": n, "cublas": m}``."""
+        return {"default": self._default._cache_size(), "cublas": self._cublas._cache_size()}
+
     def _cache_size(self) -> int:
         """Programs compiled so far, both variants together: ``jax.jit``'s count, so tests
         that watch for recompilation treat this like any jitted step."""
-        return self._default._cache_size() + self._cublas._cache_size()
+        return sum(self.compiled().values())
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, tuple[Any, ...]]:

@@ -252,6 +252,8 @@ def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
     and compiles it with ``CUBLAS_GEMMS``; fewer rows, or params without that layout, get
     XLA's defaults and weight-only matmuls, whatever the row count of each matmul inside
     (here a 2-row matmul beside the step's rows). Target and draft params count alike."""
+    import types
+
     from jaxinfer import runner
     from jaxinfer.model import _dense, fp8_input_last, prepare_params
     from jaxinfer.runner import FP8_ACTIVATION_ROWS
@@ -281,7 +283,20 @@ def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
                 err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
                 assert err < (0.05 if fp8 else 1e-5), (rows, err)
     # 127 rows: three param layouts, default options; 128: two cuBLAS programs, one default
-    assert program._cache_size() == 6
+    assert program.compiled() == {"default": 4, "cublas": 2}
+    # The engine's step programs count their rows as their bodies do.
+    tokens = types.SimpleNamespace(tokens=np.zeros(FP8_ACTIVATION_ROWS, np.int32))
+    spec = types.SimpleNamespace(decode=types.SimpleNamespace(tokens=np.zeros(32, np.int32)))
+    for options, fp8 in (
+            (runner.mixed_step.options(last, None, None, tokens), True),
+            (runner.decode_steps.options(last, None, None, tokens), True),
+            (runner.verify_step.options(last, None, None, tokens, None, None), True),
+            (runner.draft_step.options(last, None, tokens, None), True),
+            (runner.ngram_steps.options(last, None, None, spec, width=3), True),  # 32 x 4
+            (runner.ngram_steps.options(last, None, None, spec, width=2), False),  # 32 x 3
+            (runner.draft_steps.options(fast, last, None, None, None, spec, width=3), True),
+            (runner.draft_steps.options(fast, fast, None, None, None, spec, width=3), False)):
+        assert options == (runner.CUBLAS_GEMMS if fp8 else None)
     assert runner.gemm_options([fast, last], FP8_ACTIVATION_ROWS) == runner.CUBLAS_GEMMS
     assert runner.gemm_options(fast, 10 * FP8_ACTIVATION_ROWS) is None
 
@@ -335,8 +350,11 @@ def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypa
         np.testing.assert_allclose(jaxinfer.compute_logits(last, short),
                                    jaxinfer.compute_logits(quantized, short),
                                    rtol=1e-5, atol=1e-5)
+        before = runner.mixed_step.compiled()["cublas"]
         long = jaxinfer.generate(last, [ids], max_new_tokens=3, ignore_eos=True)[0]
         assert len(long.token_ids) == 3
+        if source == src:  # the prompt's step compiled in cuBLAS (the folder's reuses it)
+            assert runner.mixed_step.compiled()["cublas"] > before
     assert not fp8_gemms(jaxinfer.load_model(src, quantize="int8", **kw).params)
     gpu = types.SimpleNamespace(platform="gpu")
     assert [fp8_tensor_cores(types.SimpleNamespace(platform="gpu", compute_capability=c))
