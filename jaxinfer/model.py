@@ -453,13 +453,19 @@ def fp8_input_last(params: Params) -> Params:
     return out
 
 
+def _first_layer_weights(params: Params) -> list[QuantizedWeight] | None:
+    """The quantized weights of a per-layer layout's first layer, or None for a stacked
+    layout (or no ``"layers"``). The fp8 layout is all layers or none, so they speak for all."""
+    layers = params.get("layers")
+    if not isinstance(layers, list | tuple):
+        return None
+    return [w for w in layers[0].values() if isinstance(w, QuantizedWeight)]
+
+
 def fp8_gemms(params: Params) -> bool:
     """Whether ``params`` hold ``fp8_input_last`` weights, which can run fp8 x fp8
-    (``with_fp8_activations``; the layout is all layers or none, so the first layer says)."""
-    layers = params["layers"]
-    if not isinstance(layers, list | tuple):
-        return False  # fp8_input_last takes per-layer weights only
-    return any(isinstance(w, QuantizedWeight) and w.in_last for w in layers[0].values())
+    (``with_fp8_activations``)."""
+    return any(w.in_last for w in _first_layer_weights(params) or ())
 
 
 def with_fp8_activations(params: Params, on: bool) -> Params:
@@ -471,10 +477,8 @@ def with_fp8_activations(params: Params, on: bool) -> Params:
             return dataclasses.replace(w, fp8_activations=on)
         return w
 
-    layers = params.get("layers")
-    first = layers[0] if isinstance(layers, list | tuple) else layers
-    if isinstance(first, dict) and all(w.fp8_activations == on for w in first.values()
-                                       if isinstance(w, QuantizedWeight) and w.in_last):
+    first = _first_layer_weights(params)
+    if first is not None and all(w.fp8_activations == on for w in first if w.in_last):
         return params  # set already (all layers alike): no host time spent rebuilding
     return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
 
@@ -494,9 +498,7 @@ def fp8_prefill_layout(params: Params, device: Any) -> Params:
     tensor cores (``fp8_tensor_cores``) and the params hold per-layer fp8 weights, so their
     prefill matmuls run fp8 x fp8; else ``params`` as they are. What ``load_model`` does last
     on one device."""
-    layers = params["layers"]
-    fp8 = isinstance(layers, list | tuple) and any(
-        isinstance(w, QuantizedWeight) and w.kind == "fp8" for w in layers[0].values())
+    fp8 = any(w.kind == "fp8" for w in _first_layer_weights(params) or ())
     return fp8_input_last(params) if fp8 and fp8_tensor_cores(device) else params
 
 

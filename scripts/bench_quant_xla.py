@@ -177,7 +177,7 @@ VARIANTS: dict[str, tuple[Make, Apply, int]] = {
         0),
     "fp8_act": (make_fp8, apply_fp8_act, 0),
     "fp8_act_nk": (make_fp8_nk, lambda x, w: apply_fp8_act(x, w, w_in_axis=1), 0),
-    "fp8_weight_only_nk": (make_fp8_nk, lambda x, w: (  # the in_last layout under 64 rows
+    "fp8_weight_only_nk": (make_fp8_nk, lambda x, w: (  # in_last, a program under 128 rows
         jnp.einsum("md,nd->mn", x, w["q"].astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32) * w["s"]).astype(jnp.bfloat16), 0),
     "fp8_weight_only": (make_fp8, lambda x, w: (
