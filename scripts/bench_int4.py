@@ -12,11 +12,12 @@ program that calls the kernel ``--calls`` times, unrolled, cycling through weigh
 larger than the L2 cache, as the device time of its kernels (profiler trace; random inputs,
 warmed up; ``time_call``). By default it
 compares the candidates below on every shape, group sizes 32, 64 and 128 and each of
-``--rows``. ``--sweep`` also times ``word_gemv`` tilings (column block, rows per load, warps)
-at one row on the two largest shapes. ``--probe`` times two stripped kernels
-that read the packed weight exactly as ``word_gemv`` does: one only xors the words (the read
-rate Pallas/Triton reaches with that access pattern), one also makes every nibble a float
-(the cost of the unpacking). Their results are not products, so they get no error check.
+``--rows``. ``--sweep`` times the float16-pair kernel's tiles instead (column block, rows
+per load, warps; 16 or 32 bytes per thread per load) at one row and g128 on every shape.
+``--probe`` times two stripped kernels that read the packed weight exactly as ``word_gemv``
+does: one only xors the words (the read rate Pallas/Triton reaches with that access
+pattern), one also makes every nibble a float (the cost of the unpacking). Their results
+are not products, so they get no error check.
 The candidates: the default (float16 pairs at groups of 128+, ``word_gemv``'s float32 kernel
 below), the float32 kernel at every group size (``half2_min_group=0``) and the dot kernel.
 
@@ -225,7 +226,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2", help="row counts to time")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time word_gemv tilings (slow)")
+                    help="time the float16-pair kernel's tiles at one row, g128 (slow)")
     ap.add_argument("--sweep-pairs", action="store_true",
                     help="time the float16-pair kernel's tilings at one row (int4 g128: "
                          "groups per loop step and programs; int8 g64: loads a step ahead "
@@ -287,7 +288,7 @@ def main() -> None:
                      Candidate("probe(read)", functools.partial(stream_probe, unpack=False),
                                probe=True)):
             trace_call(cand, operands(1, 4096, 4096, 128), args.calls)
-    candidates = [] if args.only_probe or args.sweep_pairs else [
+    candidates = [] if args.only_probe or args.sweep_pairs or args.sweep else [
         layer(c, m) for m in map(int, args.rows.split(","))
         for c in (for_tiles(Int4Tiles()),
                   for_tiles(Int4Tiles(word=WordTiles(half2_min_group=0))),
@@ -313,13 +314,17 @@ def main() -> None:
             write(candidates, sweep)
         for c in sorted(sweep, key=lambda c: (c["kernel"][:4], sum(c["layer_us"].values()))):
             print(f"{sum(c['layer_us'].values()):8.1f} us per layer  {c['kernel']}")
-    if args.sweep:
-        big = [s for s in SHAPES_8B if s[0] in ("gate_up", "down")]
-        for block_n, sub_rows, warps in itertools.product((128, 256), (8, 16, 32), (4, 8)):
-            tiles = Int4Tiles(word=WordTiles(block_n=block_n, sub_rows=sub_rows,
-                                             num_warps=warps))
-            sweep.append(layer(for_tiles(tiles), 1, big))
-        sweep.sort(key=lambda c: sum(c["layer_us"].values()))
+    if args.sweep:  # the float16-pair kernel's tile at one row, g128, ~1,024 programs
+        for block_n, sub_rows, warps in itertools.product((64, 128, 256), (16, 32, 64),
+                                                          (2, 4, 8)):
+            if sub_rows * block_n // 4 // (32 * warps) not in (4, 8):  # words per thread
+                continue  # per load: 16 or 32 bytes, the widths worth timing
+            word = WordTiles(block_n=block_n, sub_rows=sub_rows, num_warps=warps,
+                             target_programs=1024)
+            sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
+            write(candidates, sweep)
+        for c in sorted(sweep, key=lambda c: sum(c["layer_us"].values())):
+            print(f"{sum(c['layer_us'].values()):8.1f} us per layer  {c['kernel']}")
     write(candidates, sweep)
 
 
