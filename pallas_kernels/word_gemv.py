@@ -312,7 +312,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     multiplied by ``1 / _HALF2_X_SCALE`` once, at the store.
 
     ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
-    before it computes on the ones the previous step issued (H100, r101-r103: 2-4% faster
+    before it computes on the ones the previous step issued, and the last step's compute
+    follows the loop (H100, r101-r103, when the last step still reloaded itself: 2-4% faster
     for int8 at one group per step, its default; slower for int4 g128)."""
     z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
@@ -380,12 +381,11 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     if prefetch:
         def body(step, carry):
             acc, data = carry
-            ahead = load(jnp.minimum(step + 1, steps_per_split - 1))  # the last step
-            # reloads itself: in bounds, and its result is dropped
-            return compute(data, acc), ahead
+            return compute(data, acc), load(step + 1)
 
-        def run(init):
-            return lax.fori_loop(0, steps_per_split, body, (init, load(0)))[0]
+        def run(init):  # the last step computes after the loop: nothing is loaded twice
+            acc, data = lax.fori_loop(0, steps_per_split - 1, body, (init, load(0)))
+            return compute(data, acc)
     else:
         def run(init):
             return lax.fori_loop(0, steps_per_split,

@@ -229,7 +229,7 @@ def main() -> None:
                     help="time the float16-pair kernel's tiles at one row, g128 (slow)")
     ap.add_argument("--sweep-pairs", action="store_true",
                     help="time the float16-pair kernel's tilings at one row (int4 g128: "
-                         "groups per loop step and programs; int8 g64: loads a step ahead "
+                         "loads a step ahead or not, and programs; int8 g64: loads a step ahead "
                          "or not, and programs) (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
@@ -303,8 +303,8 @@ def main() -> None:
             candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
     if args.sweep_pairs:  # one row, every shape; the JSON rewritten after each tiling
-        for step_rows, programs in itertools.product((128, 256), (512, 1024, 2048)):
-            word = WordTiles(step_rows=step_rows, target_programs=programs)
+        for ahead, programs in itertools.product((False, True), (512, 1024, 2048)):
+            word = WordTiles(prefetch=ahead, target_programs=programs)
             sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
             write(candidates, sweep)
         for ahead, step_rows, programs in itertools.product((False, True), (64,),
