@@ -57,8 +57,10 @@ class Int4Tiles:
     # one row: at two, the dot kernel was as fast (H100, 8B layer: 252 vs 259 us, r68).
     word_rows: int = WORD_ROWS
     # ``word_gemv``'s tiling: ~1,024 programs, 68.3 / 65.0 us per 8B layer at one row and
-    # g128 against 80.9 / 75.0 with 512 (H100, r101 / r102)
-    word: WordTiles = WordTiles(target_programs=1024)
+    # g128 against 80.9 / 75.0 with 512 (H100, r101 / r102); the float16-pair kernel
+    # (g128) with its loads a step ahead at ~512: 61.8 against 63.8 us, and 8B batch 1
+    # 350.1 against 340.4 tok/s (r126-r127)
+    word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True)
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,

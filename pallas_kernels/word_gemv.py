@@ -38,7 +38,8 @@ rounded to float16 (and the result by ``2^8`` at the store), so no float16 sum o
 below ``|x|`` of about 140k for int4 and 32k for int8 (``_HALF2_X_SCALE``). PTX through
 ``plgpu.elementwise_inline_asm``; under the interpreter the same arithmetic in jnp (each
 float16 multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 and one row:
-63.6 us, 57% of the read floor (r103; r85, before the shift-free high nibbles, the paired
+63.6 us, 57% of the read floor (r103; 61.8 us with the loads a step ahead at ~512 programs,
+``Int4Tiles``' default since r126-r127; r85, before the shift-free high nibbles, the paired
 scale loads, the float32 ``fma`` and 1,024 programs: 77.8 us, against ``_word_kernel``'s
 102.9); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
 Nsight Compute (r100) found it bound by issuing instructions, with few warps per SM: 28% of
@@ -93,7 +94,8 @@ class WordTiles:
     int8_half2: bool = True  # int8 runs the float16-pair kernel (False: the float32 one,
     # slower on an H100, r64 / r91)
     prefetch: bool = False  # the float16-pair kernel loads each loop step's operands one
-    # step ahead (``_half2_kernel``; ``Int8Tiles`` turns it on)
+    # step ahead (``_half2_kernel``; ``Int4Tiles`` and ``Int8Tiles`` turn it on)
+    half2_programs: int = 0  # the float16-pair kernel's ``target_programs`` (0: the same)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -417,7 +419,6 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     np_ = col_blocks * block_n
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
-    splits = largest_divisor(steps, tiles.target_programs // col_blocks)
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
         q = jnp.pad(q, ((0, 0), (0, np_ - n)))
         scale = jnp.pad(scale, ((0, 0), (0, np_ - n)))
@@ -434,6 +435,8 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
                   and 0 < tiles.half2_min_group <= group)
     int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
     half2 = (int4_pairs or int8_pairs) and group <= HALF2_PRODUCTS * sub
+    programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
+    splits = largest_divisor(steps, programs // col_blocks)
     pair_scales = half2 and int4_pairs and scale.dtype == zero.dtype == jnp.float16
     if pair_scales:  # float16 scales and zeros as int32 words of two columns
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)

@@ -95,6 +95,34 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
         np.testing.assert_allclose(ahead, got, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(got))))
 
 
+def _partials(m: int, k: int, n: int, group: int, tiles: WordTiles) -> int:
+    """How many K splits (partial results) word_gemv's kernel writes for these shapes."""
+    xs = jax.ShapeDtypeStruct((m, k), jnp.float32)
+    q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
+    jaxpr = jax.make_jaxpr(lambda x, q, s, z: word_gemv(x, q, s, z, interpret=True,
+                                                        tiles=tiles, **INT4))(xs, q, s, s)
+    eqns = list(jaxpr.jaxpr.eqns)
+    while eqns:  # word_gemv is jitted: its pallas_call sits in a nested jaxpr
+        e = eqns.pop()
+        if e.primitive.name == "pallas_call":
+            return e.outvars[0].aval.shape[0]
+        eqns += [q for v in e.params.values() if hasattr(v, "jaxpr") for q in v.jaxpr.eqns]
+    raise AssertionError("no pallas_call")
+
+
+def test_half2_programs_sets_only_the_pair_kernels_split():
+    """``WordTiles.half2_programs`` is the float16-pair kernel's program target (the int4
+    default runs it at ~512 programs, the float32 kernel at ~1,024); 0 keeps
+    ``target_programs``. 8B qkv shape: 48 column blocks of 128, 32 groups of 128 rows."""
+    k, n = 4096, 6144
+    tiles = WordTiles(target_programs=1024, half2_programs=512)
+    assert _partials(1, k, n, 128, tiles) == 8  # pairs: largest divisor of 32 <= 512 // 48
+    assert _partials(1, k, n, 128, dataclasses.replace(tiles, half2_programs=0)) == 16
+    # float32 kernel (g32): 24 blocks of 256 columns, 32 steps of 4 groups, 1024 // 24 = 42
+    assert _partials(1, k, n, 32, tiles) == 32
+
+
 def test_half2_kernel_reads_float16_scales_as_column_pairs():
     """float16 scales and zeros reach the float16-pair kernel as int32 words of two columns
     (one load for two columns); float32 ones are read per column. Both give the product."""
