@@ -228,9 +228,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="time the float16-pair kernel's tiles at one row, g128 (slow)")
     ap.add_argument("--sweep-pairs", action="store_true",
-                    help="time the float16-pair kernel's tilings at one row (int4 g128: "
-                         "loads a step ahead or not, and programs; int8 g64: loads a step ahead "
-                         "or not, and programs) (slow)")
+                    help="time the float16-pair kernel's tilings, loads a step ahead or "
+                         "not and programs (int4 g128 at each of --rows, int8 g64 at one "
+                         "row) (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -302,18 +302,23 @@ def main() -> None:
                                      step_rows=step_rows)
             candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
-    if args.sweep_pairs:  # one row, every shape; the JSON rewritten after each tiling
-        for ahead, programs in itertools.product((False, True), (512, 1024, 2048)):
+    if args.sweep_pairs:  # every shape, the JSON rewritten after each tiling; int4 at each
+        # of --rows, int8 at one row (its pair kernel's only row count, Int8Tiles.word_rows)
+        row_counts = list(map(int, args.rows.split(",")))
+        for m, ahead, programs in itertools.product(row_counts, (False, True),
+                                                    (512, 1024, 2048)):
             word = WordTiles(prefetch=ahead, target_programs=programs)
-            sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
+            sweep.append(layer(for_tiles(Int4Tiles(word=word)), m, groups=(128,)))
             write(candidates, sweep)
-        for ahead, step_rows, programs in itertools.product((False, True), (64,),
-                                                            (512, 1024)):
-            word = WordTiles(prefetch=ahead, step_rows=step_rows, target_programs=programs)
+        for ahead, programs in itertools.product((False, True) if 1 in row_counts else (),
+                                                 (512, 1024)):
+            word = WordTiles(prefetch=ahead, step_rows=64, target_programs=programs)
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
-        for c in sorted(sweep, key=lambda c: (c["kernel"][:4], sum(c["layer_us"].values()))):
-            print(f"{sum(c['layer_us'].values()):8.1f} us per layer  {c['kernel']}")
+        for c in sorted(sweep, key=lambda c: (c["kernel"][:4], c["rows_per_call"],
+                                              sum(c["layer_us"].values()))):
+            print(f"{sum(c['layer_us'].values()):8.1f} us per layer, {c['rows_per_call']} "
+                  f"row(s)  {c['kernel']}")
     if args.sweep:  # the float16-pair kernel's tile at one row, g128, ~1,024 programs
         for block_n, sub_rows, warps in itertools.product((64, 128, 256), (16, 32, 64),
                                                           (2, 4, 8)):
