@@ -107,7 +107,8 @@ def _partials(m: int, k: int, n: int, group: int, tiles: WordTiles) -> int:
         e = eqns.pop()
         if e.primitive.name == "pallas_call":
             return e.outvars[0].aval.shape[0]
-        eqns += [q for v in e.params.values() if hasattr(v, "jaxpr") for q in v.jaxpr.eqns]
+        eqns += [inner for v in e.params.values() if hasattr(v, "jaxpr")
+                 for inner in v.jaxpr.eqns]
     raise AssertionError("no pallas_call")
 
 
