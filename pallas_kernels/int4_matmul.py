@@ -56,10 +56,11 @@ class Int4Tiles:
     # Up to this many rows ``word_gemv`` runs (0: always the dot); groups of 32 rows only for
     # one row: at two, the dot kernel was as fast (H100, 8B layer: 252 vs 259 us, r68).
     word_rows: int = WORD_ROWS
-    # ``word_gemv``'s tiling: ~1,024 programs, 68.3 / 65.0 us per 8B layer at one row and
-    # g128 against 80.9 / 75.0 with 512 (H100, r101 / r102); the float16-pair kernel
-    # (g128) with its loads a step ahead at ~512: 61.8 against 63.8 us, and 8B batch 1
-    # 350.1 against 340.4 tok/s (r126-r127)
+    # ``word_gemv``'s tiling (H100, one row, per 8B layer): the float32 kernel (g32, g64)
+    # at ~1,024 programs; the float16-pair kernel (g128) at ~512 with its loads a step
+    # ahead, 61.8 us against 63.8 at 1,024 without (r126; 8B batch 1 350.1 against 340.4
+    # tok/s, r127). Without loads ahead 1,024 had beaten 512 (68.3 / 65.0 against 80.9 /
+    # 75.0 us, r101 / r102).
     word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True)
 
 

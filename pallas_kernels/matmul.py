@@ -171,7 +171,8 @@ class Int8Tiles:
     word_rows: int = 1
     # ``word_gemv``'s tiling (``int8_half2``: pairs or float32): one 64-row group per loop
     # step, loaded a step ahead, 105.0 us per 8B layer at one row against 110.1 with its
-    # defaults (H100, r101)
+    # defaults (H100, r101; r126, with the last step after the loop: 113.0 against 108.1
+    # without, inside that run's ~5% spread per shape: not changed on one sample)
     word: WordTiles = WordTiles(step_rows=64, prefetch=True)
 
 

@@ -86,7 +86,7 @@ class WordTiles:
     sub_rows: int = 16  # byte rows per load (a divisor of a group's byte rows)
     step_rows: int = 128  # input rows per loop iteration (whole groups, unrolled)
     target_programs: int = 512  # the split-K factor aims at this many programs (~4 per SM;
-    # ``Int4Tiles`` asks for 1,024)
+    # ``Int4Tiles`` asks for 1,024, and 512 for its float16 pairs: ``half2_programs``)
     num_warps: int = 4
     num_stages: int = 3
     half2_min_group: int = 128  # int4 groups of at least this many rows run the float16-pair
@@ -316,7 +316,9 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
     before it computes on the ones the previous step issued, and the last step's compute
     follows the loop (H100, r101-r103, when the last step still reloaded itself: 2-4% faster
-    for int8 at one group per step, its default; slower for int4 g128)."""
+    for int8 at one group per step, slower for int4 g128; r126, as now: int4 g128 at ~512
+    programs 61.8 against 63.8 us per 8B layer, ``Int4Tiles``' default; int8 113.0 against
+    108.1 without, within that run's ~5% spread per shape, so int8 keeps it)."""
     z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
@@ -386,6 +388,8 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             return compute(data, acc), load(step + 1)
 
         def run(init):  # the last step computes after the loop: nothing is loaded twice
+            if steps_per_split == 1:
+                return compute(load(0), init)
             acc, data = lax.fori_loop(0, steps_per_split - 1, body, (init, load(0)))
             return compute(data, acc)
     else:

@@ -56,6 +56,8 @@ from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, field_as_float
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
              ("down", 14336, 4096)]
+# The default tiling with the float32 word kernel at every group size (no float16 pairs).
+FLOAT32_WORDS = Int4Tiles(word=dataclasses.replace(Int4Tiles().word, half2_min_group=0))
 
 
 @functools.cache
@@ -204,7 +206,7 @@ def run_once() -> None:
     """Each default kernel on each 8B shape at one row, twice (the second call is the one
     to read in a profile: the first compiles), with no profiler of JAX's own attached:
     ``ncu`` and ``jax.profiler`` both need CUPTI."""
-    cands = [for_tiles(Int4Tiles()), for_tiles(Int4Tiles(word=WordTiles(half2_min_group=0))),
+    cands = [for_tiles(Int4Tiles()), for_tiles(FLOAT32_WORDS),
              dataclasses.replace(for_tiles(Int8Tiles()), label="int8 default")]
     for name, k, n in SHAPES_8B:
         for cand in cands:
@@ -225,12 +227,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2", help="row counts to time")
-    ap.add_argument("--sweep", action="store_true",
-                    help="time the float16-pair kernel's tiles at one row, g128 (slow)")
-    ap.add_argument("--sweep-pairs", action="store_true",
-                    help="time the float16-pair kernel's tilings, loads a step ahead or "
-                         "not and programs (int4 g128 at each of --rows, int8 g64 at one "
-                         "row) (slow)")
+    sweeps = ap.add_mutually_exclusive_group()  # each fills the same ranked list
+    sweeps.add_argument("--sweep", action="store_true",
+                        help="time the float16-pair kernel's tiles at one row, g128 (slow)")
+    sweeps.add_argument("--sweep-pairs", action="store_true",
+                        help="time the float16-pair kernel's tilings, loads a step ahead or "
+                             "not and programs (int4 g128 at each of --rows, int8 g64 at one "
+                             "row) (slow)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -291,7 +294,7 @@ def main() -> None:
     candidates = [] if args.only_probe or args.sweep_pairs or args.sweep else [
         layer(c, m) for m in map(int, args.rows.split(","))
         for c in (for_tiles(Int4Tiles()),
-                  for_tiles(Int4Tiles(word=WordTiles(half2_min_group=0))),
+                  for_tiles(FLOAT32_WORDS),
                   for_tiles(Int4Tiles(word_rows=0)))]
     if args.probe or args.only_probe:
         for unpack, block_n, step_rows in itertools.product((False, True), (128, 256),
@@ -319,13 +322,13 @@ def main() -> None:
                                               sum(c["layer_us"].values()))):
             print(f"{sum(c['layer_us'].values()):8.1f} us per layer, {c['rows_per_call']} "
                   f"row(s)  {c['kernel']}")
-    if args.sweep:  # the float16-pair kernel's tile at one row, g128, ~1,024 programs
+    if args.sweep:  # the float16-pair kernel's tile at one row, g128, around the default
         for block_n, sub_rows, warps in itertools.product((64, 128, 256), (16, 32, 64),
                                                           (2, 4, 8)):
             if sub_rows * block_n // 4 // (32 * warps) not in (4, 8):  # words per thread
                 continue  # per load: 16 or 32 bytes, the widths worth timing
-            word = WordTiles(block_n=block_n, sub_rows=sub_rows, num_warps=warps,
-                             target_programs=1024)
+            word = dataclasses.replace(Int4Tiles().word, block_n=block_n, sub_rows=sub_rows,
+                                       num_warps=warps)
             sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
             write(candidates, sweep)
         for c in sorted(sweep, key=lambda c: sum(c["layer_us"].values())):

@@ -352,14 +352,17 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
         name = "jaxinfer_word_gemv_4bit" + ("_half2" if group >= 128 else "")
         assert name in exported.mlir_module()
         assert ("fma.rn.f16x2" in exported.mlir_module()) == (group >= 128)
-    # The float16-pair kernel with its loads a loop step ahead (a loop-carried load set).
+    # The float16-pair kernel with its loads a loop step ahead (a loop-carried load set):
+    # K = 4096 runs several steps per program, K = 256 one (no loop).
     ahead = Int4Tiles(word=WordTiles(prefetch=True))
-    args = (jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2048, 4096), jnp.uint8),
-            jax.ShapeDtypeStruct((32, 4096), jnp.float16))
-    exported = export.export(jax.jit(lambda x, q, s: int4_matmul(x, q, s, s, tiles=ahead)),
-                             platforms=["cuda"], disabled_checks=no_check)(*args)
-    assert "jaxinfer_word_gemv_4bit_half2" in exported.mlir_module()
+    for k in (4096, 256):
+        args = (jax.ShapeDtypeStruct((1, k), jnp.bfloat16),
+                jax.ShapeDtypeStruct((k // 2, 4096), jnp.uint8),
+                jax.ShapeDtypeStruct((k // 128, 4096), jnp.float16))
+        exported = export.export(
+            jax.jit(lambda x, q, s: int4_matmul(x, q, s, s, tiles=ahead)),
+            platforms=["cuda"], disabled_checks=no_check)(*args)
+        assert "jaxinfer_word_gemv_4bit_half2" in exported.mlir_module()
     q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
     s8 = jax.ShapeDtypeStruct((64, 6144), jnp.float32)
     x = jax.ShapeDtypeStruct((2, 4096), jnp.bfloat16)
