@@ -39,8 +39,9 @@ below ``|x|`` of about 140k for int4 and 32k for int8 (``_HALF2_X_SCALE``). PTX 
 ``plgpu.elementwise_inline_asm``; under the interpreter the same arithmetic in jnp (each
 float16 multiply-add rounded once, as the PTX does). H100, an 8B layer at g128 and one row:
 63.6 us, 57% of the read floor (r103; 61.8 us with the loads a step ahead at ~512 programs,
-``Int4Tiles``' default since r126-r127; r85, before the shift-free high nibbles, the paired
-scale loads, the float32 ``fma`` and 1,024 programs: 77.8 us, against ``_word_kernel``'s
+``Int4Tiles``' default since r126-r127; 59.5 us with small weights at 512 columns by 4 byte rows
+per load and evict-first weight loads, r129-r133; r85, before the shift-free high nibbles, the
+paired scale loads, the float32 ``fma`` and 1,024 programs: 77.8 us, against ``_word_kernel``'s
 102.9); at g32 the r82 experiment was slower (161.5 against 133.7 us), so it stays off there.
 Nsight Compute (r100) found it bound by issuing instructions, with few warps per SM: 28% of
 issue slots busy at 18% achieved occupancy, most stalls waiting on global loads. int8 (g64:
@@ -96,6 +97,13 @@ class WordTiles:
     prefetch: bool = False  # the float16-pair kernel loads each loop step's operands one
     # step ahead (``_half2_kernel``; ``Int4Tiles`` and ``Int8Tiles`` turn it on)
     half2_programs: int = 0  # the float16-pair kernel's ``target_programs`` (0: the same)
+    half2_products: int = 0  # most float16 products per float16 sum (0: ``HALF2_PRODUCTS``);
+    # groups of more than this times ``sub_rows`` rows run the float32 kernel
+    evict_first: bool = False  # the float16-pair kernel's weight loads hint the L2 to
+    # evict their lines first (each weight byte is read once)
+    one_step_tile: tuple[int, int] = (0, 0)  # (block_n, sub_rows) for a float16-pair weight
+    # small enough that at this tile each program runs one loop step within the program
+    # target: all of a program's loads issue at once ((0, 0): off)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -195,23 +203,24 @@ def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, 
 
 
 HALF2_PRODUCTS = 8
-"""Most float16 products a float16 sum of ``_half2_kernel`` takes (``G / sub_rows``: one per
-load and field of a group, i.e. nibble half for int4, byte for int8); groups with more run
-the float32 kernel, since each product added moves the overflow bound down and the rounding
-error up."""
+"""Most float16 products a float16 sum of ``_half2_kernel`` takes by default
+(``WordTiles.half2_products`` sets it per tiling; ``G / sub_rows``: one per load and field of a
+group, i.e. nibble half for int4, byte for int8); groups with more run the float32 kernel, since
+each product added moves the overflow bound down and the rounding error up."""
 
 _HALF2_X_SCALE = 2.0**-8
 """Activations are multiplied by this (exactly: a power of two) before they are rounded to
-float16, and the sums divided by it after. A float16 sum of ``p <= HALF2_PRODUCTS`` products
-of a field ``|v|`` and ``|x| * 2^-8`` stays below 65504 while ``|x| < 65504 * 256 / (|v| *
-p)``: int4 (``u <= 15``) 140k even at ``p = 8``; int8 (``|q| <= 128``) 32k at the default
-``p = G / sub_rows = 64 / 16 = 4``, 16k at ``p = 8`` (``sub_rows`` 8), and a lone product
-overflows only past 131k. int8 keeps this scale (at least 16k at any tiling, 32k at the
-default): a smaller one would raise the bounds but push the float16 normal range up (at
-``2^-8`` it holds down to ``|x| = 2^-14 * 256 = 0.016``; below that activations round to
+float16, and the sums divided by it after. A float16 sum of ``p`` products (at most
+``WordTiles.half2_products``, default ``HALF2_PRODUCTS``) of a field ``|v|`` and ``|x| * 2^-8``
+stays below 65504 while ``|x| < 65504 * 256 / (|v| * p)``: int4 (``u <= 15``) 140k at ``p = 8``,
+35k at the 32 products of ``Int4Tiles``' one-step tile (4 byte rows per load); int8 (``|q| <=
+128``) 32k at the default ``p = G / sub_rows = 64 / 16 = 4``, 16k at ``p = 8`` (``sub_rows`` 8),
+and a lone product overflows only past 131k. int8 keeps this scale (at least 16k at any tiling,
+32k at the default): a smaller one would raise the bounds but push the float16 normal range up
+(at ``2^-8`` it holds down to ``|x| = 2^-14 * 256 = 0.016``; below that activations round to
 absolute steps of ``2^-24 * 256 = 1.5e-5``, subnormals, instead of relative ones; each halving
-of the scale doubles both). A per-row maximum would be exact for any range, but its
-reductions made the kernel slower than the float32 one (H100 r84)."""
+of the scale doubles both). A per-row maximum would be exact for any range, but its reductions
+made the kernel slower than the float32 one (H100 r84)."""
 
 _F16_BIAS = {4: 0x64006400, 8: 0x64806480}
 """Per field width, the float16 pair ``(1024, 1024)`` (int4) or ``(1152, 1152)`` (int8).
@@ -303,7 +312,7 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: bool, emulate: bool) -> None:
+                  prefetch: bool, evict_first: bool, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -327,6 +336,11 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     split = pl.program_id(1)
     f32 = jnp.float32
 
+    def load_words(rows):  # uint32 [sub, words]
+        if evict_first:
+            return plgpu.load(q_ref.at[rows, :], eviction_policy="evict_first")
+        return q_ref[rows, :]
+
     def lane_values(ref, g):
         """The group's scales (or zeros) ``[4 lanes] [1, words]`` float32, lane ``c`` holding
         columns ``c, c + 4, ...``."""
@@ -344,7 +358,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
         out = []
         for j in range(groups_per_step):
             g = first + j
-            w = [lax.bitcast_convert_type(q_ref[pl.ds(g * byte_rows + t * sub, sub), :],
+            w = [lax.bitcast_convert_type(load_words(pl.ds(g * byte_rows + t * sub, sub)),
                                           jnp.int32) for t in range(loads)]
             xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
                     .astype(f32)[:, None] * _HALF2_X_SCALE for i in range(fields)]
@@ -419,10 +433,22 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     check(byte_rows % sub == 0, f"WordTiles.sub_rows {tiles.sub_rows} must divide a group's "
           f"{byte_rows} byte rows")
     block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
-    col_blocks = cdiv(n, block_n)
-    np_ = col_blocks * block_n
+    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and zero is not None
+                  and 0 < tiles.half2_min_group <= group)
+    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
+    products = tiles.half2_products or HALF2_PRODUCTS
+    half2 = (int4_pairs or int8_pairs) and group <= products * sub
+    programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
+    if half2 and tiles.one_step_tile != (0, 0):
+        wide_n, wide_sub = tiles.one_step_tile
+        wide_n = min(wide_n, next_pow2(max(n, 4)))
+        if (group <= products * wide_sub and byte_rows % wide_sub == 0
+                and steps * cdiv(n, wide_n) <= programs):
+            block_n, sub = wide_n, wide_sub
+    col_blocks = cdiv(n, block_n)
+    np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
         q = jnp.pad(q, ((0, 0), (0, np_ - n)))
         scale = jnp.pad(scale, ((0, 0), (0, np_ - n)))
@@ -435,11 +461,6 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if zero is not None:
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
-    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and zero is not None
-                  and 0 < tiles.half2_min_group <= group)
-    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
-    half2 = (int4_pairs or int8_pairs) and group <= HALF2_PRODUCTS * sub
-    programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
     splits = largest_divisor(steps, programs // col_blocks)
     pair_scales = half2 and int4_pairs and scale.dtype == zero.dtype == jnp.float16
     if pair_scales:  # float16 scales and zeros as int32 words of two columns
@@ -450,7 +471,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=tiles.prefetch,
-            emulate=interpret)
+            evict_first=tiles.evict_first, emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,

@@ -13,7 +13,8 @@ larger than the L2 cache, as the device time of its kernels (profiler trace; ran
 warmed up; ``time_call``). By default it
 compares the candidates below on every shape, group sizes 32, 64 and 128 and each of
 ``--rows``. ``--sweep`` times the float16-pair kernel's tiles instead (column block, rows
-per load, warps; 16 or 32 bytes per thread per load) at one row and g128 on every shape.
+per load and warps at 16 bytes per thread per load; with 4 warps also the weight loads'
+evict-first hint) at one row and g128 on every shape.
 ``--probe`` times two stripped kernels that read the packed weight exactly as ``word_gemv``
 does: one only xors the words (the read rate Pallas/Triton reaches with that access
 pattern), one also makes every nibble a float (the cost of the unpacking). Their results
@@ -319,12 +320,15 @@ def main() -> None:
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
     if args.sweep:  # the float16-pair kernel's tile at one row, g128, around the default
-        for block_n, sub_rows, warps in itertools.product((64, 128, 256), (16, 32, 64),
-                                                          (2, 4, 8)):
-            if sub_rows * block_n // 4 // (32 * warps) not in (4, 8):  # words per thread
-                continue  # per load: 16 or 32 bytes, the widths worth timing
+        for block_n, sub_rows, warps, evict in itertools.product(
+                (64, 128, 256, 512), (4, 8, 16, 32, 64), (2, 4, 8), (False, True)):
+            if sub_rows * block_n // 4 // (32 * warps) != 4 or (evict and warps != 4):
+                continue  # 16 bytes per thread per load (r122: 32 always slower)
+            # Fewer rows per load leave each thread more of a group's rows (fewer scale and
+            # zero epilogues per weight), and more float16 products per sum: 128 / sub_rows.
             word = dataclasses.replace(Int4Tiles().word, block_n=block_n, sub_rows=sub_rows,
-                                       num_warps=warps)
+                                       num_warps=warps, evict_first=evict,
+                                       half2_products=max(8, 128 // sub_rows))
             sweep.append(layer(for_tiles(Int4Tiles(word=word)), 1, groups=(128,)))
             write(candidates, sweep)
     for c in sorted(sweep, key=lambda c: (c["kernel"][:4], c["rows_per_call"],

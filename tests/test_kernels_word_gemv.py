@@ -124,6 +124,76 @@ def test_half2_programs_sets_only_the_pair_kernels_split():
     assert _partials(1, k, n, 32, tiles) == 32
 
 
+def _kernel_eqns(jaxpr) -> list:
+    """The equations of the first pallas_call's kernel in ``jaxpr`` and its nested jaxprs."""
+    def nested(eqn):
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", v)
+            inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+    todo = list(jaxpr.jaxpr.eqns)
+    while todo:
+        e = todo.pop()
+        if e.primitive.name == "pallas_call":
+            body, out = [e.params["jaxpr"]], []
+            while body:
+                jx = body.pop()
+                out += jx.eqns
+                body += [inner for eqn in jx.eqns for inner in nested(eqn)]
+            return out
+        todo += [eqn for inner in nested(e) for eqn in inner.eqns]
+    raise AssertionError("no pallas_call")
+
+
+def test_one_step_tile_takes_small_pair_weights():
+    """``WordTiles.one_step_tile`` (the int4 default: 512 columns, 4 byte rows per load): a
+    float16-pair weight whose groups times column blocks at that tile fit the program target
+    runs one group per program (8B qkv and o shapes: 32 K splits); larger weights (8B
+    gate|up, down) and the float32 kernel (g32) keep the default tile; the tile needs
+    ``half2_products`` of 128 / 4 = 32. The wide tile's result is within float16 rounding of
+    the reference at every row count."""
+    word = Int4Tiles().word
+    assert word.one_step_tile == (512, 4) and word.half2_products == 32
+    assert _partials(1, 4096, 6144, 128, word) == 32  # 12 blocks x 32 groups = 384 <= 512
+    assert _partials(4, 4096, 4096, 128, word) == 32
+    assert _partials(1, 4096, 28672, 128, word) == 2  # 56 x 32 > 512: 224 blocks of 128
+    assert _partials(1, 14336, 4096, 128, word) == 16  # 8 x 112 > 512
+    narrow = dataclasses.replace(word, one_step_tile=(0, 0))
+    assert _partials(1, 4096, 6144, 128, narrow) == 8
+    assert _partials(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == 8
+    assert not _runs_half2(1, 4096, 6144, 32, word)
+    assert _partials(1, 4096, 6144, 32, word) == 32  # the float32 kernel's own split
+    for m in (1, 2, WORD_ROWS):
+        x, q, scale, zero = _int4(m, 1024, 200, 128, seed=20 + m)
+        want = word_gemv_reference(x, q, scale, zero, **INT4)
+        assert _partials(m, 1024, 200, 128, word) == 8  # one block of 256 columns
+        got = word_gemv(x, q, scale, zero, interpret=True, tiles=word, **INT4)
+        err = float(jnp.max(jnp.abs(got - want)))
+        assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
+
+
+def test_evict_first_marks_only_the_weight_loads():
+    """``WordTiles.evict_first`` puts the L2 evict-first hint on the float16-pair kernel's
+    weight loads (uint32 words) and on nothing else; the product is the same."""
+    x, q, scale, zero = _int4(2, 1024, 256, 128, seed=4)
+
+    def loads(tiles: WordTiles) -> list[tuple[str, str | None]]:
+        jaxpr = jax.make_jaxpr(lambda x: word_gemv(x, q, scale, zero, interpret=True,
+                                                   tiles=tiles, **INT4))(x)
+        return [(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
+                for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")]
+
+    hinted = loads(WordTiles(evict_first=True))
+    assert {p for d, p in hinted if d == "uint32"} == {"evict_first"}
+    assert {p for d, p in hinted if d != "uint32"} == {None}
+    assert {p for _, p in loads(WordTiles())} == {None}
+    np.testing.assert_array_equal(
+        word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(evict_first=True), **INT4),
+        word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(), **INT4))
+
+
 def test_half2_kernel_reads_float16_scales_as_column_pairs():
     """float16 scales and zeros reach the float16-pair kernel as int32 words of two columns
     (one load for two columns); float32 ones are read per column. Both give the product."""
@@ -144,13 +214,15 @@ def test_half2_kernel_reads_float16_scales_as_column_pairs():
         assert float(jnp.max(jnp.abs(got - want))) <= 2e-3 * float(jnp.max(jnp.abs(want)))
 
 
-def test_half2_kernel_scales_activations_so_nothing_overflows():
+@pytest.mark.parametrize("tiles", [WordTiles(), Int4Tiles().word])  # 8 / 32 products per sum
+def test_half2_kernel_scales_activations_so_nothing_overflows(tiles):
     """Activations whose float16 products would overflow unscaled (3e4 and 1e5, x 15 per
     product) and an all-zero row: the kernel scales activations by 2^-8 before rounding to
-    float16, so the result stays finite and close, and zeros give zeros."""
+    float16, so the result stays finite and close, and zeros give zeros (the int4 default
+    runs this small weight in its one-step tile, 32 products per float16 sum)."""
     x, q, scale, zero = _int4(2, 1024, 128, 128, seed=5)
     x = x.at[0, 3].set(3e4).at[0, 700].set(-1e5).at[1].set(0.0)
-    got = word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(), **INT4)
+    got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **INT4)
     want = word_gemv_reference(x, q, scale, zero, **INT4)
     assert bool(jnp.all(jnp.isfinite(got)))
     assert float(jnp.max(jnp.abs(got[0] - want[0]))) <= 1e-3 * float(jnp.max(jnp.abs(want[0])))
