@@ -64,7 +64,7 @@ class Int4Tiles:
     # (8B qkv, o) take 4 byte rows per load there (32 float16 products per sum), and weight
     # loads are evict-first: 59.5 against 61.9 us per layer at one row, 85.0 / 85.3 at two,
     # 120.6 / 123.0 at four (r133); 8B batch 1 356.6 against 348.4 tok/s (r132).
-    word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=1,
+    word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True,
                                 half2_products=32, evict_first=True, one_step_tile=(512, 4))
 
 

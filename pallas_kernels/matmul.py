@@ -173,7 +173,7 @@ class Int8Tiles:
     # step, loaded a step ahead, 105.0 us per 8B layer at one row against 110.1 with its
     # defaults (H100, r101; r126, with the last step after the loop: 113.0 against 108.1
     # without, inside that run's ~5% spread per shape: not changed on one sample)
-    word: WordTiles = WordTiles(step_rows=64, prefetch=1)
+    word: WordTiles = WordTiles(step_rows=64, prefetch=True)
 
 
 def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:

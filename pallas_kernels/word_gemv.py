@@ -94,8 +94,8 @@ class WordTiles:
     # kernel (0: never); r82 measured it faster at 128, slower at 32
     int8_half2: bool = True  # int8 runs the float16-pair kernel (False: the float32 one,
     # slower on an H100, r64 / r91)
-    prefetch: int = 0  # the float16-pair kernel loads each loop step's operands this many
-    # steps ahead (``_half2_kernel``; ``Int4Tiles`` and ``Int8Tiles`` ask for one)
+    prefetch: bool = False  # the float16-pair kernel loads each loop step's operands one
+    # step ahead (``_half2_kernel``; ``Int4Tiles`` and ``Int8Tiles`` turn it on)
     half2_programs: int = 0  # the float16-pair kernel's ``target_programs`` (0: the same)
     half2_products: int = 0  # most float16 products per float16 sum (0: ``HALF2_PRODUCTS``);
     # groups of more than this times ``sub_rows`` rows run the float32 kernel
@@ -312,7 +312,7 @@ def _half_pair(x: jax.Array, words: int) -> jax.Array:
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: int, evict_first: bool, emulate: bool) -> None:
+                  prefetch: bool, evict_first: bool, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -322,13 +322,12 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     scaled in float32 (float16 would round small products to subnormals), and the result is
     multiplied by ``1 / _HALF2_X_SCALE`` once, at the store.
 
-    ``prefetch`` (a number of steps): each loop step issues the loads (words, activations,
-    scales) of the step that many ahead, then computes on the oldest ones issued, and the
-    last steps' computes follow the loop (H100, r101-r103, when the last step still reloaded
-    itself: 2-4% faster for int8 at one group per step, slower for int4 g128; r126, as now:
-    int4 g128 at ~512 programs 61.8 against 63.8 us per 8B layer, ``Int4Tiles``' default;
-    int8 113.0 against 108.1 without, within that run's ~5% spread per shape, so int8 keeps
-    it)."""
+    ``prefetch``: each loop step issues the next step's loads (words, activations, scales)
+    before it computes on the ones the previous step issued, and the last step's compute
+    follows the loop (H100, r101-r103, when the last step still reloaded itself: 2-4% faster
+    for int8 at one group per step, slower for int4 g128; r126, as now: int4 g128 at ~512
+    programs 61.8 against 63.8 us per 8B layer, ``Int4Tiles``' default; int8 113.0 against
+    108.1 without, within that run's ~5% spread per shape, so int8 keeps it)."""
     z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
@@ -398,20 +397,15 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
         return acc
 
     if prefetch:
-        ahead = min(prefetch, steps_per_split)
+        def body(step, carry):
+            acc, data = carry
+            return compute(data, acc), load(step + 1)
 
-        def body(step, carry):  # queue: the data of steps step .. step + ahead - 1
-            acc, queue = carry
-            issued = load(step + ahead)  # traced before the compute: issued first
-            return compute(queue[0], acc), [*queue[1:], issued]
-
-        def run(init):  # the last steps compute after the loop: nothing is loaded twice
-            queue = [load(i) for i in range(ahead)]
-            if steps_per_split > ahead:
-                init, queue = lax.fori_loop(0, steps_per_split - ahead, body, (init, queue))
-            for data in queue:
-                init = compute(data, init)
-            return init
+        def run(init):  # the last step computes after the loop: nothing is loaded twice
+            if steps_per_split == 1:
+                return compute(load(0), init)
+            acc, data = lax.fori_loop(0, steps_per_split - 1, body, (init, load(0)))
+            return compute(data, acc)
     else:
         def run(init):
             return lax.fori_loop(0, steps_per_split,

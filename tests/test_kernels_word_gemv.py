@@ -90,11 +90,9 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
         # roundings in the same order. On the GPU every float32 multiply-add is one
         # fma.rn.f32, so the bits match; the interpreter's a * b + c may be contracted
         # differently for the last step, which runs after the loop: float32 rounding.
-        for depth in (1, 2, 3):  # up to more steps ahead than a program has (with 512)
-            ahead = word_gemv(x, q, scale, zero, interpret=True,
-                              tiles=dataclasses.replace(tiles, prefetch=depth), **INT4)
-            np.testing.assert_allclose(ahead, got, rtol=0,
-                                       atol=1e-6 * float(jnp.max(jnp.abs(got))))
+        ahead = word_gemv(x, q, scale, zero, interpret=True,
+                          tiles=dataclasses.replace(tiles, prefetch=True), **INT4)
+        np.testing.assert_allclose(ahead, got, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(got))))
 
 
 def _partials(m: int, k: int, n: int, group: int, tiles: WordTiles) -> int:
@@ -267,7 +265,7 @@ def _f16_pair_bound(x: jax.Array, q: jax.Array, scale: jax.Array, products: int)
     (2, 1024, 300, WordTiles(target_programs=1)),  # K in one program
     (3, 256, 64, WordTiles(sub_rows=8, block_n=64)),  # HALF2_PRODUCTS (8) products per sum
     (WORD_ROWS, 2048, 36, WordTiles(step_rows=256, num_warps=8)),  # 4 groups per loop step
-    (2, 2048, 100, WordTiles(target_programs=1, prefetch=1)),  # 16 steps, loaded ahead
+    (2, 2048, 100, WordTiles(target_programs=1, prefetch=True)),  # 16 steps, loaded ahead
 ])
 def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles):
     """int8_matmul up to WORD_ROWS rows: word_gemv's float16-pair kernel (each int8 value
@@ -426,15 +424,15 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
         name = "jaxinfer_word_gemv_4bit" + ("_half2" if group >= 128 else "")
         assert name in exported.mlir_module()
         assert ("fma.rn.f16x2" in exported.mlir_module()) == (group >= 128)
-    # The float16-pair kernel with its loads one or two loop steps ahead (loop-carried load
-    # sets): K = 4096 runs several steps per program, K = 256 one (no loop).
-    for k, depth in ((4096, 1), (256, 1), (4096, 2)):
-        ahead = Int4Tiles(word=WordTiles(prefetch=depth))
+    # The float16-pair kernel with its loads a loop step ahead (a loop-carried load set):
+    # K = 4096 runs several steps per program, K = 256 one (no loop).
+    ahead = Int4Tiles(word=WordTiles(prefetch=True))
+    for k in (4096, 256):
         args = (jax.ShapeDtypeStruct((1, k), jnp.bfloat16),
                 jax.ShapeDtypeStruct((k // 2, 4096), jnp.uint8),
                 jax.ShapeDtypeStruct((k // 128, 4096), jnp.float16))
         exported = export.export(
-            jax.jit(lambda x, q, s, ahead=ahead: int4_matmul(x, q, s, s, tiles=ahead)),
+            jax.jit(lambda x, q, s: int4_matmul(x, q, s, s, tiles=ahead)),
             platforms=["cuda"], disabled_checks=no_check)(*args)
         assert "jaxinfer_word_gemv_4bit_half2" in exported.mlir_module()
     q8 = jax.ShapeDtypeStruct((4096, 6144), jnp.int8)
