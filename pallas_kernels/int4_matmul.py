@@ -60,10 +60,11 @@ class Int4Tiles:
     # at ~1,024 programs; the float16-pair kernel (g128) at ~512 with its loads a step
     # ahead, 61.8 us against 63.8 at 1,024 without (r126; 8B batch 1 350.1 against 340.4
     # tok/s, r127). Without loads ahead 1,024 had beaten 512 (68.3 / 65.0 against 80.9 /
-    # 75.0 us, r101 / r102). Weights small enough for one group per program at 512 columns
-    # (8B qkv, o) take 4 byte rows per load there (32 float16 products per sum), and weight
-    # loads are evict-first: 59.5 against 61.9 us per layer at one row, 85.0 / 85.3 at two,
-    # 120.6 / 123.0 at four (r133); 8B batch 1 356.6 against 348.4 tok/s (r132).
+    # 75.0 us, r101 / r102). Weights that make 256-512 programs of one group at 512 columns
+    # (8B qkv, o; 1B gate|up, down) take 4 byte rows per load there (32 float16 products per
+    # sum), and weight loads are evict-first: 8B 59.5 against 61.9 us per layer at one row,
+    # 85.0 / 85.3 at two, 120.6 / 123.0 at four (r133), 8B batch 1 356.6 against 348.4 tok/s
+    # (r132); 70B 182.9 against 191.1 us per layer (r137, evict-first only).
     word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True,
                                 half2_products=32, evict_first=True, one_step_tile=(512, 4))
 

@@ -102,8 +102,9 @@ class WordTiles:
     evict_first: bool = False  # the float16-pair kernel's weight loads hint the L2 to
     # evict their lines first (each weight byte is read once)
     one_step_tile: tuple[int, int] = (0, 0)  # (block_n, sub_rows) for a float16-pair weight
-    # small enough that at this tile each program runs one loop step within the program
-    # target: all of a program's loads issue at once ((0, 0): off)
+    # whose loop steps times column blocks at this tile make half to all of the program
+    # target: one step per program, all of its loads issued at once ((0, 0): off; fewer
+    # programs than half leave SMs idle: 1B qkv and o, r137)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -445,7 +446,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         wide_n, wide_sub = tiles.one_step_tile
         wide_n = min(wide_n, next_pow2(max(n, 4)))
         if (group <= products * wide_sub and byte_rows % wide_sub == 0
-                and steps * cdiv(n, wide_n) <= programs):
+                and programs // 2 <= steps * cdiv(n, wide_n) <= programs):
             block_n, sub = wide_n, wide_sub
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n

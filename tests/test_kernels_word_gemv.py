@@ -95,21 +95,34 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
         np.testing.assert_allclose(ahead, got, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(got))))
 
 
-def _partials(m: int, k: int, n: int, group: int, tiles: WordTiles) -> int:
-    """How many K splits (partial results) word_gemv's kernel writes for these shapes."""
+def _nested(eqn):
+    """The jaxprs in ``eqn``'s params (a jit's, a loop's, a pallas_call's kernel)."""
+    for v in eqn.params.values():
+        inner = getattr(v, "jaxpr", v)
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+        if hasattr(inner, "eqns"):
+            yield inner
+
+
+def _pallas_eqn(jaxpr):
+    """The first pallas_call equation in ``jaxpr`` or the jaxprs nested in it."""
+    todo = list(jaxpr.jaxpr.eqns)
+    while todo:
+        e = todo.pop()
+        if e.primitive.name == "pallas_call":
+            return e
+        todo += [eqn for inner in _nested(e) for eqn in inner.eqns]
+    raise AssertionError("no pallas_call")
+
+
+def _grid(m: int, k: int, n: int, group: int, tiles: WordTiles) -> tuple[int, ...]:
+    """word_gemv's grid (column blocks, K splits) for these shapes."""
     xs = jax.ShapeDtypeStruct((m, k), jnp.float32)
     q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
     s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
     jaxpr = jax.make_jaxpr(lambda x, q, s, z: word_gemv(x, q, s, z, interpret=True,
                                                         tiles=tiles, **INT4))(xs, q, s, s)
-    eqns = list(jaxpr.jaxpr.eqns)
-    while eqns:  # word_gemv is jitted: its pallas_call sits in a nested jaxpr
-        e = eqns.pop()
-        if e.primitive.name == "pallas_call":
-            return e.outvars[0].aval.shape[0]
-        eqns += [inner for v in e.params.values() if hasattr(v, "jaxpr")
-                 for inner in v.jaxpr.eqns]
-    raise AssertionError("no pallas_call")
+    return tuple(_pallas_eqn(jaxpr).params["grid_mapping"].grid)
 
 
 def test_half2_programs_sets_only_the_pair_kernels_split():
@@ -118,58 +131,49 @@ def test_half2_programs_sets_only_the_pair_kernels_split():
     ``target_programs``. 8B qkv shape: 48 column blocks of 128, 32 groups of 128 rows."""
     k, n = 4096, 6144
     tiles = WordTiles(target_programs=1024, half2_programs=512)
-    assert _partials(1, k, n, 128, tiles) == 8  # pairs: largest divisor of 32 <= 512 // 48
-    assert _partials(1, k, n, 128, dataclasses.replace(tiles, half2_programs=0)) == 16
+    assert _grid(1, k, n, 128, tiles)[1] == 8  # pairs: largest divisor of 32 <= 512 // 48
+    assert _grid(1, k, n, 128, dataclasses.replace(tiles, half2_programs=0))[1] == 16
     # float32 kernel (g32): 24 blocks of 256 columns, 32 steps of 4 groups, 1024 // 24 = 42
-    assert _partials(1, k, n, 32, tiles) == 32
+    assert _grid(1, k, n, 32, tiles)[1] == 32
 
 
 def _kernel_eqns(jaxpr) -> list:
     """The equations of the first pallas_call's kernel in ``jaxpr`` and its nested jaxprs."""
-    def nested(eqn):
-        for v in eqn.params.values():
-            inner = getattr(v, "jaxpr", v)
-            inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
-            if hasattr(inner, "eqns"):
-                yield inner
-
-    todo = list(jaxpr.jaxpr.eqns)
-    while todo:
-        e = todo.pop()
-        if e.primitive.name == "pallas_call":
-            body, out = [e.params["jaxpr"]], []
-            while body:
-                jx = body.pop()
-                out += jx.eqns
-                body += [inner for eqn in jx.eqns for inner in nested(eqn)]
-            return out
-        todo += [eqn for inner in nested(e) for eqn in inner.eqns]
-    raise AssertionError("no pallas_call")
+    body, out = [_pallas_eqn(jaxpr).params["jaxpr"]], []
+    while body:
+        jx = body.pop()
+        out += jx.eqns
+        body += [inner for eqn in jx.eqns for inner in _nested(eqn)]
+    return out
 
 
-def test_one_step_tile_takes_small_pair_weights():
+def test_one_step_tile_takes_weights_that_fill_the_program_target():
     """``WordTiles.one_step_tile`` (the int4 default: 512 columns, 4 byte rows per load): a
-    float16-pair weight whose groups times column blocks at that tile fit the program target
-    runs one group per program (8B qkv and o shapes: 32 K splits); larger weights (8B
-    gate|up, down) and the float32 kernel (g32) keep the default tile; the tile needs
-    ``half2_products`` of 128 / 4 = 32. The wide tile's result is within float16 rounding of
-    the reference at every row count."""
+    float16-pair weight whose groups times column blocks at that tile make half to all of
+    the program target (512) runs one group per program (8B qkv and o, 1B gate|up and down);
+    larger weights (8B gate|up, down), smaller ones (1B qkv, o: too few programs) and the
+    float32 kernel (g32) keep the default tile; the tile needs ``half2_products`` of 128 / 4
+    = 32. The wide tile's result is within float16 rounding of the reference at every row
+    count."""
     word = Int4Tiles().word
     assert word.one_step_tile == (512, 4) and word.half2_products == 32
-    assert _partials(1, 4096, 6144, 128, word) == 32  # 12 blocks x 32 groups = 384 <= 512
-    assert _partials(4, 4096, 4096, 128, word) == 32
-    assert _partials(1, 4096, 28672, 128, word) == 2  # 56 x 32 > 512: 224 blocks of 128
-    assert _partials(1, 14336, 4096, 128, word) == 16  # 8 x 112 > 512
+    assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 384 programs
+    assert _grid(4, 4096, 4096, 128, word) == (8, 32)  # 256
+    assert _grid(1, 2048, 16384, 128, word) == (32, 16)  # 1B gate|up: 512
+    assert _grid(1, 4096, 28672, 128, word) == (224, 2)  # 56 x 32 > 512: blocks of 128
+    assert _grid(1, 14336, 4096, 128, word) == (32, 16)  # 8 x 112 > 512
+    assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 4 x 16 < 256: blocks of 128
     narrow = dataclasses.replace(word, one_step_tile=(0, 0))
-    assert _partials(1, 4096, 6144, 128, narrow) == 8
-    assert _partials(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == 8
+    assert _grid(1, 4096, 6144, 128, narrow) == (48, 8)
+    assert _grid(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == (48, 8)
     assert not _runs_half2(1, 4096, 6144, 32, word)
-    assert _partials(1, 4096, 6144, 32, word) == 32  # the float32 kernel's own split
+    assert _grid(1, 4096, 6144, 32, word) == (24, 32)  # the float32 kernel's own tiling
+    small = dataclasses.replace(word, half2_programs=16)  # 8 programs of one group: wide
     for m in (1, 2, WORD_ROWS):
         x, q, scale, zero = _int4(m, 1024, 200, 128, seed=20 + m)
         want = word_gemv_reference(x, q, scale, zero, **INT4)
-        assert _partials(m, 1024, 200, 128, word) == 8  # one block of 256 columns
-        got = word_gemv(x, q, scale, zero, interpret=True, tiles=word, **INT4)
+        assert _grid(m, 1024, 200, 128, small) == (1, 8)  # one block of 256 columns
+        got = word_gemv(x, q, scale, zero, interpret=True, tiles=small, **INT4)
         err = float(jnp.max(jnp.abs(got - want)))
         assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
 
@@ -214,12 +218,13 @@ def test_half2_kernel_reads_float16_scales_as_column_pairs():
         assert float(jnp.max(jnp.abs(got - want))) <= 2e-3 * float(jnp.max(jnp.abs(want)))
 
 
-@pytest.mark.parametrize("tiles", [WordTiles(), Int4Tiles().word])  # 8 / 32 products per sum
+@pytest.mark.parametrize("tiles", [  # 8 / 32 products per float16 sum
+    WordTiles(), dataclasses.replace(Int4Tiles().word, half2_programs=8)])
 def test_half2_kernel_scales_activations_so_nothing_overflows(tiles):
     """Activations whose float16 products would overflow unscaled (3e4 and 1e5, x 15 per
     product) and an all-zero row: the kernel scales activations by 2^-8 before rounding to
-    float16, so the result stays finite and close, and zeros give zeros (the int4 default
-    runs this small weight in its one-step tile, 32 products per float16 sum)."""
+    float16, so the result stays finite and close, and zeros give zeros (also in the int4
+    default's one-step tile, 32 products per float16 sum: 8 programs of one group)."""
     x, q, scale, zero = _int4(2, 1024, 128, 128, seed=5)
     x = x.at[0, 3].set(3e4).at[0, 700].set(-1e5).at[1].set(0.0)
     got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **INT4)
