@@ -52,7 +52,7 @@ from jaxinfer.benchmark import call_kernels, top_kernels
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, field_as_float
+from pallas_kernels.word_gemv import WORD_ROWS, field_as_float
 
 # (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
 SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
@@ -307,16 +307,19 @@ def main() -> None:
             candidates.append(layer(Candidate(label, call, probe=True), 1, groups=(128,)))
     sweep = []
     if args.sweep_pairs:  # every shape, the JSON rewritten after each tiling; int4 at each
-        # of --rows, int8 at one row (its pair kernel's only row count, Int8Tiles.word_rows)
+        # of --rows, int8 at one row (its pair kernel's only row count, Int8Tiles.word_rows);
+        # each around its shipped tiling, so the default is one of the candidates
         row_counts = list(map(int, args.rows.split(",")))
         for m, ahead, programs in itertools.product(row_counts, (False, True),
                                                     (512, 1024, 2048)):
-            word = WordTiles(prefetch=ahead, target_programs=programs)
+            word = dataclasses.replace(Int4Tiles().word, prefetch=ahead,
+                                       half2_programs=programs)
             sweep.append(layer(for_tiles(Int4Tiles(word=word)), m, groups=(128,)))
             write(candidates, sweep)
         for ahead, programs in itertools.product((False, True) if 1 in row_counts else (),
                                                  (512, 1024)):
-            word = WordTiles(prefetch=ahead, step_rows=64, target_programs=programs)
+            word = dataclasses.replace(Int8Tiles().word, prefetch=ahead,
+                                       target_programs=programs)
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
     if args.sweep:  # the float16-pair kernel's tile at one row, g128, around the default
