@@ -172,8 +172,10 @@ class Int8Tiles:
     # ``word_gemv``'s tiling (``int8_half2``: pairs or float32): one 64-row group per loop
     # step, loaded a step ahead, 105.0 us per 8B layer at one row against 110.1 with its
     # defaults (H100, r101; r126, with the last step after the loop: 113.0 against 108.1
-    # without, inside that run's ~5% spread per shape: not changed on one sample)
-    word: WordTiles = WordTiles(step_rows=64, prefetch=True)
+    # without, inside that run's ~5% spread per shape: not changed on one sample); weight
+    # loads evict-first: 109.8 against 113.3 us (r144, two samples each; qkv 1.2 us slower,
+    # gate|up and down 2.5 and 1.9 faster), 8B batch 1 215.1 against 210.9 tok/s (r145)
+    word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True)
 
 
 def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:

@@ -100,7 +100,8 @@ class WordTiles:
     half2_products: int = 0  # most float16 products per float16 sum (0: ``HALF2_PRODUCTS``);
     # groups of more than this times ``sub_rows`` rows run the float32 kernel
     evict_first: bool = False  # the float16-pair kernel's weight loads hint the L2 to
-    # evict their lines first (each weight byte is read once)
+    # evict their lines first (each weight byte is read once; ``Int4Tiles`` and
+    # ``Int8Tiles`` turn it on)
     one_step_tile: tuple[int, int] = (0, 0)  # (block_n, sub_rows) for a float16-pair weight
     # whose loop steps times column blocks at this tile make half to all of the program
     # target: one step per program, all of its loads issued at once ((0, 0): off; fewer

@@ -198,6 +198,20 @@ def test_evict_first_marks_only_the_weight_loads():
         word_gemv(x, q, scale, zero, interpret=True, tiles=WordTiles(), **INT4))
 
 
+def test_int8_default_hints_its_weight_loads():
+    """``Int8Tiles``' default float16-pair kernel (one row) loads its int8 weight words
+    evict-first (r144-r145) and only those; the product equals the unhinted kernel's."""
+    x, q, scale = _int8(1, 512, 256, seed=6)
+    plain = Int8Tiles(word=dataclasses.replace(Int8Tiles().word, evict_first=False))
+    jaxpr = jax.make_jaxpr(lambda x: int8_matmul(x, q, scale, interpret=True))(x)
+    hints = {(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
+             for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")}
+    assert {p for d, p in hints if d == "uint32"} == {"evict_first"}
+    assert {p for d, p in hints if d != "uint32"} == {None}
+    np.testing.assert_array_equal(int8_matmul(x, q, scale, interpret=True),
+                                  int8_matmul(x, q, scale, interpret=True, tiles=plain))
+
+
 def test_half2_kernel_reads_float16_scales_as_column_pairs():
     """float16 scales and zeros reach the float16-pair kernel as int32 words of two columns
     (one load for two columns); float32 ones are read per column. Both give the product."""
