@@ -178,16 +178,21 @@ def test_one_step_tile_takes_weights_that_fill_the_program_target():
         assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
 
 
+def _load_hints(jaxpr) -> list[tuple[str, str | None]]:
+    """Each load of the first pallas_call's kernel in ``jaxpr``: (loaded dtype, its L2
+    eviction hint or None)."""
+    return [(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
+            for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")]
+
+
 def test_evict_first_marks_only_the_weight_loads():
     """``WordTiles.evict_first`` puts the L2 evict-first hint on the float16-pair kernel's
     weight loads (uint32 words) and on nothing else; the product is the same."""
     x, q, scale, zero = _int4(2, 1024, 256, 128, seed=4)
 
     def loads(tiles: WordTiles) -> list[tuple[str, str | None]]:
-        jaxpr = jax.make_jaxpr(lambda x: word_gemv(x, q, scale, zero, interpret=True,
-                                                   tiles=tiles, **INT4))(x)
-        return [(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
-                for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")]
+        return _load_hints(jax.make_jaxpr(lambda x: word_gemv(x, q, scale, zero, interpret=True,
+                                                              tiles=tiles, **INT4))(x))
 
     hinted = loads(WordTiles(evict_first=True))
     assert {p for d, p in hinted if d == "uint32"} == {"evict_first"}
@@ -203,9 +208,7 @@ def test_int8_default_hints_its_weight_loads():
     evict-first (r144-r145) and only those; the product equals the unhinted kernel's."""
     x, q, scale = _int8(1, 512, 256, seed=6)
     plain = Int8Tiles(word=dataclasses.replace(Int8Tiles().word, evict_first=False))
-    jaxpr = jax.make_jaxpr(lambda x: int8_matmul(x, q, scale, interpret=True))(x)
-    hints = {(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
-             for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")}
+    hints = _load_hints(jax.make_jaxpr(lambda x: int8_matmul(x, q, scale, interpret=True))(x))
     assert {p for d, p in hints if d == "uint32"} == {"evict_first"}
     assert {p for d, p in hints if d != "uint32"} == {None}
     np.testing.assert_array_equal(int8_matmul(x, q, scale, interpret=True),
