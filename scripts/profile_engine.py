@@ -54,10 +54,12 @@ from sharding.random_init import random_params
 
 
 def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: str,
-                   spec: jaxinfer.Speculative | None = None) -> None:
+                   spec: jaxinfer.Speculative | None = None, timeline: str | None = None
+                   ) -> None:
     """Trace one request's decode calls (with ``spec``: its speculation loop calls); print
     and record its kernels per generated token (on the first device of a mesh: each device
-    runs the same kernels on its shard), and the host's wall time per engine step."""
+    runs the same kernels on its shard), and the host's wall time per engine step. With
+    ``timeline``, also write the traced steps' kernels in order there (``write_timeline``)."""
     prompt = [(100 + i) % model.config.vocab_size for i in range(128)]
     engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, speculative=spec)
     engine.run_until_done()  # the decode call lengths settle on measured times
@@ -74,6 +76,9 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         events = device_events(Path(tmp), "/device:GPU:0" if model.mesh is not None else
                                "/device:")
         marks = host_marks(Path(tmp))
+        if timeline and events:
+            write_timeline(Path(timeline), step_kernels(marks, events),
+                           host_lines(Path(tmp)))
     if not events:
         raise SystemExit("profile_engine: the trace holds no accelerator kernels (a CPU run?)")
     kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
@@ -108,6 +113,45 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
         print(f"{k['idle_us_per_token']:9.1f} us/token before {k['per_token']:6.1f}/token  "
               f"{k['name']}")
     Path(out).write_text(json.dumps(record, indent=1))
+
+
+TIMELINE_GAP_NS = 20_000
+"""Gaps from this long (20 us) on get the host's events around them in a timeline file."""
+
+
+def host_lines(trace_dir: Path) -> list[tuple[str, str, float, float]]:
+    """Every host event ``(thread line, name, start_ns, duration_ns)`` of a trace."""
+    (path,) = trace_dir.rglob("*.xplane.pb")
+    data = jax.profiler.ProfileData.from_file(str(path))
+    return [(line.name, e.name, e.start_ns, e.duration_ns) for plane in data.planes
+            if plane.name.startswith("/host:") for line in plane.lines for e in line.events]
+
+
+def write_timeline(path: Path, steps: list[tuple[tuple[str, float, float],
+                                                  list[tuple[str, float, float]]]],
+                   host: list[tuple[str, str, float, float]]) -> None:
+    """Write each step's kernels in start order, a line each: start (us from the step's
+    mark), idle gap before it, duration, name. After each gap of ``TIMELINE_GAP_NS`` or more,
+    up to 6 host events that cover at least half of it, innermost (shortest) first: what the
+    host was doing meanwhile. The census's idle totals do not say whether a gap recurs every
+    iteration or once a call; this does."""
+    starts = np.array([h[2] for h in host], np.float64)
+    ends = starts + np.array([h[3] for h in host], np.float64)
+    lines = []
+    for (mark, m0, mdur), ks in steps:
+        lines.append(f"== {mark}: {mdur / 1e3:.1f} us, {len(ks)} kernels")
+        busy_end = None
+        for name, start, dur in ks:
+            gap = 0.0 if busy_end is None else max(0.0, start - busy_end)
+            lines.append(f"{(start - m0) / 1e3:10.1f} {gap / 1e3:8.1f} {dur / 1e3:8.1f}  "
+                         f"{name[:90]}")
+            if gap >= TIMELINE_GAP_NS:
+                cover = np.minimum(ends, start) - np.maximum(starts, busy_end)
+                near = sorted(np.flatnonzero(cover >= gap / 2), key=lambda i: host[i][3])[:6]
+                lines.extend(f"{'':30}host {host[i][3] / 1e3:9.1f} us  [{host[i][0][:24]}] "
+                             f"{host[i][1][:70]}" for i in near)
+            busy_end = start + dur if busy_end is None else max(busy_end, start + dur)
+    path.write_text("\n".join(lines) + "\n")
 
 
 STEP_MARK = "jaxinfer_engine_step_"
@@ -178,6 +222,9 @@ def main() -> None:
                          "as int4-g128 = the target's weights quantized so), every step (not "
                          "adaptive)")
     ap.add_argument("--out", default="profile_engine.json")
+    ap.add_argument("--timeline", default=None, metavar="PATH",
+                    help="with --batch1: also write every traced kernel in order, with the "
+                         "idle gap before it and the host's events during long gaps")
     args = ap.parse_args()
     if not 1 <= args.tp <= jax.local_device_count():
         ap.error(f"--tp {args.tp}: this machine has {jax.local_device_count()} devices")
@@ -213,7 +260,7 @@ def main() -> None:
         spec = jaxinfer.Speculative(method="draft", draft=draft, adaptive=False)
     engine.warmup(generate=not args.score, score=args.score, speculative=spec)
     if args.batch1:
-        profile_batch1(engine, model, args.batch1, args.out, spec)
+        profile_batch1(engine, model, args.batch1, args.out, spec, args.timeline)
         return
     rng = np.random.default_rng(0)
     lens = np.exp(rng.uniform(np.log(32), np.log(1025), args.requests)).astype(int)

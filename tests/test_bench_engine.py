@@ -275,6 +275,25 @@ def test_profile_engine_step_timelines_split_a_step_into_lead_span_idle_tail():
     assert prof.step_timelines([("s", 0, ms)], [])[0]["lead_ms"] == 1.0
 
 
+def test_profile_engine_timeline_names_the_host_events_behind_long_gaps(tmp_path):
+    """``profile_engine.write_timeline``: one line per kernel with its start, gap and
+    duration (us); a gap of 20 us or more is followed by the host events covering at least
+    half of it, innermost first, and a short gap by none."""
+    prof = load_script("profile_engine")
+    us = 1_000
+    kernels = [("a", 10 * us, 5 * us), ("b", 16 * us, 4 * us), ("c", 60 * us, 2 * us)]
+    host = [("t1", "outer", 0, 100 * us), ("t2", "launch", 22 * us, 36 * us),
+            ("t2", "brief", 25 * us, 5 * us)]
+    out = tmp_path / "timeline.txt"
+    prof.write_timeline(out, [(("step0", 0, 100 * us), kernels)], host)
+    lines = out.read_text().splitlines()
+    assert lines[0] == "== step0: 100.0 us, 3 kernels"
+    assert lines[1].split() == ["10.0", "0.0", "5.0", "a"]
+    assert lines[2].split() == ["16.0", "1.0", "4.0", "b"]  # 1 us: no host lines
+    assert lines[3].split() == ["60.0", "40.0", "2.0", "c"]
+    assert [ln.split()[-1] for ln in lines[4:]] == ["launch", "outer"]  # "brief" covers 5 of 40
+
+
 def test_quantized_copy_is_a_fast_draft_of_the_target():
     """``benchmark.quantized_copy`` (bench_engine's and profile_engine's quantized drafts):
     the target's weights quantized, named after the method, on the fast kernels even for a
