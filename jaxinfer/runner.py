@@ -223,6 +223,18 @@ cuBLAS(Lt) call, none a Triton GEMM XLA autotunes. H100, 8 layers of 8B shapes a
 Triton GEMMs the same program did not compile in minutes (r88-r89, r106)."""
 
 
+DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                                       "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+"""XLA options of ``decode_steps``: XLA's default command-buffer contents plus ``WHILE`` and
+``CONDITIONAL``, so the whole decode loop (its chunks and their check for active rows) runs
+inside one CUDA graph, its predicates read on the device. By default each chunk ends with the
+host reading the predicate, and the next chunk's graph launch then starts on an idle GPU
+(r148's timeline: ~1.2-1.5 ms per chunk of 4 tokens under the profiler). H100, 8B int4-g128
+batch 1 (bench/NOTES.md r150): 377.4 against 356.2 tok/s. Not for the speculation loops:
+the draft-model loop ran 39.0 against 18.4 ms per iteration with it (r151). Other backends
+ignore the option."""
+
+
 def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any] | None:
     """The XLA compiler options of a program over ``params`` (one model's, or several:
     target and draft) whose largest matmuls take ``rows`` rows: ``CUBLAS_GEMMS`` where its
@@ -234,24 +246,29 @@ def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any]
 
 
 class StepProgram:
-    """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) twice, with XLA's default
-    options and with ``CUBLAS_GEMMS``; ``models`` are the first ``num_models`` arguments
-    (model params). A call runs the one ``gemm_options`` picks for those params and
-    ``rows(*args, **kwargs)``, their fp8 matmuls set to match (``model.with_fp8_activations``:
-    fp8 x fp8 in the cuBLAS program, weight-only in the other). Each is compiled on first use."""
+    """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) twice, with the XLA options
+    ``base`` (None: XLA's defaults) and with ``CUBLAS_GEMMS`` added to them; ``models`` are
+    the first ``num_models`` arguments (model params). A call runs the one ``gemm_options``
+    picks for those params and ``rows(*args, **kwargs)``, their fp8 matmuls set to match
+    (``model.with_fp8_activations``: fp8 x fp8 in the cuBLAS program, weight-only in the
+    other). Each is compiled on first use."""
 
     def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], num_models: int = 1,
-                 **jit_kwargs: Any):
+                 base: dict[str, Any] | None = None, **jit_kwargs: Any):
         functools.update_wrapper(self, fn)
         self._rows = rows
         self._num_models = num_models
-        self._default = jax.jit(fn, **jit_kwargs)
-        self._cublas = jax.jit(fn, compiler_options=CUBLAS_GEMMS, **jit_kwargs)
+        self._base = base
+        self._default = jax.jit(fn, compiler_options=base, **jit_kwargs)
+        self._cublas = jax.jit(fn, compiler_options={**(base or {}), **CUBLAS_GEMMS},
+                               **jit_kwargs)
 
     def options(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
-        """The compiler options of the program a call with these arguments runs."""
+        """The compiler options of the program a call with these arguments runs (None:
+        XLA's defaults)."""
         models, rest = args[:self._num_models], args[self._num_models:]
-        return gemm_options(models, self._rows(*rest, **kwargs))
+        gemms = gemm_options(models, self._rows(*rest, **kwargs))
+        return {**(self._base or {}), **gemms} if gemms else self._base
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far: ``{"default": n, "cublas": m}``."""
@@ -264,10 +281,11 @@ class StepProgram:
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, tuple[Any, ...]]:
-        cublas = self.options(*args, **kwargs) is not None
+        models, rest = args[:self._num_models], args[self._num_models:]
+        cublas = gemm_options(models, self._rows(*rest, **kwargs)) is not None
         models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, cublas)
-                       for m in args[:self._num_models])
-        return (self._cublas if cublas else self._default), models + args[self._num_models:]
+                       for m in models)
+        return (self._cublas if cublas else self._default), models + rest
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program a call with these arguments runs, lowered (``jax.jit(...).lower``)."""
@@ -280,10 +298,11 @@ class StepProgram:
         return program(*args, **kwargs)
 
 
-def step_program(rows: Callable[..., int], num_models: int = 1, **jit_kwargs: Any
+def step_program(rows: Callable[..., int], num_models: int = 1,
+                 base: dict[str, Any] | None = None, **jit_kwargs: Any
                  ) -> Callable[[Callable[..., Any]], StepProgram]:
-    """Decorator: ``StepProgram(fn, rows, num_models, **jit_kwargs)``."""
-    return lambda fn: StepProgram(fn, rows, num_models, **jit_kwargs)
+    """Decorator: ``StepProgram(fn, rows, num_models, base, **jit_kwargs)``."""
+    return lambda fn: StepProgram(fn, rows, num_models, base, **jit_kwargs)
 
 
 @step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0],
@@ -351,7 +370,7 @@ def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
     return counts.at[row, generated_ids].add(2, mode="drop")
 
 
-@step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0],
+@step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0], base=DEVICE_LOOP_GRAPHS,
               static_argnames=("config", "backend", "dtype", "max_steps", "chunk", "stochastic",
                                "deterministic", "num_top"),
               donate_argnums=(1, 2))

@@ -13,9 +13,10 @@ Decode is timed inside the on-device loop: ``generate`` with ``stop_token_ids=[]
 whole decode of ``--new`` tokens in the engine's multi-step ``runner.decode_steps`` calls; TPOT is
 ``Completion.time_per_output_token`` of a warm call (best of ``--repeats``, after a compile
 call). Per case the per-GPU memory roofline is ``jaxinfer.roofline.decode_step_bytes / tp``
-(weights + live K/V at the mean decode context) over the datasheet bandwidth and over the
-read bandwidth measured per GPU in the same process. Cases run in the given order and the
-JSON is rewritten after each item; a case is skipped when ``--budget-s`` would be exceeded.
+(weights + live K/V at the mean decode context) over the datasheet bandwidth of ``--device``
+(default: this machine's GPU) and over the read bandwidth measured per GPU in the same
+process. Cases run in the given order and the JSON is rewritten after each item; a case is
+skipped when ``--budget-s`` would be exceeded.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxinfer
 from jaxinfer import roofline
+from jaxinfer.benchmark import device_name
 from jaxinfer.generate import Model
 from jaxinfer.model import apply_layout
 from jaxinfer.presets import preset_config
@@ -57,7 +59,8 @@ ap.add_argument("--layout", default="fast", choices=["stacked", "fast"])
 ap.add_argument("--new", type=int, default=128)
 ap.add_argument("--prompt-len", type=int, default=128)
 ap.add_argument("--repeats", type=int, default=2)
-ap.add_argument("--device", default="h200", help="jaxinfer.roofline device preset")
+ap.add_argument("--device", default="auto",
+                help="jaxinfer.roofline device preset (auto: this machine's GPU, h100 on a CPU)")
 ap.add_argument("--read-gib", type=float, default=2.0, help="per-GPU bytes of the read test")
 ap.add_argument("--budget-s", type=float, default=440)
 ap.add_argument("--json", default=None)
@@ -115,7 +118,11 @@ def read_bandwidth() -> dict:
 
 
 rng = np.random.default_rng(0)
-spec = roofline.device_spec(args.device)
+preset = args.device
+if preset == "auto":  # a GPU without a preset, or a CPU run of tiny cases: the H100's
+    preset = device_name() if device_name() in roofline.DEVICES else "h100"
+spec = roofline.device_spec(preset)
+rec["roofline_device"] = spec.name
 try:
     bw = read_bandwidth()
     save(what="read bandwidth", **bw)

@@ -250,7 +250,7 @@ def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
     """A ``runner.StepProgram`` over ``fp8_input_last`` params runs every fp8 matmul of a
     program of ``FP8_ACTIVATION_ROWS`` rows or more fp8 x fp8 (activations rounded to e4m3)
     and compiles it with ``CUBLAS_GEMMS``; fewer rows, or params without that layout, get
-    XLA's defaults and weight-only matmuls, whatever the row count of each matmul inside
+    XLA's GEMMs and weight-only matmuls, whatever the row count of each matmul inside
     (here a 2-row matmul beside the step's rows). Target and draft params count alike."""
     import types
 
@@ -287,9 +287,12 @@ def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
     # The engine's step programs count their rows as their bodies do.
     tokens = types.SimpleNamespace(tokens=np.zeros(FP8_ACTIVATION_ROWS, np.int32))
     spec = types.SimpleNamespace(decode=types.SimpleNamespace(tokens=np.zeros(32, np.int32)))
+    loop = runner.DEVICE_LOOP_GRAPHS  # the decode loop's options, kept beside cuBLAS's
+    assert runner.decode_steps.options(last, None, None, tokens) == {**loop,
+                                                                      **runner.CUBLAS_GEMMS}
+    assert runner.decode_steps.options(fast, None, None, tokens) == loop
     for options, fp8 in (
             (runner.mixed_step.options(last, None, None, tokens), True),
-            (runner.decode_steps.options(last, None, None, tokens), True),
             (runner.verify_step.options(last, None, None, tokens, None, None), True),
             (runner.draft_step.options(last, None, tokens, None), True),
             (runner.ngram_steps.options(last, None, None, spec, width=3), True),  # 32 x 4
@@ -299,6 +302,33 @@ def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
         assert options == (runner.CUBLAS_GEMMS if fp8 else None)
     assert runner.gemm_options([fast, last], FP8_ACTIVATION_ROWS) == runner.CUBLAS_GEMMS
     assert runner.gemm_options(fast, 10 * FP8_ACTIVATION_ROWS) is None
+
+
+def test_step_program_compiles_both_programs_with_its_base_options():
+    """``StepProgram(base=...)`` hands its base options to XLA in the default and the cuBLAS
+    program alike (``runner.decode_steps`` runs its loop as one CUDA graph this way): a
+    value XLA rejects fails the compile of each, a valid one (the decode loop's) compiles."""
+    import jaxlib
+
+    from jaxinfer import runner
+    from jaxinfer.model import _dense, fp8_input_last, prepare_params
+
+    params = quantize_params(init_params(CFG, jax.random.PRNGKey(0), jnp.float32), "fp8")
+    last = fp8_input_last(prepare_params(params, fuse=True, unstack=True))
+
+    def fn(target, x):
+        return _dense(x, target["layers"][0]["wo"])
+
+    for rows in (1, runner.FP8_ACTIVATION_ROWS):  # the default program, then cuBLAS's
+        x = jax.random.normal(jax.random.PRNGKey(rows), (rows, CFG.hidden_size), jnp.float32)
+        bad = runner.StepProgram(fn, lambda x, **_: x.shape[0],
+                                 base={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
+        with pytest.raises(jaxlib.xla_client.XlaRuntimeError, match="NOT_A_COMMAND"):
+            bad(last, x)
+        good = runner.StepProgram(fn, lambda x, **_: x.shape[0], base=runner.DEVICE_LOOP_GRAPHS)
+        assert good(last, x).shape == (rows, CFG.hidden_size)
+        cublas = runner.CUBLAS_GEMMS if rows > 1 else {}
+        assert good.options(last, x) == {**runner.DEVICE_LOOP_GRAPHS, **cublas}
 
 
 def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypatch):
