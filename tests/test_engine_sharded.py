@@ -1,10 +1,12 @@
 """The continuous-batching engine on a mesh gives the single-device engine's tokens.
 
 8 forced CPU devices in a subprocess (as in ``tests/test_sharding.py``): a tiny random GQA
-model (8 query heads, 2 K/V heads, so model=4 and model=8 repeat K/V heads) serves ~14
-requests with staggered arrivals, chunked prefill and a pool small enough to preempt, on
-meshes (1, 8), (2, 4) and (2, 1); every request's tokens must equal the single-device
-engine's, and ``generate`` on the (2, 4) mesh must equal single-device ``generate``. Meshes
+model (8 query heads, 2 K/V heads, so model=4 and model=8 repeat K/V heads) serves 19
+requests with staggered arrivals, chunked prefill, a pool small enough to preempt and five
+prompts that share a 13-token prefix, on meshes (1, 8), (2, 4), (4, 2) and (2, 1), and a
+model of 6 query and 3 K/V heads on (2, 3); every request's tokens must equal the
+single-device engine's, every mesh must preempt and serve prompt tokens from its prefix
+cache, and ``generate`` on the (2, 4) mesh must equal single-device ``generate``. Meshes
 with data > 1 run one engine per replica (``DataParallelEngine``), each with its share of
 the requests. n-gram speculation (its device loop) on the (1, 8) mesh gives the same tokens.
 """
@@ -17,7 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-MESHES = [(1, 8), (2, 4), (2, 1)]  # model-split, data x model, data only
+MESHES = [(1, 8), (2, 4), (4, 2), (2, 1)]  # model-split, data x model, data only
+MESHES_OF_3 = [(2, 3)]  # a model with 3 K/V heads (6 query heads, MLP of 192)
 PAGE, SLOTS, BUDGET, MAX_SEQ = 4, 4, 12, 40
 FAST_N = 6  # requests served with the fused layout on the (1, 8) mesh
 
@@ -29,10 +32,14 @@ def test_engine_on_meshes_matches_single_device():
     res = run_with_devices([__file__, "worker"])
     ref = res["ref_tokens"]
     assert res["ref_preemptions"] > 0  # the workload exercises preemption
+    assert res["ref_cached_tokens"] > 0  # and prefix sharing
+    assert set(res["meshes"]) == {f"{d}x{m}" for d, m in MESHES + MESHES_OF_3}
     for mesh, r in res["meshes"].items():
-        for i, (got, want) in enumerate(zip(r["tokens"], ref, strict=True)):
+        want_tokens = res["ref_of_3"] if mesh in res["meshes_of_3"] else ref
+        for i, (got, want) in enumerate(zip(r["tokens"], want_tokens, strict=True)):
             assert got == want, f"mesh {mesh}, request {i}: {got} != {want}"
         assert r["preemptions"] > 0, mesh
+        assert r["cached_tokens"] > 0, mesh
         assert r["programs"] <= r["program_bound"], mesh  # one per step shape at most
         assert r["pool_shard"] == r["pool_shard_want"], mesh
         assert min(r["tokens_per_replica"]) > 0, mesh  # every replica took a share
@@ -55,9 +62,14 @@ def test_engine_on_meshes_matches_single_device():
 
 
 def _workload(n: int = 14) -> list[tuple[list[int], int, int]]:
+    """``(prompt, max_new_tokens, arrival step)``: ``n`` random prompts, then five that
+    share a 13-token prefix (three full pages), arriving from step 1 to 18."""
     rng = np.random.default_rng(3)
-    return [(rng.integers(3, 250, size=int(rng.integers(1, 25))).tolist(),
+    work = [(rng.integers(3, 250, size=int(rng.integers(1, 25))).tolist(),
              int(rng.integers(4, 13)), int(rng.integers(0, 12))) for _ in range(n)]
+    prefix = rng.integers(3, 250, size=13).tolist()
+    return work + [(prefix + rng.integers(3, 250, size=k).tolist(), 5, arrival)
+                   for k, arrival in ((3, 1), (2, 13), (4, 15), (1, 17), (3, 18))]
 
 
 def _serve(engine, work, speculative=None) -> list[list[int]]:
@@ -95,18 +107,26 @@ def _worker() -> None:
     # Small pool (14 pages of 4 = 56 tokens) for 4 slots of up to 36 tokens: preemptions.
     kw = dict(num_pages=14, page_size=PAGE, max_tokens_per_step=BUDGET, max_seq_len=MAX_SEQ,
               verbose=False)
-    base = Model(cfg, jax.tree.map(jnp.asarray, host), None, jnp.float32, backend="reference",
-                 max_batch=SLOTS)
-    engine = Engine(base, **kw)
-    ref = _serve(engine, work)
+    def single(cfg: jaxinfer.LlamaConfig, host: dict) -> tuple[Model, Engine, list]:
+        base = Model(cfg, jax.tree.map(jnp.asarray, host), None, jnp.float32,
+                     backend="reference", max_batch=SLOTS)
+        engine = Engine(base, **kw)
+        return base, engine, _serve(engine, work)
+
+    base, engine, ref = single(cfg, host)
     gen_prompts = [p for p, _, _ in work[:9]]
     ref_gen = [c.token_ids for c in jaxinfer.generate(base, gen_prompts, max_new_tokens=6)]
     out: dict = {"ref_tokens": ref, "ref_preemptions": engine.stats().num_preemptions,
-                 "meshes": {}}
+                 "ref_cached_tokens": engine.stats().cached_tokens, "meshes": {}}
+    cfg3 = tiny_config(num_heads=6, num_kv_heads=3, head_dim=8, intermediate_size=192)
+    host3 = tiny_params(cfg3)
+    out["ref_of_3"] = single(cfg3, host3)[2]
+    out["meshes_of_3"] = [f"{d}x{m}" for d, m in MESHES_OF_3]
     models = {}
-    for data, model in MESHES:
+    for data, model, cfg_, host_ in ([(d, m, cfg, host) for d, m in MESHES]
+                                     + [(d, m, cfg3, host3) for d, m in MESHES_OF_3]):
         mesh = make_mesh(data=data, model=model)
-        mcfg, params = shard_params(cfg, host, mesh, jnp.float32)
+        mcfg, params = shard_params(cfg_, host_, mesh, jnp.float32)
         m = Model(mcfg, params, None, jnp.float32, backend="reference", max_batch=SLOTS,
                   mesh=mesh)
         models[(data, model)] = m
@@ -127,11 +147,11 @@ def _worker() -> None:
         first = replicas[0]
         out["meshes"][f"{data}x{model}"] = {
             "tokens": toks, "preemptions": stats.num_preemptions,
-            "programs": stats.num_programs,
+            "cached_tokens": stats.cached_tokens, "programs": stats.num_programs,
             "program_bound": len(first.token_buckets) + len(first.row_buckets),
             "pool_shard": list(first.pool.k.addressable_shards[0].data.shape),
-            "pool_shard_want": [cfg.num_layers, mcfg.num_kv_heads // model, 14, PAGE,
-                                cfg.head_dim],
+            "pool_shard_want": [cfg_.num_layers, mcfg.num_kv_heads // model, 14, PAGE,
+                                cfg_.head_dim],
             "tokens_per_replica": [e.stats().generated_tokens for e in replicas],
             "pool_devices": pool_devices,
             "replica_devices": [sorted(d.id for d in row) for row in mesh.devices.tolist()],
