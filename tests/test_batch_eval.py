@@ -137,40 +137,56 @@ def test_score_mode(tiny_dir, tmp_path):
     assert row["num_tokens"] == len(c) and abs(row["logprob"] - want) < 1e-4
 
 
+MESHES = [(2, 2), (2, 4), (4, 2), (2, 3)]  # (dp, tp); tp=3 on a model of 3 K/V heads
+
+
 @pytest.mark.slow
 def test_sharded_batch_eval_matches_single_device(tmp_path):
+    """``batch_eval --dp D --tp T`` on 8 forced CPU devices writes the single-device
+    ``generate``'s tokens and text for every record, and a one-line error for each bad one."""
     from test_sharding import run_with_devices
 
     res = run_with_devices([__file__, "worker", str(tmp_path)])
-    assert res["bad_lines"] == [4, 7]
-    assert res["mismatches"] == [], res["mismatches"][:3]
-    assert res["n"] == 50
+    assert sorted(res) == [f"{dp}x{tp}" for dp, tp in sorted(MESHES)]
+    for mesh, r in res.items():
+        assert r["bad_lines"] == [4, 7], mesh
+        assert r["mismatches"] == [], (mesh, r["mismatches"][:3])
+        assert r["n"] == 50, mesh
 
 
 def _worker(tmp: Path) -> None:
     import jaxinfer
-    from sharding.testing import write_tiny_model
+    from sharding.testing import tiny_config, write_tiny_model
 
-    model_dir = write_tiny_model(tmp / "model")
     inp = tmp / "in.jsonl"
     lines = write_input(inp, 50)
-    out = tmp / "out.jsonl"
-    be = _load_script()
-    rc = be.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out),
-                  "--dtype", "float32", "--backend", "reference", "--max-new-tokens", "8",
-                  "--tp", "2", "--dp", "2", "--no-progress"])
-    assert rc == 0
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
     recs = [json.loads(x) if i not in (3, 6) else None for i, x in enumerate(lines)]
     good = [(i, r) for i, r in enumerate(recs) if r is not None]
-    single = jaxinfer.load_model(model_dir, dtype="float32", backend="reference")
-    comps = jaxinfer.generate(single, [r.get("prompt", r.get("messages")) for _, r in good],
-                              max_new_tokens=8)
-    mismatches = [(i, rows[i]["token_ids"], c.token_ids)
-                  for (i, _), c in zip(good, comps, strict=True)
-                  if rows[i]["token_ids"] != c.token_ids or rows[i]["text"] != c.text]
-    print(json.dumps({"n": len(rows), "mismatches": mismatches,
-                      "bad_lines": [r["line"] for r in rows if "error" in r]}))
+    be = _load_script()
+    models, result = {}, {}
+    for dp, tp in MESHES:
+        kv_heads = 3 if tp == 3 else 2
+        if kv_heads not in models:
+            config = tiny_config(num_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=8,
+                                 intermediate_size=192)
+            model_dir = write_tiny_model(tmp / f"model{kv_heads}", config)
+            single = jaxinfer.load_model(model_dir, dtype="float32", backend="reference")
+            want = jaxinfer.generate(single, [r.get("prompt", r.get("messages"))
+                                              for _, r in good], max_new_tokens=8)
+            models[kv_heads] = model_dir, want
+        model_dir, want = models[kv_heads]
+        out = tmp / f"out{dp}x{tp}.jsonl"
+        rc = be.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out),
+                      "--dtype", "float32", "--backend", "reference", "--max-new-tokens", "8",
+                      "--tp", str(tp), "--dp", str(dp), "--no-progress"])
+        assert rc == 0, (dp, tp)
+        rows = [json.loads(x) for x in out.read_text().splitlines()]
+        result[f"{dp}x{tp}"] = {
+            "n": len(rows), "bad_lines": [r["line"] for r in rows if "error" in r],
+            "mismatches": [(i, rows[i]["token_ids"], c.token_ids)
+                           for (i, _), c in zip(good, want, strict=True)
+                           if rows[i]["token_ids"] != c.token_ids or rows[i]["text"] != c.text]}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
