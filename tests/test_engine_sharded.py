@@ -13,8 +13,13 @@ the requests. n-gram speculation (its device loop) on the (1, 8) mesh gives the 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import re
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -59,6 +64,12 @@ def test_engine_on_meshes_matches_single_device():
     fast = res["fast_layout"]
     assert fast["tokens"] == ref[:FAST_N], fast
     assert fast["wqkv_shard"] == fast["wqkv_shard_want"] and fast["pool_per_layer"], fast
+    # Its decode loop communicates as Megatron-style tensor parallelism must and no more: one
+    # all-reduce after the attention and one after the MLP of each layer, one for the
+    # embedding rows, one all-gather of the logits for sampling.
+    assert fast["decode_collectives"], fast  # the engine ran decode loops
+    for census in fast["decode_collectives"]:
+        assert census == {"all-reduce": 2 * fast["num_layers"] + 1, "all-gather": 1}, census
 
 
 def _workload(n: int = 14) -> list[tuple[list[int], int, int]]:
@@ -168,14 +179,43 @@ def _worker() -> None:
                                                         shards=8))
     engine = Engine(fast, **kw)
     wqkv = fast.params["layers"][0]["wqkv"]
+    with _compiled_texts(jaxinfer.engine, "decode_steps") as decode_texts:
+        fast_tokens = _serve(engine, work[:FAST_N])
     out["fast_layout"] = {
-        "tokens": _serve(engine, work[:FAST_N]),
+        "tokens": fast_tokens,
+        "decode_collectives": [_collectives(t) for t in decode_texts],
+        "num_layers": cfg.num_layers,
         "wqkv_shard": list(wqkv.addressable_shards[0].data.shape),
         "wqkv_shard_want": [cfg.hidden_size, 1, wqkv.shape[2]],
         "pool_per_layer": isinstance(engine.pool.k, tuple),
     }
     out["data_only_load"] = _data_only_load(gen_prompts)
     print(json.dumps(out))
+
+
+@contextlib.contextmanager
+def _compiled_texts(module: Any, name: str) -> Iterator[list[str]]:
+    """While open, every call of ``module.name`` (a ``runner.StepProgram``) also compiles the
+    program it runs and appends its optimized HLO text to the yielded list."""
+    program = getattr(module, name)
+    texts: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        texts.append(program.lower(*args, **kwargs).compile().as_text())
+        return program(*args, **kwargs)
+
+    setattr(module, name, recording)
+    try:
+        yield texts
+    finally:
+        setattr(module, name, program)
+
+
+def _collectives(hlo_text: str) -> dict[str, int]:
+    """How many instructions of each collective kind an optimized HLO text holds."""
+    kinds = re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                       r"collective-permute)(?:-start)?\(", hlo_text)
+    return dict(collections.Counter(kinds))
 
 
 def _data_only_load(prompts: list[list[int]]) -> dict:
