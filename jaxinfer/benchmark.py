@@ -61,6 +61,90 @@ from jaxinfer.sampling import SamplingArrays, SamplingParams
 _OPTIONS = ("fused", "unrolled")
 
 
+# Measured ceilings per device kind (bf16 matmul FLOP/s, device-memory read bytes/s): H100
+# from bench/NOTES.md (matmul ~634 TFLOP/s, read ~3.0 TB/s), H200 from the device notes.
+MEASURED_CEILINGS: dict[str, tuple[float, float]] = {
+    "h100": (634e12, 3.0e12),
+    "h200": (790e12, 4.3e12),
+}
+
+
+def ceilings(device_kind: str, matmul_tflops: float | None, read_tbps: float | None
+             ) -> tuple[float, float, str]:
+    """``(matmul FLOP/s, read bytes/s, where they come from)`` for the floor.
+
+    Command-line values win; otherwise the measured numbers of this device kind, or the
+    H100's on a device without any (CPU), which the returned note says.
+    """
+    kind = device_kind.lower()
+    known = next((k for k in MEASURED_CEILINGS if k in kind), None)
+    flops, bandwidth = MEASURED_CEILINGS[known or "h100"]
+    note = f"measured on {known}" if known else f"no measured ceilings for {device_kind!r}: H100's"
+    if matmul_tflops is not None or read_tbps is not None:
+        note += " (overridden on the command line)"
+    return (flops if matmul_tflops is None else matmul_tflops * 1e12,
+            bandwidth if read_tbps is None else read_tbps * 1e12, note)
+
+
+def kv_bytes_per_position(cfg: LlamaConfig, dtype_bytes: int,
+                          kv_cache_dtype: str | None = None) -> int:
+    """K/V bytes of one position over all layers: ``dtype_bytes`` per element, or a
+    quantized pool's one-byte values plus scales (``PagePool.bytes_per_page``)."""
+    if kv_cache_dtype is None:
+        return roofline.kv_bytes_per_seq(cfg, 1, dtype_bytes)
+    return PagePool.bytes_per_page(cfg, 1, kv_cache_dtype=kv_cache_dtype)
+
+
+
+def workload_floor(cfg: LlamaConfig, prompt_lens: Sequence[int], output_lens: Sequence[int],
+                   num_slots: int, matmul_flops_per_s: float, read_bytes_per_s: float,
+                   dtype_bytes: int, kv_cache_dtype: str | None = None, devices: int = 1
+                   ) -> dict[str, Any]:
+    """The device time no engine can beat on a workload of prompts of ``prompt_lens`` tokens
+    producing ``output_lens`` tokens each, and the output tok/s it allows.
+
+    * Prefill: every prompt's ``roofline.prefill_flops`` (layer matmuls, causal attention,
+      the LM head on its last token) at the matmul rate.
+    * Decode: each request's first token comes out of its prefill, the other
+      ``output_len - 1`` from decode steps. The engine decodes all running sequences in one
+      step, which reads the weights once, so we assume ``decode_tokens / batch_eff`` steps
+      with ``batch_eff = min(slots, requests)`` (every slot always busy: an offline-best
+      assumption, optimistic for Poisson arrivals and for the tail of a run) at
+      ``roofline.weight_bytes_per_step`` each, plus every decode token's K/V read: its
+      context (prompt + tokens before it) x K/V bytes per position
+      (``kv_bytes_per_position``: quantized with ``kv_cache_dtype``). All at the read
+      bandwidth.
+    * ``devices`` accelerators (tensor and data parallel; ``num_slots`` per data replica)
+      split both the FLOPs and the bytes evenly: the times are divided by ``devices``.
+
+    The two times add up (the engine interleaves the phases but never overlaps their
+    floors on one device).
+    """
+    prefill_flops = sum(roofline.prefill_flops(cfg, 1, p) for p in prompt_lens)
+    decode_tokens = sum(o - 1 for o in output_lens)
+    batch_eff = max(1, min(num_slots, len(prompt_lens)))
+    decode_steps = decode_tokens / batch_eff
+    weight_bytes = decode_steps * roofline.weight_bytes_per_step(cfg, dtype_bytes)
+    # Decode token i (1..o-1) of a prompt of p tokens attends to p + i positions.
+    kv_positions = sum((o - 1) * p + o * (o - 1) // 2
+                       for p, o in zip(prompt_lens, output_lens, strict=True))
+    kv_bytes = kv_positions * kv_bytes_per_position(cfg, dtype_bytes, kv_cache_dtype)
+    prefill_s = prefill_flops / matmul_flops_per_s / devices
+    decode_s = (weight_bytes + kv_bytes) / read_bytes_per_s / devices
+    floor_s = prefill_s + decode_s
+    output_tokens = sum(output_lens)
+    return dict(
+        prefill_flops=prefill_flops, prefill_s=prefill_s, decode_tokens=decode_tokens,
+        batch_eff=batch_eff, decode_steps=decode_steps, decode_weight_bytes=weight_bytes,
+        decode_kv_bytes=kv_bytes, decode_s=decode_s, floor_s=floor_s, devices=devices,
+        output_tokens=output_tokens,
+        floor_output_tok_per_s=output_tokens / floor_s if floor_s else None,
+        matmul_flops_per_s=matmul_flops_per_s, read_bytes_per_s=read_bytes_per_s,
+        assumption="decode steps = sum(output_len - 1) / min(slots, requests); weights read "
+                   "once per step; each decode token reads its context's K/V; work split "
+                   "evenly over the devices")
+
+
 def trace_events(trace_dir: Path, plane_name: str, *, streams_only: bool
                  ) -> list[tuple[str, float, float]]:
     """Events ``(name, start_ns, duration_ns)`` of the trace planes whose name starts with

@@ -24,6 +24,11 @@ Running the same command again checks that prefix against the input, drops a tor
 and continues with the next record. With ``--seed``, record ``i`` samples with seed
 ``seed + line``, so a resumed run draws the same tokens as an uninterrupted one.
 
+At the end process 0 prints the throughput, TTFT and TPOT percentiles, and the run's device
+floor: the records run in this call through ``jaxinfer.benchmark.workload_floor`` (prefill
+FLOPs at the matmul rate, decode weight and K/V bytes at the read bandwidth, measured ceilings
+of this device kind), split over every device of the mesh, with the fraction of it reached.
+
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
 output.
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
               if reqs else 0.0)
     rid = {line: engine.add_request(req) for line, req in reqs.items()}
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
-             "ttft": [], "tpot": []}
+             "ttft": [], "tpot": [], "prompt_lens": [], "output_lens": []}
     bar = None
     if primary and not args.no_progress:
         from tqdm import tqdm
@@ -338,6 +343,9 @@ def run(args: argparse.Namespace) -> int:
                 result = engine.result(i)
                 engine.forget(i)
                 finished[line_of[i]] = _record(result)
+                if result.error is None:  # the work the device did, for the floor
+                    stats["prompt_lens"].append(len(reqs[line_of[i]].prompt_ids))
+                    stats["output_lens"].append(1 if args.score else len(result.token_ids))
                 if not args.score:
                     stats["tokens"] += len(result.token_ids)
                     stats["ttft"].append(result.time_to_first_token)
@@ -372,7 +380,32 @@ def run(args: argparse.Namespace) -> int:
         if not args.score:
             print(f"TTFT  {_percentiles(stats['ttft'])}")
             print(f"TPOT  {_percentiles(stats['tpot'])}")
+        if stats["prompt_lens"]:
+            print(_floor_line(model, engine, stats, args.kv_cache_dtype, wall))
     return 0
+
+
+def _floor_line(model: Any, engine: Any, stats: dict[str, Any], kv_cache_dtype: str | None,
+                wall: float) -> str:
+    """The run's device floor (``jaxinfer.benchmark.workload_floor`` over the records run
+    here, on every device of the model's mesh) and the fraction of it the run reached."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.benchmark import ceilings, workload_floor
+    from sharding.mesh import DATA
+
+    mesh = model.mesh
+    devices = 1 if mesh is None else mesh.size
+    replicas = 1 if mesh is None else mesh.shape[DATA]
+    flops, bandwidth, note = ceilings(jax.devices()[0].device_kind, None, None)
+    f = workload_floor(model.config, stats["prompt_lens"], stats["output_lens"],
+                       engine.max_batch // replicas, flops, bandwidth,
+                       jnp.dtype(model.dtype).itemsize, kv_cache_dtype, devices=devices)
+    return (f"floor {f['floor_s']:.4g} s on {devices} device(s) (prefill "
+            f"{f['prefill_s']:.4g} s at {flops / 1e12:.0f} TFLOP/s, decode {f['decode_s']:.4g} s "
+            f"at {bandwidth / 1e12:.2f} TB/s, {note}): the run reached "
+            f"{100 * f['floor_s'] / max(wall, 1e-9):.3g}% of it")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -76,7 +76,15 @@ import jaxinfer
 from checkpoints.default_model import fetch_default_gguf
 from checkpoints.gguf import read_gguf_metadata
 from jaxinfer import roofline
-from jaxinfer.benchmark import device_name, quantized_copy, record_path, write_record
+from jaxinfer.benchmark import (
+    ceilings,
+    device_name,
+    kv_bytes_per_position,
+    quantized_copy,
+    record_path,
+    workload_floor,
+    write_record,
+)
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.loading import cache_dir
 from jaxinfer.model import LAYOUTS, apply_layout, fp8_prefill_layout, init_params
@@ -124,13 +132,6 @@ DEFAULT_LENGTHS: dict[str, tuple[int, int, int, int]] = {
 # step's time grows with the pool, and the default 128 MiB holds 500k tiny-model tokens.
 DEFAULT_KV_BYTES: dict[str, int] = {"tiny": 2**22}
 
-# Measured ceilings per device kind (bf16 matmul FLOP/s, device-memory read bytes/s): H100
-# from bench/NOTES.md (matmul ~634 TFLOP/s, read ~3.0 TB/s), H200 from the device notes.
-MEASURED_CEILINGS: dict[str, tuple[float, float]] = {
-    "h100": (634e12, 3.0e12),
-    "h200": (790e12, 4.3e12),
-}
-
 # --response-format json: a JSON object with one string field, whose content is open until
 # the model closes it (the mask computation's costliest grammar state).
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": {
@@ -146,6 +147,11 @@ class Workload:
     output_lens: list[int]
     arrivals_s: list[float]  # seconds after the start; all 0 offline
     constrained: frozenset[int] = frozenset()  # requests given JSON_FORMAT
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Each prompt's length in tokens."""
+        return [len(p) for p in self.prompts]
 
 
 def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, int],
@@ -169,75 +175,6 @@ def make_workload(cfg: jaxinfer.LlamaConfig, n: int, prompt_range: tuple[int, in
     arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist() if rate > 0 else [0.0] * n
     picked = np.random.default_rng(seed + 1).permutation(n)[: round(constrained_fraction * n)]
     return Workload(prompts, output_lens, arrivals, frozenset(picked.tolist()))
-
-
-def ceilings(device_kind: str, matmul_tflops: float | None, read_tbps: float | None
-             ) -> tuple[float, float, str]:
-    """``(matmul FLOP/s, read bytes/s, where they come from)`` for the floor.
-
-    Command-line values win; otherwise the measured numbers of this device kind, or the
-    H100's on a device without any (CPU), which the returned note says.
-    """
-    kind = device_kind.lower()
-    known = next((k for k in MEASURED_CEILINGS if k in kind), None)
-    flops, bandwidth = MEASURED_CEILINGS[known or "h100"]
-    note = f"measured on {known}" if known else f"no measured ceilings for {device_kind!r}: H100's"
-    if matmul_tflops is not None or read_tbps is not None:
-        note += " (overridden on the command line)"
-    return (flops if matmul_tflops is None else matmul_tflops * 1e12,
-            bandwidth if read_tbps is None else read_tbps * 1e12, note)
-
-
-def kv_bytes_per_position(cfg: jaxinfer.LlamaConfig, dtype_bytes: int,
-                          kv_cache_dtype: str | None = None) -> int:
-    """K/V bytes of one position over all layers: ``dtype_bytes`` per element, or a
-    quantized pool's one-byte values plus scales (``PagePool.bytes_per_page``)."""
-    if kv_cache_dtype is None:
-        return roofline.kv_bytes_per_seq(cfg, 1, dtype_bytes)
-    return PagePool.bytes_per_page(cfg, 1, kv_cache_dtype=kv_cache_dtype)
-
-
-def workload_floor(cfg: jaxinfer.LlamaConfig, w: Workload, num_slots: int,
-                   matmul_flops_per_s: float, read_bytes_per_s: float,
-                   dtype_bytes: int, kv_cache_dtype: str | None = None) -> dict[str, Any]:
-    """The device time no engine can beat on this workload, and the output tok/s it allows.
-
-    * Prefill: every prompt's ``roofline.prefill_flops`` (layer matmuls, causal attention,
-      the LM head on its last token) at the matmul rate.
-    * Decode: each request's first token comes out of its prefill, the other
-      ``output_len - 1`` from decode steps. The engine decodes all running sequences in one
-      step, which reads the weights once, so we assume ``decode_tokens / batch_eff`` steps
-      with ``batch_eff = min(slots, requests)`` (every slot always busy: an offline-best
-      assumption, optimistic for Poisson arrivals and for the tail of a run) at
-      ``roofline.weight_bytes_per_step`` each, plus every decode token's K/V read: its
-      context (prompt + tokens before it) x K/V bytes per position
-      (``kv_bytes_per_position``: quantized with ``kv_cache_dtype``). All at the read
-      bandwidth.
-
-    The two times add up (the engine interleaves the phases but never overlaps their
-    floors on one device).
-    """
-    prefill_flops = sum(roofline.prefill_flops(cfg, 1, len(p)) for p in w.prompts)
-    decode_tokens = sum(o - 1 for o in w.output_lens)
-    batch_eff = min(num_slots, len(w.prompts))
-    decode_steps = decode_tokens / batch_eff
-    weight_bytes = decode_steps * roofline.weight_bytes_per_step(cfg, dtype_bytes)
-    # Decode token i (1..o-1) of a prompt of p tokens attends to p + i positions.
-    kv_positions = sum((o - 1) * len(p) + o * (o - 1) // 2
-                       for p, o in zip(w.prompts, w.output_lens, strict=True))
-    kv_bytes = kv_positions * kv_bytes_per_position(cfg, dtype_bytes, kv_cache_dtype)
-    prefill_s = prefill_flops / matmul_flops_per_s
-    decode_s = (weight_bytes + kv_bytes) / read_bytes_per_s
-    floor_s = prefill_s + decode_s
-    output_tokens = sum(w.output_lens)
-    return dict(
-        prefill_flops=prefill_flops, prefill_s=prefill_s, decode_tokens=decode_tokens,
-        batch_eff=batch_eff, decode_steps=decode_steps, decode_weight_bytes=weight_bytes,
-        decode_kv_bytes=kv_bytes, decode_s=decode_s, floor_s=floor_s,
-        output_tokens=output_tokens, floor_output_tok_per_s=output_tokens / floor_s,
-        matmul_flops_per_s=matmul_flops_per_s, read_bytes_per_s=read_bytes_per_s,
-        assumption="decode steps = sum(output_len - 1) / min(slots, requests); weights read "
-                   "once per step; each decode token reads its context's K/V")
 
 
 def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: str,
@@ -684,8 +621,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                           (args.output_min, args.output_max), rate, args.seed, fraction)
         engine = make_engine(model, args)
         if record["floor"] is None:  # the same prompts and lengths, slots and rates every run
-            record["floor"] = workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
-                                             dtype_bytes, args.kv_cache_dtype)
+            record["floor"] = workload_floor(cfg, w.prompt_lens, w.output_lens,
+                                             engine.max_batch, flops, bandwidth, dtype_bytes,
+                                             args.kv_cache_dtype)
             f = record["floor"]
             print(f"floor {f['floor_s']:.4g} s -> {f['floor_output_tok_per_s']:.4g} output tok/s"
                   f" (prefill {f['prefill_flops'] / 1e12:.4g} TFLOP = {f['prefill_s']:.4g} s; "

@@ -14,7 +14,7 @@ fresh ``Engine`` of the same sizes (``BenchSpec``), each in a process of its own
    ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
 
 It prints and records output tok/s of both, their ratio (the issue's target: >= 0.9), the
-fraction of the workload's device floor (``bench_engine.workload_floor``), and the clients'
+fraction of the workload's device floor (``jaxinfer.benchmark.workload_floor``), and the clients'
 TTFT (request sent -> first text chunk) and TPOT ((last chunk - first chunk) / (tokens - 1))
 percentiles. A preset's random model has no tokenizer; it gets one that spells token ``i``
 as ``<i>`` (a word-level vocabulary of the preset's size), so the server detokenizes as it
@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxinfer
-from jaxinfer.benchmark import device_name, record_path, write_record
+from jaxinfer.benchmark import ceilings, device_name, record_path, workload_floor, write_record
 from jaxinfer.engine_process import EngineSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -113,11 +113,11 @@ def run_offline(spec: BenchSpec) -> dict[str, Any]:
     startup_s = time.perf_counter() - t0
     model, cfg = engine.model, engine.model.config
     kind = jax.devices()[0].device_kind
-    flops, bandwidth, note = bench_engine.ceilings(kind, args.matmul_tflops, args.read_tbps)
+    flops, bandwidth, note = ceilings(kind, args.matmul_tflops, args.read_tbps)
     w = bench_engine.make_workload(cfg, args.requests, (args.prompt_min, args.prompt_max),
                                    (args.output_min, args.output_max), 0.0, args.seed)
-    floor = bench_engine.workload_floor(cfg, w, engine.max_batch, flops, bandwidth,
-                                        jnp.dtype(model.dtype).itemsize)
+    floor = workload_floor(cfg, w.prompt_lens, w.output_lens, engine.max_batch, flops,
+                           bandwidth, jnp.dtype(model.dtype).itemsize)
     offline = dict(startup_s=startup_s, **bench_engine.run_workload(engine, w))
     return dict(device=kind, device_name=device_name(), jax=jax.__version__,
                 layout=model.layout, dtype=str(jnp.dtype(model.dtype)),

@@ -117,6 +117,37 @@ def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatc
     assert "does not match" in capsys.readouterr().err
 
 
+def test_summary_states_the_device_floor_of_the_records_run(tiny_dir, tmp_path, capsys):
+    """The last summary line is the floor of exactly the records this run generated (their
+    prompt and output tokens from the output file), at this device kind's ceilings; scoring
+    counts its prompts' prefill only."""
+    import re
+
+    import jaxinfer
+    from jaxinfer.benchmark import ceilings, workload_floor
+
+    be = _load_script()
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 9)
+    out = tmp_path / "out.jsonl"
+    assert be.main(_args(tiny_dir, inp, out)) == 0
+    rows = [r for r in map(json.loads, out.read_text().splitlines()) if "error" not in r]
+    cfg = jaxinfer.load_model(tiny_dir, dtype="float32", backend="reference").config
+    flops, bandwidth, note = ceilings("cpu", None, None)
+    want = workload_floor(cfg, [r["prompt_tokens"] for r in rows],
+                          [len(r["token_ids"]) for r in rows], 4, flops, bandwidth, 4)
+    line = capsys.readouterr().out.splitlines()[-1]
+    got = re.match(r"floor (\S+) s on 1 device\(s\) .*reached (\S+)% of it$", line)
+    assert got, line
+    assert float(got[1]) == pytest.approx(want["floor_s"], rel=1e-3) and note in line
+    assert want["decode_s"] > 0 and 0 < float(got[2])
+    # Scoring: the floor of the contexts' prefill alone.
+    inp.write_text(json.dumps({"id": 1, "prompt": "The sky is", "completion": " blue"}) + "\n")
+    assert be.main(_args(tiny_dir, inp, tmp_path / "scored.jsonl", "--score")) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert re.match(r"floor \S+ s on 1 device\(s\) \(prefill \S+ s .*decode 0 s", line), line
+
+
 def test_score_mode(tiny_dir, tmp_path):
     import numpy as np
 

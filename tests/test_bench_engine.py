@@ -30,10 +30,13 @@ def bench():
 
 
 def test_workload_floor_by_hand(bench):
+    from jaxinfer.benchmark import workload_floor
+
     cfg = bench.PRESETS["tiny"]
     w = bench.Workload(prompts=[[5] * 3, [6] * 5], output_lens=[2, 4], arrivals_s=[0.0, 0.0])
-    f = bench.workload_floor(cfg, w, num_slots=1, matmul_flops_per_s=1e12,
-                             read_bytes_per_s=1e9, dtype_bytes=2)
+    assert w.prompt_lens == [3, 5]
+    f = workload_floor(cfg, w.prompt_lens, w.output_lens, num_slots=1,
+                       matmul_flops_per_s=1e12, read_bytes_per_s=1e9, dtype_bytes=2)
     # One slot: every decode token is its own step. Contexts: 3+1; 5+1, 5+2, 5+3 positions.
     assert (f["batch_eff"], f["decode_tokens"], f["decode_steps"]) == (1, 4, 4)
     kv_per_position = 2 * cfg.num_kv_heads * cfg.num_layers * cfg.head_dim * 2
@@ -44,16 +47,24 @@ def test_workload_floor_by_hand(bench):
     assert f["floor_s"] == pytest.approx(f["prefill_s"] + f["decode_s"])
     assert f["floor_output_tok_per_s"] == pytest.approx(6 / f["floor_s"])
     # More slots than requests: both decode together.
-    assert bench.workload_floor(cfg, w, 8, 1e12, 1e9, 2)["decode_steps"] == 2
+    assert workload_floor(cfg, [3, 5], [2, 4], 8, 1e12, 1e9, 2)["decode_steps"] == 2
+    # Four devices split the work: a quarter of each time.
+    four = workload_floor(cfg, [3, 5], [2, 4], 1, 1e12, 1e9, 2, devices=4)
+    assert four["prefill_s"] == pytest.approx(f["prefill_s"] / 4)
+    assert four["floor_s"] == pytest.approx(f["floor_s"] / 4)
     # An fp8 cache: one byte per element plus a 2-byte scale per token and K/V head.
-    fp8 = bench.workload_floor(cfg, w, 1, 1e12, 1e9, 2, kv_cache_dtype="fp8")
+    fp8 = workload_floor(cfg, [3, 5], [2, 4], 1, 1e12, 1e9, 2, kv_cache_dtype="fp8")
     per_position = 2 * cfg.num_kv_heads * cfg.num_layers * (cfg.head_dim + 2)
     assert fp8["decode_kv_bytes"] == 25 * per_position
+    # Scoring (prefill only): no decode time.
+    assert workload_floor(cfg, [3, 5], [1, 1], 1, 1e12, 1e9, 2)["decode_s"] == 0
 
 
-def test_ceilings(bench):
-    assert bench.ceilings("NVIDIA H200", None, None)[:2] == (790e12, 4.3e12)
-    flops, bandwidth, note = bench.ceilings("cpu", None, 2.0)
+def test_ceilings():
+    from jaxinfer.benchmark import ceilings
+
+    assert ceilings("NVIDIA H200", None, None)[:2] == (790e12, 4.3e12)
+    flops, bandwidth, note = ceilings("cpu", None, 2.0)
     assert (flops, bandwidth) == (634e12, 2.0e12) and "H100" in note
 
 
