@@ -95,7 +95,6 @@ def kv_bytes_per_position(cfg: LlamaConfig, dtype_bytes: int,
     return PagePool.bytes_per_page(cfg, 1, kv_cache_dtype=kv_cache_dtype)
 
 
-
 def workload_floor(cfg: LlamaConfig, prompt_lens: Sequence[int], output_lens: Sequence[int],
                    num_slots: int, matmul_flops_per_s: float, read_bytes_per_s: float,
                    dtype_bytes: int, kv_cache_dtype: str | None = None, devices: int = 1

@@ -266,9 +266,13 @@ class StepProgram:
     def options(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
         """The compiler options of the program a call with these arguments runs (None:
         XLA's defaults)."""
-        models, rest = args[:self._num_models], args[self._num_models:]
-        gemms = gemm_options(models, self._rows(*rest, **kwargs))
+        gemms = self._gemm_options(args, kwargs)
         return {**(self._base or {}), **gemms} if gemms else self._base
+
+    def _gemm_options(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> dict[str, Any] | None:
+        models, rest = args[:self._num_models], args[self._num_models:]
+        return gemm_options(models, self._rows(*rest, **kwargs))
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far: ``{"default": n, "cublas": m}``."""
@@ -281,11 +285,10 @@ class StepProgram:
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, tuple[Any, ...]]:
-        models, rest = args[:self._num_models], args[self._num_models:]
-        cublas = gemm_options(models, self._rows(*rest, **kwargs)) is not None
+        cublas = self._gemm_options(args, kwargs) is not None
         models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, cublas)
-                       for m in models)
-        return (self._cublas if cublas else self._default), models + rest
+                       for m in args[:self._num_models])
+        return (self._cublas if cublas else self._default), models + args[self._num_models:]
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program a call with these arguments runs, lowered (``jax.jit(...).lower``)."""

@@ -120,7 +120,8 @@ def read_bandwidth() -> dict:
 rng = np.random.default_rng(0)
 preset = args.device
 if preset == "auto":  # a GPU without a preset, or a CPU run of tiny cases: the H100's
-    preset = device_name() if device_name() in roofline.DEVICES else "h100"
+    preset = device_name()
+    preset = preset if preset in roofline.DEVICES else "h100"
 spec = roofline.device_spec(preset)
 rec["roofline_device"] = spec.name
 try:
