@@ -28,6 +28,7 @@ process (``EngineInfo``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -83,6 +84,13 @@ class EngineSpec:
         serving; on CPU they compile on first use (minutes in all otherwise).
       speculative: n-gram speculation every generation request gets (``Speculative(
         method="ngram")``; adaptive, so it runs only while it pays); None: none.
+      score: the engine only scores (``batch_eval --score``): the warm-up compiles the
+        scoring programs instead of the generation ones.
+      devices: the local device ids this process uses (one data replica's ``tp`` devices);
+        on GPUs it sees only those (``jax_cuda_visible_devices``, set before JAX starts), so
+        several engine processes share a host. None: every device.
+      compile_cache: persistent XLA compilation cache folder (``jax_compilation_cache_dir``);
+        None: none.
     """
 
     model: str
@@ -95,6 +103,9 @@ class EngineSpec:
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     warmup: bool = True
     speculative: Any = None  # jaxinfer.Speculative (n-gram) or None
+    score: bool = False
+    devices: tuple[int, ...] | None = None
+    compile_cache: str | None = None
 
     def load(self) -> Model:
         """The model (``load_model``), on the mesh ``tp`` and ``dp`` name."""
@@ -121,9 +132,31 @@ class EngineSpec:
             engine = kind(model, **{"verbose": False, **self.engine})
         else:
             engine = engine_for(model)
-        if self.warmup and jax.default_backend() != "cpu":
-            engine.warmup(sampled=True, speculative=self.speculative)  # seconds a program
+        if self.warmup and jax.default_backend() != "cpu":  # seconds a program
+            engine.warmup(generate=not self.score, score=self.score, sampled=not self.score,
+                          speculative=self.speculative)
         return engine
+
+    def start_jax(self) -> None:
+        """Point JAX at ``devices`` and ``compile_cache``; call before JAX starts a backend.
+
+        Raises ``InputError`` when this host lacks a GPU that ``devices`` names: JAX would
+        otherwise run on the CPU without a word. (The CPU runs only when ``JAX_PLATFORMS``
+        says so; each process then has its own CPU devices.)
+        """
+        import jax
+
+        if self.compile_cache:
+            jax.config.update("jax_compilation_cache_dir", self.compile_cache)
+        if self.devices is None:
+            return
+        jax.config.update("jax_cuda_visible_devices", ",".join(map(str, self.devices)))
+        if jax.default_backend() == "cpu" and jax.config.jax_platforms == "cpu":
+            return
+        if jax.default_backend() != "gpu" or len(jax.devices()) != len(self.devices):
+            raise InputError(f"this host has no GPUs {list(self.devices)} "
+                             f"({jax.default_backend()}: {len(jax.devices())} device(s) seen); "
+                             "lower --dp or --tp (or set JAX_PLATFORMS=cpu to run on the CPU)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +170,7 @@ class EngineInfo:
     max_batch: int  # sequences the engine runs at once (all replicas)
     max_seq_len: int  # longest prompt + output it holds
     stats: EngineStats  # its counters at start (after the warm-up)
+    device_kind: str = ""  # jax.Device.device_kind of its devices ("NVIDIA H100 80GB HBM3")
 
     def model(self) -> Model:
         """A ``Model`` without weights, for ``requests.make_requests``, ``encode`` and
@@ -312,7 +346,10 @@ def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
     # Ctrl-C in a terminal reaches the whole process group; the HTTP process decides when
     # to stop (draining first) and tells this one over the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import jax
+
     try:
+        spec.start_jax()
         engine = spec.build()
         model = engine.model
         if model.tokenizer is None:
@@ -321,7 +358,7 @@ def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
         info = EngineInfo(config=model.config, tokenizer=model.tokenizer,
                           name=model.name or "jaxinfer", max_batch=engine.max_batch,
                           max_seq_len=min(e.max_seq_len for e in engines),
-                          stats=engine.stats())
+                          stats=engine.stats(), device_kind=jax.devices()[0].device_kind)
     except Exception as e:  # noqa: BLE001 - reported to the HTTP process, which raises it
         if not isinstance(e, InputError):
             traceback.print_exc()
@@ -522,3 +559,85 @@ class EngineProcess:
                 if not keys:
                     del self._tickets[tid]
         return out
+
+
+# ---------------------------------------------------------------------------- replicas
+class ReplicaProcesses:
+    """Data-parallel replicas, each an engine process of its own (``EngineProcess``).
+
+    ``DataParallelEngine`` steps its replicas in threads of one process, under one
+    interpreter lock: with a small model the host work of every replica's steps (planning,
+    inputs, results; ~10 ms a step at 1B shapes) queues on that lock and the GPUs wait
+    (4x H100 r153-r156: ``--dp 4`` made 2.1x one GPU at 1B shapes, 3.7x at 8B). Here each
+    replica has its own interpreter; the cost is a model load and a compile per process.
+    This process never starts a JAX backend: the specs' ``devices`` pin each engine process
+    to its replica's GPUs.
+
+    Requests go to the replica with the least work left (prompt + new tokens), as in
+    ``DataParallelEngine``; a result depends only on its request, so outputs equal one
+    engine's.
+
+    Args:
+      specs: one ``EngineSpec`` per replica (the same model; ``devices`` set apart).
+    """
+
+    def __init__(self, specs: list[EngineSpec]) -> None:
+        if not specs:
+            raise InputError("ReplicaProcesses needs at least one EngineSpec")
+        self.specs = specs
+        self._done: queue.SimpleQueue[list[Message]] = queue.SimpleQueue()
+        self.engines = [EngineProcess(s, self._done.put, max_queue=2**62) for s in specs]
+        self._load = [0] * len(specs)
+        self._cost: dict[Any, tuple[int, int]] = {}  # key -> (replica, its tokens)
+
+    def start(self) -> EngineInfo:
+        """Start every engine process at once and wait until all are ready; return replica
+        0's ``EngineInfo`` (``max_batch``: all replicas' slots). If any fails, stop the
+        others and raise its error (``InputError`` for a user's mistake)."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
+            futures = [pool.submit(e.start) for e in self.engines]
+            errors = [f.exception() for f in futures]
+        if any(errors):
+            self.stop()
+            raise next(e for e in errors if e is not None)
+        infos = [e.info for e in self.engines]
+        return dataclasses.replace(infos[0], max_batch=sum(i.max_batch for i in infos),
+                                   max_seq_len=min(i.max_seq_len for i in infos))
+
+    def submit(self, key: Any, request: Request) -> None:
+        """Queue one request, keyed by ``key``, on the replica with the least work left."""
+        i = min(range(len(self._load)), key=self._load.__getitem__)
+        cost = len(request.prompt_ids) + (0 if request.is_score else
+                                          request.sampling.max_new_tokens)
+        self._cost[key] = (i, cost)
+        self._load[i] += cost
+        self.engines[i].submit(key, [(key, request)], stream=False)
+
+    def results(self) -> list[tuple[Any, Any, str | None]]:
+        """Wait for finished requests; return ``(key, result, error)`` for each: the
+        ``Completion``/``ScoreResult``, or None and why the engine could not run it."""
+        out = []
+        while not out:
+            for key, kind, _, payload in self._done.get():  # ticket = key: one job each
+                if kind == "done":
+                    out.append((key, payload, None if payload is not None else "cancelled"))
+                elif kind in ("failed", "rejected"):
+                    out.append((key, None, payload or "the engine stopped"))
+                else:
+                    continue
+                i, cost = self._cost.pop(key)
+                self._load[i] -= cost
+        return out
+
+    def stats(self) -> EngineStats:
+        """The replicas' last counters as one engine's (``replicas.combine_stats``)."""
+        from jaxinfer.replicas import combine_stats
+
+        each = [e.stats for e in self.engines if e.stats is not None]
+        return combine_stats(each, max(s.step_seconds for s in each))
+
+    def stop(self) -> None:
+        """Stop every started engine process (what runs is cancelled) and wait for them."""
+        for e in self.engines:
+            if e.info is not None:
+                e.stop(0.0)

@@ -212,20 +212,25 @@ class DataParallelEngine(StepLoop):
         return time.perf_counter() - t0
 
     def stats(self) -> EngineStats:
-        """The replicas' counters added up (rates and the hit rate recomputed)."""
-        each = [e.stats() for e in self.replicas]
-        total = {f.name: sum(getattr(s, f.name) for s in each)
-                 for f in dataclasses.fields(EngineStats)}
-        wall = self._step_time
-        total["tokens_per_second"] = total["generated_tokens"] / wall if wall else 0.0
-        total["step_seconds"] = wall  # in this engine's step(): replicas' steps overlap
-        total["device_seconds"] = max(s.device_seconds for s in each)
-        total["decode_seconds"] = max(s.decode_seconds for s in each)
-        looked = sum(s.cached_tokens / s.prefix_cache_hit_rate for s in each
-                     if s.prefix_cache_hit_rate)
-        total["prefix_cache_hit_rate"] = total["cached_tokens"] / looked if looked else 0.0
-        total["num_programs"] = max(s.num_programs for s in each)
-        return EngineStats(**total)
+        """The replicas' counters added up (``combine_stats``), over this engine's step time."""
+        return combine_stats([e.stats() for e in self.replicas], self._step_time)
+
+
+def combine_stats(each: list[EngineStats], wall: float) -> EngineStats:
+    """Data replicas' counters as one engine's: counts added up, ``step_seconds`` the
+    ``wall`` time the replicas stepped in (their steps overlap), device and decode seconds
+    and the program count the busiest replica's, rates and the hit rate recomputed."""
+    total = {f.name: sum(getattr(s, f.name) for s in each)
+             for f in dataclasses.fields(EngineStats)}
+    total["tokens_per_second"] = total["generated_tokens"] / wall if wall else 0.0
+    total["step_seconds"] = wall
+    total["device_seconds"] = max(s.device_seconds for s in each)
+    total["decode_seconds"] = max(s.decode_seconds for s in each)
+    looked = sum(s.cached_tokens / s.prefix_cache_hit_rate for s in each
+                 if s.prefix_cache_hit_rate)
+    total["prefix_cache_hit_rate"] = total["cached_tokens"] / looked if looked else 0.0
+    total["num_programs"] = max(s.num_programs for s in each)
+    return EngineStats(**total)
 
 
 def engine_for(model: Model) -> Engine | DataParallelEngine:

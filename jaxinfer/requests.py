@@ -251,7 +251,10 @@ def resolve_seed(sp: SamplingParams) -> SamplingParams:
     if sp.seed is not None:
         return sp
     seed = secrets.randbits(63)
-    if jax.process_count() > 1:
+    # Several processes exist only after jax.distributed.initialize; asking process_count
+    # first would start a backend here, in a process that may not own a device (the HTTP
+    # process of ``jaxinfer serve``, batch_eval's with --replica-processes).
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         # As two uint32 halves: without 64-bit types an int64 would be cut to int32.

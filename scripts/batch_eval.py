@@ -189,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--replica-processes", action="store_true",
+                   help="run each --dp replica as an engine process of its own (its own "
+                   "interpreter lock; the model loads in each; one host)")
     add_sampling_args(p)
     return p
 
@@ -263,10 +266,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{len(bad)} bad record(s) in {args.input} (first at line "
                          f"{bad[0].line}); fix them or pass --on-bad-record skip")
 
-    from sharding.multihost import initialize, is_primary
+    if args.replica_processes:
+        _check_process_args(args)
+        primary = True
+    else:
+        from sharding.multihost import initialize, is_primary
 
-    initialize(args.coordinator, args.num_processes, args.process_id)
-    primary = is_primary()
+        initialize(args.coordinator, args.num_processes, args.process_id)
+        primary = is_primary()
     if primary:
         check_output(args.output)
     done = resume_point(args.output, records) if primary else 0
@@ -278,34 +285,145 @@ def run(args: argparse.Namespace) -> int:
     if done:
         print(f"batch_eval: resuming after {done} finished record(s) in {args.output}",
               file=sys.stderr)
-
-    import jax
-
-    import jaxinfer
-    from jaxinfer.replicas import engine_for
-
-    if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the step shapes
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-
-    draft = load_draft(args)
-    if draft is not None:
-        options = {k: v for k, v in sampling_kwargs(args, draft).items() if k != "seed"}
-    model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
-                                max_batch=args.batch_size, mesh=mesh_from_args(args),
-                                kv_cache_dtype=args.kv_cache_dtype)
     todo = records[done:]
-    reqs = _requests(model, [r for r in todo if not r.error], args, options, base_seed)
+    good = [r for r in todo if not r.error]
+    runner = (_Processes(args, options, work=bool(good)) if args.replica_processes
+              else _InProcess(args, options))
+    try:
+        return _evaluate(args, runner, records, todo, done, primary, options, base_seed)
+    finally:
+        runner.close()
+
+
+def _check_process_args(args: argparse.Namespace) -> None:
+    """One-line errors for flags that ``--replica-processes`` cannot take."""
+    if args.dp < 2:
+        raise InputError("--replica-processes runs one process per --dp replica; give "
+                         "--dp 2 or more")
+    if args.coordinator or (args.num_processes or 1) > 1:
+        raise InputError("--replica-processes runs on one host; drop --coordinator/"
+                         "--num-processes (a multi-host run is one process per host)")
+    if args.speculative == "draft":
+        raise InputError("--speculative draft cannot run with --replica-processes (the draft "
+                         "model is loaded in this process); use --speculative ngram or drop "
+                         "--replica-processes")
+
+
+class _InProcess:
+    """The model and its engine in this process (``engine_for``: one engine, or one per
+    data replica stepped in threads, or one across hosts)."""
+
+    def __init__(self, args: argparse.Namespace, options: dict[str, Any]) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        import jaxinfer
+        from jaxinfer.replicas import engine_for
+        from sharding.mesh import DATA
+
+        if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the shapes
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+        draft = load_draft(args)
+        if draft is not None:
+            options.update({k: v for k, v in sampling_kwargs(args, draft).items()
+                            if k != "seed"})
+        self.model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
+                                         max_batch=args.batch_size, mesh=mesh_from_args(args),
+                                         kv_cache_dtype=args.kv_cache_dtype)
+        self.engine = engine_for(self.model)
+        mesh = self.model.mesh
+        self.devices = 1 if mesh is None else mesh.size
+        self.replicas = 1 if mesh is None else mesh.shape[DATA]
+        self.device_kind = jax.devices()[0].device_kind
+        self.max_batch = self.engine.max_batch
+        self.itemsize = jnp.dtype(self.model.dtype).itemsize
+        self.warm_s = 0.0
+        self._args, self._options = args, options
+        self._line_of: dict[int, int] = {}
+
+    def submit(self, reqs: dict[int, Any]) -> None:
+        """Compile (or load) every step program, then queue the requests (line -> Request)."""
+        args = self._args
+        sampled = any(r.sampling.temperature > 0 for r in reqs.values())
+        if reqs:  # compiled up front, so the timed run is the steady state
+            self.warm_s = self.engine.warmup(
+                generate=not args.score, score=args.score, sampled=sampled,
+                speculative=None if args.score else self._options["speculative"])
+        self._line_of = {self.engine.add_request(req): line for line, req in reqs.items()}
+
+    def results(self) -> list[tuple[int, Any, str | None]]:
+        """Step the engine once; ``(line, result, None)`` for each request it finished."""
+        out = []
+        for i, _, is_done in self.engine.step():
+            if is_done and i in self._line_of:
+                out.append((self._line_of[i], self.engine.result(i), None))
+                self.engine.forget(i)
+        return out
+
+    def stats(self) -> Any:
+        """The engine's counters."""
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Nothing to release (the model lives as long as this process)."""
+
+
+class _Processes:
+    """``--replica-processes``: one engine process per data replica
+    (``jaxinfer.engine_process.ReplicaProcesses``), this process never starting JAX."""
+
+    def __init__(self, args: argparse.Namespace, options: dict[str, Any], work: bool) -> None:
+        import jax.numpy as jnp
+
+        from jaxinfer.engine_process import EngineSpec, ReplicaProcesses
+
+        engine = {} if args.batch_size is None else {"max_batch": args.batch_size}
+        cache = os.path.expanduser(args.compile_cache) if args.compile_cache else None
+        specs = [EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
+                            kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, engine=engine,
+                            warmup=work, score=args.score,
+                            speculative=None if args.score else options["speculative"],
+                            devices=tuple(range(i * args.tp, (i + 1) * args.tp)),
+                            compile_cache=cache)
+                 for i in range(args.dp)]
+        self.pool = ReplicaProcesses(specs)
+        t0 = time.perf_counter()
+        info = self.pool.start()
+        self.warm_s = time.perf_counter() - t0  # loads and compiles, in every process at once
+        self.model = info.model()
+        self.itemsize = jnp.dtype(args.dtype).itemsize
+        self.devices, self.replicas = args.dp * args.tp, args.dp
+        self.device_kind, self.max_batch = info.device_kind, info.max_batch
+
+    def submit(self, reqs: dict[int, Any]) -> None:
+        """Queue the requests (line -> Request), each on the least-loaded replica."""
+        for line, req in reqs.items():
+            self.pool.submit(line, req)
+
+    def results(self) -> list[tuple[int, Any, str | None]]:
+        """Wait for finished requests: ``(line, result, None)`` or ``(line, None, why)``."""
+        return self.pool.results()
+
+    def stats(self) -> Any:
+        """The replicas' counters as one engine's."""
+        return self.pool.stats()
+
+    def close(self) -> None:
+        """Stop the engine processes."""
+        self.pool.stop()
+
+
+def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
+              todo: Sequence[Record], done: int, primary: bool, options: dict[str, Any],
+              base_seed: int | None) -> int:
+    """Run ``todo``'s good records on ``runner`` and write every record of ``todo`` in input
+    order as soon as it extends the written prefix; print the summary."""
+    reqs = _requests(runner.model, [r for r in todo if not r.error], args, options, base_seed)
     for r in todo:
         if isinstance(reqs.get(r.line), str):
             r.error = reqs.pop(r.line)
             print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
-    engine = engine_for(model)
-    # Compile (or load) every step program up front, so the timed run is the steady state.
-    sampled = any(r.sampling.temperature > 0 for r in reqs.values())
-    warm_s = (engine.warmup(generate=not args.score, score=args.score, sampled=sampled,
-                            speculative=None if args.score else options["speculative"])
-              if reqs else 0.0)
-    rid = {line: engine.add_request(req) for line, req in reqs.items()}
+    runner.submit(reqs)
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
              "ttft": [], "tpot": [], "prompt_lens": [], "output_lens": []}
     bar = None
@@ -318,7 +436,6 @@ def run(args: argparse.Namespace) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     out_f = args.output.open("a", encoding="utf-8") if primary else None
     finished: dict[int, dict[str, Any]] = {}
-    line_of = {i: line for line, i in rid.items()}
     written = 0
     try:
         while written < len(todo):
@@ -337,14 +454,13 @@ def run(args: argparse.Namespace) -> int:
                 os.fsync(out_f.fileno())
             if written == len(todo):
                 break
-            for i, _, is_done in engine.step():
-                if not is_done or i not in line_of:
+            for line, result, why in runner.results():
+                if result is None:
+                    finished[line] = {"error": why}
                     continue
-                result = engine.result(i)
-                engine.forget(i)
-                finished[line_of[i]] = _record(result)
+                finished[line] = _record(result)
                 if result.error is None:  # the work the device did, for the floor
-                    stats["prompt_lens"].append(len(reqs[line_of[i]].prompt_ids))
+                    stats["prompt_lens"].append(len(reqs[line].prompt_ids))
                     stats["output_lens"].append(1 if args.score else len(result.token_ids))
                 if not args.score:
                     stats["tokens"] += len(result.token_ids)
@@ -368,41 +484,39 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     if primary:
         mode = "scored" if args.score else "generated"
-        es = engine.stats()
+        es = runner.stats()
         print(f"requests {stats['requests']} {mode} (+{done} resumed, {stats['bad']} bad)  "
               f"tokens {stats['tokens']}  wall {wall:.2f} s  "
               f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
               f"{stats['requests'] / max(wall, 1e-9):.2f} req/s  "
               f"prefix-cache hits {es.cached_tokens} tokens  "
-              f"(after {warm_s:.1f} s compiling/loading step programs)  "
+              f"(after {runner.warm_s:.1f} s {_warm_what(args)})  "
               f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
               f"{es.device_seconds:.2f} s waiting on the device)")
         if not args.score:
             print(f"TTFT  {_percentiles(stats['ttft'])}")
             print(f"TPOT  {_percentiles(stats['tpot'])}")
         if stats["prompt_lens"]:
-            print(_floor_line(model, engine, stats, args.kv_cache_dtype, wall))
+            print(_floor_line(runner, stats, args.kv_cache_dtype, wall))
     return 0
 
 
-def _floor_line(model: Any, engine: Any, stats: dict[str, Any], kv_cache_dtype: str | None,
+def _warm_what(args: argparse.Namespace) -> str:
+    return (f"loading and compiling in {args.dp} replica processes" if args.replica_processes
+            else "compiling/loading step programs")
+
+
+def _floor_line(runner: Any, stats: dict[str, Any], kv_cache_dtype: str | None,
                 wall: float) -> str:
     """The run's device floor (``jaxinfer.benchmark.workload_floor`` over the records run
-    here, on every device of the model's mesh) and the fraction of it the run reached."""
-    import jax
-    import jax.numpy as jnp
-
+    here, on every device of the run) and the fraction of it the run reached."""
     from jaxinfer.benchmark import ceilings, workload_floor
-    from sharding.mesh import DATA
 
-    mesh = model.mesh
-    devices = 1 if mesh is None else mesh.size
-    replicas = 1 if mesh is None else mesh.shape[DATA]
-    flops, bandwidth, note = ceilings(jax.devices()[0].device_kind, None, None)
-    f = workload_floor(model.config, stats["prompt_lens"], stats["output_lens"],
-                       engine.max_batch // replicas, flops, bandwidth,
-                       jnp.dtype(model.dtype).itemsize, kv_cache_dtype, devices=devices)
-    return (f"floor {f['floor_s']:.4g} s on {devices} device(s) (prefill "
+    flops, bandwidth, note = ceilings(runner.device_kind, None, None)
+    f = workload_floor(runner.model.config, stats["prompt_lens"], stats["output_lens"],
+                       runner.max_batch // runner.replicas, flops, bandwidth, runner.itemsize,
+                       kv_cache_dtype, devices=runner.devices)
+    return (f"floor {f['floor_s']:.4g} s on {runner.devices} device(s) (prefill "
             f"{f['prefill_s']:.4g} s at {flops / 1e12:.0f} TFLOP/s, decode {f['decode_s']:.4g} s "
             f"at {bandwidth / 1e12:.2f} TB/s, {note}): the run reached "
             f"{100 * f['floor_s'] / max(wall, 1e-9):.3g}% of it")

@@ -220,5 +220,106 @@ def _worker(tmp: Path) -> None:
     print(json.dumps(result))
 
 
+@pytest.mark.slow
+def test_replica_processes_match_single_device(tmp_path):
+    """``--dp 2 --tp 2 --replica-processes``: two engine processes of two forced CPU devices
+    each write the single-device ``generate``'s tokens and text for every record, and the
+    process that runs batch_eval never starts a JAX backend (on GPUs it would take memory on
+    every device)."""
+    from test_sharding import run_with_devices
+
+    from sharding.testing import tiny_config, write_tiny_model
+
+    config = tiny_config(num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=192)
+    write_tiny_model(tmp_path / "model", config)  # here: writing it starts JAX
+    r = run_with_devices([__file__, "process-worker", str(tmp_path)])
+    assert r["backend_started"] is False
+    assert r["bad_lines"] == [4, 7] and r["n"] == 20
+    assert r["mismatches"] == [], r["mismatches"][:3]
+    assert "in 2 replica processes" in r["summary"]
+
+
+def _process_worker(tmp: Path) -> None:
+    import contextlib
+    import io
+
+    from jax._src import xla_bridge  # no public query of "has a backend started"
+
+    inp = tmp / "in.jsonl"
+    lines = write_input(inp, 20)
+    model_dir = tmp / "model"
+    out = tmp / "out.jsonl"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = _load_script().main([
+            "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype",
+            "float32", "--backend", "reference", "--max-new-tokens", "8", "--tp", "2", "--dp",
+            "2", "--replica-processes", "--batch-size", "4", "--no-progress"])
+    assert rc == 0
+    started = xla_bridge.backends_are_initialized()
+
+    import jaxinfer
+
+    recs = [json.loads(x) if i not in (3, 6) else None for i, x in enumerate(lines)]
+    good = [(i, r) for i, r in enumerate(recs) if r is not None]
+    single = jaxinfer.load_model(model_dir, dtype="float32", backend="reference")
+    want = jaxinfer.generate(single, [r.get("prompt", r.get("messages")) for _, r in good],
+                             max_new_tokens=8)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    print(json.dumps({
+        "backend_started": started, "summary": printed.getvalue(), "n": len(rows),
+        "bad_lines": [r["line"] for r in rows if "error" in r],
+        "mismatches": [(i, rows[i]["token_ids"], c.token_ids)
+                       for (i, _), c in zip(good, want, strict=True)
+                       if rows[i]["token_ids"] != c.token_ids or rows[i]["text"] != c.text]}))
+
+
+def test_replica_processes_route_by_work_left():
+    """Each request goes to the replica with the fewest prompt + new tokens outstanding; a
+    finished (or failed) request gives its tokens back."""
+    from jaxinfer.engine_process import EngineSpec, ReplicaProcesses
+    from jaxinfer.requests import Request
+    from jaxinfer.sampling import SamplingParams
+
+    pool = ReplicaProcesses([EngineSpec("m", devices=(i,)) for i in range(3)])
+    sent: list[tuple[int, str]] = []
+    for i, engine in enumerate(pool.engines):  # no processes: record what each is sent
+        engine.submit = lambda key, jobs, stream, i=i: sent.append((i, key))
+
+    def req(prompt: int, new: int) -> Request:  # new=0: a scoring request (prompt only)
+        return Request(tuple(range(prompt)), SamplingParams(max_new_tokens=max(new, 1)), (),
+                       num_scored=0 if new else 3)
+
+    for key, (prompt, new) in zip("abcde", [(10, 90), (5, 5), (40, 10), (1, 1), (30, 0)],
+                                  strict=True):
+        pool.submit(key, req(prompt, new))
+    # loads 100 | 10 | 50 after a, b, c; d goes to 1 (11); e to 1 (41)
+    assert sent == [(0, "a"), (1, "b"), (2, "c"), (1, "d"), (1, "e")]
+    pool._done.put([("a", "done", "a", "A"), ("c", "failed", "c", "why")])
+    assert pool.results() == [("a", "A", None), ("c", None, "why")]
+    pool.submit("f", req(20, 20))  # loads 0 | 41 | 0
+    assert sent[-1] == (0, "f")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ((), "--replica-processes runs one process per --dp replica; give --dp 2 or more"),
+    (("--dp", "2", "--num-processes", "2", "--coordinator", "h:1", "--process-id", "0"),
+     "--replica-processes runs on one host"),
+    (("--dp", "2", "--speculative", "draft", "--draft-model", "x"),
+     "--speculative draft cannot run with --replica-processes"),
+])
+def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message):
+    be = _load_script()
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 2, bad=False)
+    out = tmp_path / "out.jsonl"
+    assert be.main(_args(tiny_dir, inp, out, "--replica-processes", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"batch_eval: error: {message}"), err
+    assert not out.exists()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _worker(Path(sys.argv[2]))
+elif __name__ == "__main__" and sys.argv[1:2] == ["process-worker"]:
+    _process_worker(Path(sys.argv[2]))
