@@ -32,6 +32,12 @@ of this device kind), split over every device of the mesh, with the fraction of 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
 output.
+
+``--dp N --replica-processes`` (one host): each data replica runs in an engine process of its
+own (``jaxinfer.engine_process.ReplicaProcesses``), pinned to its ``--tp`` GPUs, with its own
+interpreter lock; this process reads, routes and writes and never starts JAX. Each process
+loads the model and compiles (reported as one "loading and compiling" time). Without it the
+replicas are threads of this process (``DataParallelEngine``).
 """
 
 from __future__ import annotations
