@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -514,9 +513,7 @@ class Server:
 
     def sampling(self, body: _Sampling, max_tokens: int, index: int) -> SamplingParams:
         """The ``SamplingParams`` of choice ``index`` (its seed is ``seed + index``)."""
-        # Without a seed one is drawn here, not by make_requests: its multi-host broadcast
-        # would start a JAX backend in this process, which leaves the devices to the engine's.
-        seed = secrets.randbits(63) if body.seed is None else body.seed + index
+        seed = None if body.seed is None else body.seed + index  # None: make_requests draws
         options = dict(max_new_tokens=max_tokens, seed=seed,
                        stop=() if body.stop is None else body.stop,
                        ignore_eos=body.ignore_eos,
