@@ -319,6 +319,61 @@ def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message)
     assert not out.exists()
 
 
+def _load_dp_scaling():
+    spec = importlib.util.spec_from_file_location("dp_scaling", REPO / "scripts" / "dp_scaling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
+    """``scripts/dp_scaling.py`` runs batch_eval as one replica, 2 threads and 2 processes
+    (float32 on 2 forced CPU devices: every mode writes the first run's tokens), and records
+    each run's parsed summary and each mode's median over ``one``'s."""
+    import os
+    import subprocess
+
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 10)
+    rec_path = tmp_path / "rec.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "dp_scaling.py"), "--dp", "2", "--json",
+         str(rec_path), "--", "--model", str(tiny_dir), "--input", str(inp), "--dtype",
+         "float32", "--backend", "reference", "--max-new-tokens", "5", "--batch-size", "4"],
+        env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(rec_path.read_text())
+    runs = rec["runs"]
+    assert [r["mode"] for r in runs] == ["one", "threads", "processes"]
+    assert all(r["requests"] == 8 and r["identical_records"] == 10 for r in runs), runs
+    assert len({r["tokens"] for r in runs}) == 1 and runs[0]["tokens"] == 8 * 5
+    assert "--replica-processes" in runs[2]["command"] and "--dp 2" in runs[1]["command"]
+    one = runs[0]["tok_per_s"]
+    for r in runs:
+        assert rec["summary"][r["mode"]] == {"median": r["tok_per_s"],
+                                             "vs_one": round(r["tok_per_s"] / one, 3)}
+
+
+def test_dp_scaling_parses_the_summary_and_refuses_its_own_flags(capsys):
+    ds = _load_dp_scaling()
+    line = ("requests 2000 generated (+0 resumed, 0 bad)  tokens 256000  wall 4.27 s  "
+            "throughput 59906.6 tok/s  468.02 req/s  prefix-cache hits 0 tokens  (after 59.9 s "
+            "compiling/loading step programs)  (engine: 93 steps, 4.15 s in steps, 3.88 s "
+            "waiting on the device)\nTPOT  p50 3.8 ms\nfloor 2.167 s on 1 device(s) (...): "
+            "the run reached 50.7% of it\n")
+    assert ds.parse_summary(line) == {
+        "requests": 2000, "tokens": 256000, "wall_s": 4.27, "tok_per_s": 59906.6,
+        "req_per_s": 468.02, "warm_s": 59.9, "floor_share": 0.507}
+    with pytest.raises(ValueError, match="no batch_eval summary line"):
+        ds.parse_summary("batch_eval: error: something\n")
+    with pytest.raises(SystemExit):
+        ds.main(["--dp", "2", "--", "--model", "m", "--dp", "4"])
+    assert "['--dp'] are set by this script" in capsys.readouterr().err
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _worker(Path(sys.argv[2]))
 elif __name__ == "__main__" and sys.argv[1:2] == ["process-worker"]:
