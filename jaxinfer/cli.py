@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     add_kv_cache_arg(sv)
     add_mesh_args(sv)
+    sv.add_argument("--replica-processes", action="store_true",
+                    help="serve each --dp replica from an engine process of its own (its own "
+                    "interpreter lock; the model loads in each)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=1024,
@@ -283,7 +286,8 @@ def _serve(args: argparse.Namespace) -> None:
     # The model loads in the engine process (create_app starts it); this one serves HTTP.
     spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
                       kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
-                      warmup=not args.no_warmup, speculative=speculative)
+                      warmup=not args.no_warmup, speculative=speculative,
+                      replica_processes=args.replica_processes)
     app = create_app(spec, name=args.served_model_name or args.model,
                      max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)
     # uvicorn stops on SIGINT/SIGTERM: it closes the listening socket, lets open responses

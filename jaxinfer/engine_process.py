@@ -94,6 +94,8 @@ class EngineSpec:
         several engine processes share a host. None: every device.
       compile_cache: persistent XLA compilation cache folder (``jax_compilation_cache_dir``);
         None: none.
+      replica_processes: serve the ``dp`` replicas as engine processes of their own
+        (``ReplicaProcesses``, one host) instead of threads of one (``DataParallelEngine``).
     """
 
     model: str
@@ -109,6 +111,17 @@ class EngineSpec:
     score: bool = False
     devices: tuple[int, ...] | None = None
     compile_cache: str | None = None
+    replica_processes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replica_processes and self.dp < 2:
+            raise InputError("replica processes serve --dp replicas; give --dp 2 or more")
+
+    def replicas(self) -> list[EngineSpec]:
+        """One spec per data replica: ``dp`` 1, pinned to the replica's ``tp`` devices."""
+        return [dataclasses.replace(self, dp=1, replica_processes=False,
+                                    devices=tuple(range(i * self.tp, (i + 1) * self.tp)))
+                for i in range(self.dp)]
 
     def load(self) -> Model:
         """The model (``load_model``), on the mesh ``tp`` and ``dp`` name."""
@@ -566,81 +579,145 @@ class EngineProcess:
 
 # ---------------------------------------------------------------------------- replicas
 class ReplicaProcesses:
-    """Data-parallel replicas, each an engine process of its own (``EngineProcess``).
+    """Data-parallel replicas, each an engine process of its own, behind ``EngineProcess``'s
+    interface (``start``, ``submit``, ``cancel``, ``stop``, ``info``, ``stats``, ``dead``,
+    ``closing``, ``outstanding``), so the server and ``batch_eval`` drive N engines as one.
 
     ``DataParallelEngine`` steps its replicas in threads of one process, under one
     interpreter lock: with a small model the host work of every replica's steps (planning,
     inputs, results; ~10 ms a step at 1B shapes) queues on that lock and the GPUs wait
     (4x H100 r153-r156: ``--dp 4`` made 2.1x one GPU at 1B shapes, 3.7x at 8B). Here each
     replica has its own interpreter; the cost is a model load and a compile per process.
-    This process never starts a JAX backend: the specs' ``devices`` pin each engine process
-    to its replica's GPUs.
+    ``EngineSpec.replicas`` pins each engine process to its replica's GPUs.
 
-    Requests go to the replica with the least work left (prompt + new tokens), as in
-    ``DataParallelEngine``; a result depends only on its request, so outputs equal one
-    engine's.
+    A ticket goes whole to the replica with the least work left (its jobs' prompt and new
+    tokens), as requests do in ``DataParallelEngine``; a result depends only on its request,
+    so outputs equal one engine's. ``on_messages`` gets every replica's messages (on their
+    receiver threads); tickets and job keys must be hashable.
 
     Args:
-      specs: one ``EngineSpec`` per replica (the same model; ``devices`` set apart).
+      spec: the model and sizes of every replica (``spec.dp`` replicas of ``spec.tp``
+        devices, ``spec.engine`` sizes each).
+      on_messages, max_queue, max_decode_steps: ``EngineProcess``'s, ``max_queue`` per
+        replica.
     """
 
-    def __init__(self, specs: list[EngineSpec]) -> None:
-        if not specs:
-            raise InputError("ReplicaProcesses needs at least one EngineSpec")
-        self.specs = specs
-        self._done: queue.SimpleQueue[list[Message]] = queue.SimpleQueue()
-        self.engines = [EngineProcess(s, self._done.put, max_queue=2**62) for s in specs]
-        self._load = [0] * len(specs)
-        self._cost: dict[Any, tuple[int, int]] = {}  # key -> (replica, its tokens)
+    def __init__(self, spec: EngineSpec, on_messages: Callable[[list[Message]], None],
+                 max_queue: int, max_decode_steps: int | None = None) -> None:
+        self.spec = spec
+        self.info: EngineInfo | None = None
+        self.engines = [EngineProcess(s, self._deliver, max_queue, max_decode_steps)
+                        for s in spec.replicas()]
+        self._on_messages = on_messages
+        self._lock = threading.RLock()  # _release takes it inside _deliver's
+        self._load = [0] * len(self.engines)  # tokens each replica still has to compute
+        self._jobs: dict[Any, tuple[int, dict[Any, int]]] = {}  # ticket -> replica, key -> cost
+        self._ids = itertools.count()
+        self._tids: dict[int, tuple[int, int]] = {}  # our id -> (replica, its id)
 
     def start(self) -> EngineInfo:
         """Start every engine process at once and wait until all are ready; return replica
-        0's ``EngineInfo`` (``max_batch``: all replicas' slots). If any fails, stop the
-        others and raise its error (``InputError`` for a user's mistake)."""
+        0's ``EngineInfo`` with ``max_batch`` summed over the replicas. If any fails, stop
+        the others and raise its error (``InputError`` for a user's mistake)."""
         with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
             futures = [pool.submit(e.start) for e in self.engines]
             errors = [f.exception() for f in futures]
         if any(errors):
-            self.stop()
+            self.stop(0.0)
             raise next(e for e in errors if e is not None)
         infos = [e.info for e in self.engines]
-        return dataclasses.replace(infos[0], max_batch=sum(i.max_batch for i in infos),
-                                   max_seq_len=min(i.max_seq_len for i in infos))
+        self.info = dataclasses.replace(infos[0], max_batch=sum(i.max_batch for i in infos),
+                                        max_seq_len=min(i.max_seq_len for i in infos))
+        return self.info
 
-    def submit(self, key: Any, request: Request) -> None:
-        """Queue one request, keyed by ``key``, on the replica with the least work left."""
-        i = min(range(len(self._load)), key=self._load.__getitem__)
-        cost = len(request.prompt_ids) + (0 if request.is_score else
-                                          request.sampling.max_new_tokens)
-        self._cost[key] = (i, cost)
-        self._load[i] += cost
-        self.engines[i].submit(key, [(key, request)], stream=False)
-
-    def results(self) -> list[tuple[Any, Any, str | None]]:
-        """Wait for finished requests; return ``(key, result, error)`` for each: the
-        ``Completion``/``ScoreResult``, or None and why the engine could not run it."""
-        out = []
-        while not out:
-            for key, kind, _, payload in self._done.get():  # ticket = key: one job each
-                if kind == "done":
-                    out.append((key, payload, None if payload is not None else "cancelled"))
-                elif kind in ("failed", "rejected"):
-                    out.append((key, None, payload or "the engine stopped"))
-                else:
-                    continue
-                i, cost = self._cost.pop(key)
-                self._load[i] -= cost
-        return out
-
-    def stats(self) -> EngineStats:
+    @property
+    def stats(self) -> EngineStats | None:
         """The replicas' last counters as one engine's (``replicas.combine_stats``)."""
         from jaxinfer.replicas import combine_stats
 
         each = [e.stats for e in self.engines if e.stats is not None]
-        return combine_stats(each, max(s.step_seconds for s in each))
+        return combine_stats(each, max(s.step_seconds for s in each)) if each else None
 
-    def stop(self) -> None:
-        """Stop every started engine process (what runs is cancelled) and wait for them."""
-        for e in self.engines:
-            if e.info is not None:
-                e.stop(0.0)
+    @property
+    def dead(self) -> str | None:
+        """Why a replica's engine process is gone, if one is."""
+        return next((e.dead for e in self.engines if e.dead is not None), None)
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``stop`` was called or a replica's engine process died."""
+        return any(e.closing for e in self.engines)
+
+    @property
+    def outstanding(self) -> int:
+        """Engine requests submitted and not yet finished or cancelled, over all replicas."""
+        return sum(e.outstanding for e in self.engines)
+
+    def submit(self, ticket: Any, jobs: list[tuple[Any, Request]], stream: bool) -> int:
+        """``EngineProcess.submit`` on the replica with the least work left (the next one
+        when its queue is full); returns an id for ``cancel``."""
+        if self.dead is not None:
+            raise ShuttingDown(self.dead)
+        costs = {key: len(r.prompt_ids) + (0 if r.is_score else r.sampling.max_new_tokens)
+                 for key, r in jobs}
+        with self._lock:
+            order = sorted(range(len(self.engines)), key=self._load.__getitem__)
+        for n, i in enumerate(order):
+            with self._lock:  # before submit: its messages may come at once
+                self._jobs[ticket] = (i, dict(costs))
+                self._load[i] += sum(costs.values())
+            try:
+                inner = self.engines[i].submit(ticket, jobs, stream)
+            except QueueFull:
+                self._release(ticket)
+                if n == len(order) - 1:
+                    raise
+                continue
+            except BaseException:
+                self._release(ticket)
+                raise
+            with self._lock:
+                tid = next(self._ids)
+                self._tids[tid] = (i, inner)
+            return tid
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def cancel(self, tid: int) -> None:
+        """Cancel a ticket's unfinished jobs (``EngineProcess.cancel``)."""
+        i, inner = self._tids[tid]
+        self.engines[i].cancel(inner)
+
+    def stop(self, grace_s: float) -> None:
+        """``EngineProcess.stop`` on every started replica at once."""
+        started = [e for e in self.engines if e.info is not None]
+        if started:
+            with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+                list(pool.map(lambda e: e.stop(grace_s), started))
+
+    def _deliver(self, messages: list[Message]) -> None:
+        """A replica's messages: give finished jobs' tokens back, then pass them on."""
+        with self._lock:
+            for ticket, kind, key, _ in messages:
+                if kind == "rejected":
+                    self._release(ticket)
+                elif kind in ("done", "failed") and ticket in self._jobs:
+                    i, costs = self._jobs[ticket]
+                    self._load[i] -= costs.pop(key, 0)
+                    if not costs:
+                        del self._jobs[ticket]
+        self._on_messages(messages)
+
+    def _release(self, ticket: Any) -> None:
+        """Forget a ticket's jobs and give their tokens back (its replica did not take it)."""
+        with self._lock:
+            i, costs = self._jobs.pop(ticket, (0, {}))
+            self._load[i] -= sum(costs.values())
+
+
+def open_engine(spec: EngineSpec, on_messages: Callable[[list[Message]], None],
+                max_queue: int, max_decode_steps: int | None = None
+                ) -> EngineProcess | ReplicaProcesses:
+    """The handle that serves ``spec``: one ``EngineProcess``, or ``ReplicaProcesses`` when
+    ``spec.replica_processes`` asks for an engine process per data replica."""
+    kind = ReplicaProcesses if spec.replica_processes else EngineProcess
+    return kind(spec, on_messages, max_queue, max_decode_steps)

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine import EngineStats
-from jaxinfer.engine_process import EngineProcess, EngineSpec, Message, QueueFull, ShuttingDown
+from jaxinfer.engine_process import EngineSpec, Message, QueueFull, ShuttingDown, open_engine
 from jaxinfer.errors import InputError
 from jaxinfer.generate import TextStream
 from jaxinfer.requests import (
@@ -465,7 +465,8 @@ class Server:
     """The engine process, the model's config and tokenizer, and the metrics behind one
     FastAPI app.
 
-    Starting it starts the engine process (``EngineProcess.start``: the model loads there)
+    Starting it starts the engine process (``EngineProcess.start``: the model loads there;
+    ``ReplicaProcesses`` with ``spec.replica_processes``: one per data replica)
     and waits until it is ready; ``model`` is the served model without its weights.
     """
 
@@ -473,7 +474,7 @@ class Server:
                  max_decode_steps: int | None) -> None:
         self.metrics = ServerMetrics()
         self.speculative = spec.speculative  # every generation request's
-        self.engine = EngineProcess(spec, self.deliver, max_queue, max_decode_steps)
+        self.engine = open_engine(spec, self.deliver, max_queue, max_decode_steps)
         info = self.engine.start()
         self.model: Model = info.model()
         self.name = name or info.name

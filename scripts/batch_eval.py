@@ -379,20 +379,22 @@ class _Processes:
     (``jaxinfer.engine_process.ReplicaProcesses``), this process never starting JAX."""
 
     def __init__(self, args: argparse.Namespace, options: dict[str, Any], work: bool) -> None:
+        import queue
+
         import jax.numpy as jnp
 
         from jaxinfer.engine_process import EngineSpec, ReplicaProcesses
 
-        engine = {} if args.batch_size is None else {"max_batch": args.batch_size}
-        cache = os.path.expanduser(args.compile_cache) if args.compile_cache else None
-        specs = [EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
-                            kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, engine=engine,
-                            warmup=work, score=args.score,
-                            speculative=None if args.score else options["speculative"],
-                            devices=tuple(range(i * args.tp, (i + 1) * args.tp)),
-                            compile_cache=cache)
-                 for i in range(args.dp)]
-        self.pool = ReplicaProcesses(specs)
+        spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
+                          kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
+                          engine={} if args.batch_size is None else {"max_batch": args.batch_size},
+                          warmup=work, score=args.score,
+                          speculative=None if args.score else options["speculative"],
+                          compile_cache=(os.path.expanduser(args.compile_cache)
+                                         if args.compile_cache else None),
+                          replica_processes=True)
+        self._done: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self.pool = ReplicaProcesses(spec, self._done.put, max_queue=2**62)
         t0 = time.perf_counter()
         info = self.pool.start()
         self.warm_s = time.perf_counter() - t0  # loads and compiles, in every process at once
@@ -402,21 +404,28 @@ class _Processes:
         self.device_kind, self.max_batch = info.device_kind, info.max_batch
 
     def submit(self, reqs: dict[int, Any]) -> None:
-        """Queue the requests (line -> Request), each on the least-loaded replica."""
+        """Queue the requests (line -> Request), each on the replica with the least work."""
         for line, req in reqs.items():
-            self.pool.submit(line, req)
+            self.pool.submit(line, [(line, req)], stream=False)
 
     def results(self) -> list[tuple[int, Any, str | None]]:
         """Wait for finished requests: ``(line, result, None)`` or ``(line, None, why)``."""
-        return self.pool.results()
+        out: list[tuple[int, Any, str | None]] = []
+        while not out:
+            for line, kind, _, payload in self._done.get():
+                if kind == "done":
+                    out.append((line, payload, None if payload is not None else "cancelled"))
+                elif kind in ("failed", "rejected"):
+                    out.append((line, None, payload or "the engine stopped"))
+        return out
 
     def stats(self) -> Any:
         """The replicas' counters as one engine's."""
-        return self.pool.stats()
+        return self.pool.stats
 
     def close(self) -> None:
         """Stop the engine processes."""
-        self.pool.stop()
+        self.pool.stop(0.0)
 
 
 def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],

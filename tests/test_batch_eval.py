@@ -275,16 +275,27 @@ def _process_worker(tmp: Path) -> None:
 
 
 def test_replica_processes_route_by_work_left():
-    """Each request goes to the replica with the fewest prompt + new tokens outstanding; a
-    finished (or failed) request gives its tokens back."""
-    from jaxinfer.engine_process import EngineSpec, ReplicaProcesses
+    """A ticket goes to the replica with the fewest prompt + new tokens outstanding (the next
+    one when that queue is full); finished, failed or rejected jobs give their tokens back."""
+    from jaxinfer.engine_process import EngineSpec, QueueFull, ReplicaProcesses
     from jaxinfer.requests import Request
     from jaxinfer.sampling import SamplingParams
 
-    pool = ReplicaProcesses([EngineSpec("m", devices=(i,)) for i in range(3)])
+    seen: list[list] = []
+    pool = ReplicaProcesses(EngineSpec("m", dp=3, replica_processes=True), seen.append,
+                            max_queue=0)
+    assert [e.spec.devices for e in pool.engines] == [(0,), (1,), (2,)]
     sent: list[tuple[int, str]] = []
-    for i, engine in enumerate(pool.engines):  # no processes: record what each is sent
-        engine.submit = lambda key, jobs, stream, i=i: sent.append((i, key))
+    full: set[int] = set()
+
+    def fake_submit(ticket, jobs, stream, i):  # no processes: record what each is sent
+        if i in full:
+            raise QueueFull
+        sent.append((i, ticket))
+        return len(sent)
+
+    for i, engine in enumerate(pool.engines):
+        engine.submit = lambda t, j, s, i=i: fake_submit(t, j, s, i)
 
     def req(prompt: int, new: int) -> Request:  # new=0: a scoring request (prompt only)
         return Request(tuple(range(prompt)), SamplingParams(max_new_tokens=max(new, 1)), (),
@@ -292,13 +303,18 @@ def test_replica_processes_route_by_work_left():
 
     for key, (prompt, new) in zip("abcde", [(10, 90), (5, 5), (40, 10), (1, 1), (30, 0)],
                                   strict=True):
-        pool.submit(key, req(prompt, new))
+        pool.submit(key, [(0, req(prompt, new))], stream=False)
     # loads 100 | 10 | 50 after a, b, c; d goes to 1 (11); e to 1 (41)
     assert sent == [(0, "a"), (1, "b"), (2, "c"), (1, "d"), (1, "e")]
-    pool._done.put([("a", "done", "a", "A"), ("c", "failed", "c", "why")])
-    assert pool.results() == [("a", "A", None), ("c", None, "why")]
-    pool.submit("f", req(20, 20))  # loads 0 | 41 | 0
-    assert sent[-1] == (0, "f")
+    msgs = [("a", "done", 0, "A"), ("c", "failed", 0, "why"), ("e", "rejected", None, "no")]
+    pool.engines[0]._on_messages(msgs)  # as replica 0's receiver thread would
+    assert seen == [msgs]  # passed on unchanged; loads now 0 | 11 | 0
+    full.add(0)
+    pool.submit("f", [(0, req(20, 20))], stream=False)  # replica 0 is full: the next, 2
+    assert sent[-1] == (2, "f")
+    full.update({1, 2})
+    with pytest.raises(QueueFull):
+        pool.submit("g", [(0, req(1, 1))], stream=False)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -414,6 +414,34 @@ def test_server_wide_ngram_speculation_gives_the_plain_tokens(folder, model):
     assert proposed > 0 and 0 <= m[("jaxinfer_spec_decode_accepted_tokens_total", ())] <= proposed
 
 
+def test_replica_processes_serve_the_plain_tokens(folder, model, monkeypatch):
+    """``jaxinfer serve --dp 2 --replica-processes``: an engine process per replica (each
+    with its own CPU device here) serves concurrent requests with ``generate``'s texts; both
+    replicas take work, and the server's counters add theirs up."""
+    import concurrent.futures
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the engine processes inherit it
+    spec = dataclasses.replace(spec_of(folder), dp=2, replica_processes=True)
+    want = jaxinfer.generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
+    app = create_app(spec, name="tiny", max_decode_steps=4)
+    with serving(app) as (url, _):
+        def ask(prompt: str) -> str:
+            r = httpx.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0},
+                timeout=300)
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(ask, PROMPTS))
+        wait_idle(url)
+        engine = app.state.server.engine
+        per_replica = [e.stats.generated_tokens for e in engine.engines]
+        total = engine.stats.generated_tokens
+    assert texts == [w.text for w in want]
+    assert all(n > 0 for n in per_replica) and sum(per_replica) == total, per_replica
+    assert total == sum(len(w.token_ids) for w in want)
+
+
 def test_serve_speculative_flag_checks_before_loading(capsys):
     from jaxinfer.cli import main
 
@@ -607,6 +635,10 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
     assert main(["serve", "--max-queue", "-1"]) == 2
     assert "--max-queue=-1 must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--port", "0"]) == 2
+    capsys.readouterr()
+    assert main(["serve", "--replica-processes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "replica processes serve --dp replicas; give --dp 2" in err[0]
 
 
 @pytest.mark.slow
