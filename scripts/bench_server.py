@@ -13,6 +13,10 @@ fresh ``Engine`` of the same sizes (``BenchSpec``), each in a process of its own
    ``--clients N`` clients taking requests from a shared queue), each posting
    ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
 
+With ``--dp N`` the server runs an engine process per GPU (``ReplicaProcesses``, as ``jaxinfer
+serve --dp N --replica-processes``), each with the same engine; the offline run stays on one
+GPU, so the ratio reads as the scaling over one engine (ideal: N).
+
 It prints and records output tok/s of both, their ratio (the issue's target: >= 0.9), the
 fraction of the workload's device floor (``jaxinfer.benchmark.workload_floor``), and the clients'
 TTFT (request sent -> first text chunk) and TPOT ((last chunk - first chunk) / (tokens - 1))
@@ -252,10 +256,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--read-tbps", type=float, default=None)
     ap.add_argument("--compile-cache", default=None,
                     help="JAX persistent compilation cache folder")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="serve from this many engine processes, one per GPU "
+                         "(``--replica-processes``); the offline run stays on one GPU")
     ap.add_argument("--json", default=None,
                     help="write the record here; 'auto' = bench/results/<device>/"
                          "server_issue14/server_<preset>_<date>.json")
     args = ap.parse_args(argv)
+    if args.dp < 1:
+        ap.error(f"--dp={args.dp} must be >= 1")
     if args.kv_bytes is None:
         args.kv_bytes = bench_engine.DEFAULT_KV_BYTES.get(args.preset)
     finish_workload_args(ap, args)
@@ -282,13 +291,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"({offline['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor "
           f"{floor['floor_output_tok_per_s']:.4g} tok/s)", flush=True)
 
-    served = run_served(spec, args, w)
+    served = run_served(dataclasses.replace(spec, dp=args.dp, replica_processes=args.dp > 1),
+                        args, w)
     ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
+    served_floor = floor["floor_output_tok_per_s"] * args.dp  # each replica a whole floor
     print(f"-- served over HTTP ({served['clients']} streaming clients in "
-          f"{served['client_processes']} processes): "
+          f"{served['client_processes']} processes, {args.dp} engine process(es)): "
           f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
-          f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline, "
-          f"{served['output_tok_per_s'] / floor['floor_output_tok_per_s']:.1%} of the floor")
+          f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline on one GPU, "
+          f"{served['output_tok_per_s'] / served_floor:.1%} of the floor")
     print(f"   client TTFT ms {served['ttft_ms']}  TPOT ms {served['tpot_ms']}", flush=True)
     record = dict(
         date=now.isoformat(timespec="seconds"), device=run["device"], jax=run["jax"],
@@ -297,8 +308,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         model=label, layout=run["layout"], dtype=run["dtype"], args=vars(args),
         ceilings=run["ceilings"], floor=floor, slots=run["slots"],
         max_tokens_per_step=run["max_tokens_per_step"], offline=offline, served=served,
-        served_over_offline=ratio,
-        served_fraction_of_floor=served["output_tok_per_s"] / floor["floor_output_tok_per_s"])
+        served_over_offline=ratio, dp=args.dp,
+        served_fraction_of_floor=served["output_tok_per_s"] / served_floor)
     path = record_path(args.json, REPO / "bench" / "results" / run["device_name"]
                        / "server_issue14" / f"server_{label}_{now.strftime('%Y%m%d')}.json")
     if path is not None:

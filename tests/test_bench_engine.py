@@ -226,6 +226,32 @@ def test_bench_server_tiny_served_and_offline(tmp_path):
     assert served["tpot_ms"]["p50"] is not None
 
 
+@pytest.mark.slow
+def test_bench_server_dp2_serves_from_two_engine_processes(tmp_path, monkeypatch):
+    """``bench_server.py --dp 2``: the served run's engine is two engine processes (a
+    ``ReplicaProcesses``), every request is answered and counted once, and the record's
+    floor share is over both replicas' floors."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the engine processes inherit it
+    server_bench = load_script("bench_server")
+    seen = []
+    real = server_bench.run_served
+
+    def spy(spec, args, w, **kw):
+        seen.append((spec.dp, spec.replica_processes))
+        return real(spec, args, w, **kw)
+
+    monkeypatch.setattr(server_bench, "run_served", spy)
+    record = server_bench.main(["--preset", "tiny", "--requests", "12", "--max-batch", "4",
+                                "--token-budget", "16", "--output-max", "12", "--dp", "2",
+                                "--json", str(tmp_path / "r.json")])
+    served = record["served"]
+    assert seen == [(2, True)] and record["dp"] == 2
+    assert 0 < served["output_tokens"] == served["engine_generated_tokens"]
+    assert served["output_tokens"] <= served["planned_output_tokens"]
+    assert record["served_fraction_of_floor"] == pytest.approx(
+        served["output_tok_per_s"] / (2 * record["floor"]["floor_output_tok_per_s"]))
+
+
 def test_bench_server_host_synthetic_engine(tmp_path):
     """scripts/bench_server_host.py: the served path (engine process loop, HTTP process,
     aiohttp clients) against the synthetic engine, which needs no compilation."""
