@@ -138,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=1024,
-                    help="requests that may wait for a slot before new ones get 429")
+                    help="requests that may wait for a slot before new ones get 429 (per "
+                    "engine process with --replica-processes)")
     sv.add_argument("--shutdown-grace", type=float, default=30.0,
                     help="seconds running requests get to finish at shutdown (then cancelled)")
     sv.add_argument("--speculative", choices=["ngram"], default=None,

@@ -89,6 +89,7 @@ class EngineSpec:
         method="ngram")``; adaptive, so it runs only while it pays); None: none.
       score: the engine only scores (``batch_eval --score``): the warm-up compiles the
         scoring programs instead of the generation ones.
+      sampled: the warm-up compiles the sampled (temperature > 0) generation programs too.
       devices: the local device ids this process uses (one data replica's ``tp`` devices);
         on GPUs it sees only those (``jax_cuda_visible_devices``, set before JAX starts), so
         several engine processes share a host. None: every device.
@@ -109,6 +110,7 @@ class EngineSpec:
     warmup: bool = True
     speculative: Any = None  # jaxinfer.Speculative (n-gram) or None
     score: bool = False
+    sampled: bool = True
     devices: tuple[int, ...] | None = None
     compile_cache: str | None = None
     replica_processes: bool = False
@@ -149,7 +151,8 @@ class EngineSpec:
         else:
             engine = engine_for(model)
         if self.warmup and jax.default_backend() != "cpu":  # seconds a program
-            engine.warmup(generate=not self.score, score=self.score, sampled=not self.score,
+            engine.warmup(generate=not self.score, score=self.score,
+                          sampled=self.sampled and not self.score,
                           speculative=self.speculative)
         return engine
 
@@ -612,13 +615,12 @@ class ReplicaProcesses:
         self._lock = threading.RLock()  # _release takes it inside _deliver's
         self._load = [0] * len(self.engines)  # tokens each replica still has to compute
         self._jobs: dict[Any, tuple[int, dict[Any, int]]] = {}  # ticket -> replica, key -> cost
-        self._ids = itertools.count()
-        self._tids: dict[int, tuple[int, int]] = {}  # our id -> (replica, its id)
 
     def start(self) -> EngineInfo:
         """Start every engine process at once and wait until all are ready; return replica
-        0's ``EngineInfo`` with ``max_batch`` summed over the replicas. If any fails, stop
-        the others and raise its error (``InputError`` for a user's mistake)."""
+        0's ``EngineInfo`` with ``max_batch`` and the counters summed over the replicas. If
+        any fails, stop the others and raise its error (``InputError`` for a user's
+        mistake)."""
         with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
             futures = [pool.submit(e.start) for e in self.engines]
             errors = [f.exception() for f in futures]
@@ -627,7 +629,8 @@ class ReplicaProcesses:
             raise next(e for e in errors if e is not None)
         infos = [e.info for e in self.engines]
         self.info = dataclasses.replace(infos[0], max_batch=sum(i.max_batch for i in infos),
-                                        max_seq_len=min(i.max_seq_len for i in infos))
+                                        max_seq_len=min(i.max_seq_len for i in infos),
+                                        stats=self.stats)
         return self.info
 
     @property
@@ -670,21 +673,18 @@ class ReplicaProcesses:
                 inner = self.engines[i].submit(ticket, jobs, stream)
             except QueueFull:
                 self._release(ticket)
-                if n == len(order) - 1:
-                    raise
-                continue
+                if n < len(order) - 1:
+                    continue
+                raise
             except BaseException:
                 self._release(ticket)
                 raise
-            with self._lock:
-                tid = next(self._ids)
-                self._tids[tid] = (i, inner)
-            return tid
-        raise AssertionError("unreachable: the loop returns or raises")
+            return inner * len(self.engines) + i  # the replica and its id, in one int
+        raise QueueFull  # no replicas: cannot happen (spec.dp >= 2)
 
     def cancel(self, tid: int) -> None:
         """Cancel a ticket's unfinished jobs (``EngineProcess.cancel``)."""
-        i, inner = self._tids[tid]
+        inner, i = divmod(tid, len(self.engines))
         self.engines[i].cancel(inner)
 
     def stop(self, grace_s: float) -> None:

@@ -42,7 +42,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
 
 
-def _parse_dtype(dtype: Any) -> Any:
+def parse_dtype(dtype: Any) -> Any:
+    """``load_model``'s ``dtype`` (a name such as ``"bf16"``, or a dtype) as a JAX scalar
+    type; ``InputError`` for one it does not take."""
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise InputError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
@@ -173,7 +175,7 @@ def load_model(
         backend) when read, so the pool holds about twice the tokens for the same memory.
         Works with every layout, mesh, backend and ``deterministic``.
     """
-    jdtype = _parse_dtype(dtype)
+    jdtype = parse_dtype(dtype)
     check_kv_cache_dtype(kv_cache_dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):

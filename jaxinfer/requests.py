@@ -245,8 +245,9 @@ def resolve_seed(sp: SamplingParams) -> SamplingParams:
     """``sp`` with a concrete seed: drawn once here, on process 0 when there are several.
 
     A request keeps this seed through preemption and recompute, so its tokens depend only on
-    the seed, its token index and its inputs. With several processes (multi-host) the draw
-    is broadcast, so every process samples the same tokens.
+    the seed, its token index and its inputs. With several processes (multi-host, started
+    with ``jax.distributed.initialize``: ``sharding.multihost.initialize``) the draw is
+    broadcast, so every process samples the same tokens.
     """
     if sp.seed is not None:
         return sp

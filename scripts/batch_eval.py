@@ -273,7 +273,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{bad[0].line}); fix them or pass --on-bad-record skip")
 
     if args.replica_processes:
-        _check_process_args(args)
+        _check_process_args(args)  # and load_model's checks of the dtype, before any process
+        from jaxinfer.loading import parse_dtype
+
+        parse_dtype(args.dtype)
         primary = True
     else:
         from sharding.multihost import initialize, is_primary
@@ -347,14 +350,18 @@ class _InProcess:
         self._args, self._options = args, options
         self._line_of: dict[int, int] = {}
 
-    def submit(self, reqs: dict[int, Any]) -> None:
-        """Compile (or load) every step program, then queue the requests (line -> Request)."""
+    def prepare(self, reqs: dict[int, Any]) -> None:
+        """Compile (or load) every step program the requests need (line -> Request), so the
+        timed run is the steady state."""
         args = self._args
         sampled = any(r.sampling.temperature > 0 for r in reqs.values())
-        if reqs:  # compiled up front, so the timed run is the steady state
+        if reqs:
             self.warm_s = self.engine.warmup(
                 generate=not args.score, score=args.score, sampled=sampled,
                 speculative=None if args.score else self._options["speculative"])
+
+    def submit(self, reqs: dict[int, Any]) -> None:
+        """Queue the requests (line -> Request)."""
         self._line_of = {self.engine.add_request(req): line for line, req in reqs.items()}
 
     def results(self) -> list[tuple[int, Any, str | None]]:
@@ -384,11 +391,12 @@ class _Processes:
         import jax.numpy as jnp
 
         from jaxinfer.engine_process import EngineSpec, ReplicaProcesses
+        from jaxinfer.loading import parse_dtype
 
         spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
                           kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
                           engine={} if args.batch_size is None else {"max_batch": args.batch_size},
-                          warmup=work, score=args.score,
+                          warmup=work, score=args.score, sampled=options["temperature"] > 0,
                           speculative=None if args.score else options["speculative"],
                           compile_cache=(os.path.expanduser(args.compile_cache)
                                          if args.compile_cache else None),
@@ -399,9 +407,12 @@ class _Processes:
         info = self.pool.start()
         self.warm_s = time.perf_counter() - t0  # loads and compiles, in every process at once
         self.model = info.model()
-        self.itemsize = jnp.dtype(args.dtype).itemsize
+        self.itemsize = jnp.dtype(parse_dtype(args.dtype)).itemsize
         self.devices, self.replicas = args.dp * args.tp, args.dp
         self.device_kind, self.max_batch = info.device_kind, info.max_batch
+
+    def prepare(self, reqs: dict[int, Any]) -> None:
+        """Nothing: each engine process compiled its programs before it was ready."""
 
     def submit(self, reqs: dict[int, Any]) -> None:
         """Queue the requests (line -> Request), each on the replica with the least work."""
@@ -409,14 +420,23 @@ class _Processes:
             self.pool.submit(line, [(line, req)], stream=False)
 
     def results(self) -> list[tuple[int, Any, str | None]]:
-        """Wait for finished requests: ``(line, result, None)`` or ``(line, None, why)``."""
+        """Wait for finished requests: ``(line, result, None)``, or ``(line, None, why)``
+        for one an engine refused (too long for it, say).
+
+        Raises ``RuntimeError`` when an engine failed a request (its step raised, or its
+        process died): like the in-process engine's error, it ends the run, and the records
+        written so far stay a prefix to resume from.
+        """
         out: list[tuple[int, Any, str | None]] = []
         while not out:
             for line, kind, _, payload in self._done.get():
-                if kind == "done":
-                    out.append((line, payload, None if payload is not None else "cancelled"))
-                elif kind in ("failed", "rejected"):
-                    out.append((line, None, payload or "the engine stopped"))
+                if kind == "done" and payload is not None:
+                    out.append((line, payload, None))
+                elif kind == "rejected" and payload is not None:
+                    out.append((line, None, payload))
+                elif kind != "accepted":
+                    raise RuntimeError(f"a replica process could not finish line {line} "
+                                       f"({kind}: {payload or 'it is stopping'})")
         return out
 
     def stats(self) -> Any:
@@ -438,7 +458,7 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
         if isinstance(reqs.get(r.line), str):
             r.error = reqs.pop(r.line)
             print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
-    runner.submit(reqs)
+    runner.prepare(reqs)
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
              "ttft": [], "tpot": [], "prompt_lens": [], "output_lens": []}
     bar = None
@@ -448,6 +468,7 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
         bar = tqdm(total=len(records), initial=done, unit="rec", file=sys.stderr,
                    dynamic_ncols=True)
     t0 = time.perf_counter()
+    runner.submit(reqs)  # replica processes start on them at once: timed
     args.output.parent.mkdir(parents=True, exist_ok=True)
     out_f = args.output.open("a", encoding="utf-8") if primary else None
     finished: dict[int, dict[str, Any]] = {}

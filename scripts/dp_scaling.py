@@ -4,7 +4,7 @@ Issue 16 asks ``batch_eval --dp N`` for at least 0.95 N times one GPU. This runs
 ``batch_eval`` workload (each run in its own process, the caller's working directory)
 ``--repeats`` times in each mode, in the order one, threads, processes, one, ...:
 
-- ``one``: one replica (``--tp`` devices, the first ones: ``CUDA_VISIBLE_DEVICES``);
+- ``one``: one replica (``--tp`` devices, the first ones: ``CUDA_VISIBLE_DEVICES`` is set);
 - ``threads``: ``--dp N``, the replicas as threads of one process (``DataParallelEngine``);
 - ``processes``: ``--dp N --replica-processes``, an engine process per replica.
 
@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if args.dp < 2 or args.tp < 1 or args.repeats < 1 or not set(modes) <= set(MODES):
         p.error(f"need --dp >= 2, --tp >= 1, --repeats >= 1 and --modes among {MODES}")
-    if own := [a for a in passthrough if a.split("=")[0] in OWN_FLAGS]:
+    if own := [a for a in passthrough  # argparse takes a flag's unique prefix too
+               if len(a.split("=")[0]) > 2 and any(f.startswith(a.split("=")[0])
+                                                   for f in OWN_FLAGS)]:
         p.error(f"{own} are set by this script; drop them after --")
     device = device_name()
     path = args.json

@@ -276,7 +276,8 @@ def _process_worker(tmp: Path) -> None:
 
 def test_replica_processes_route_by_work_left():
     """A ticket goes to the replica with the fewest prompt + new tokens outstanding (the next
-    one when that queue is full); finished, failed or rejected jobs give their tokens back."""
+    one when that queue is full); done, failed or rejected jobs give their tokens back, also
+    when the answer comes before ``submit`` returns; ids for ``cancel`` name the replica."""
     from jaxinfer.engine_process import EngineSpec, QueueFull, ReplicaProcesses
     from jaxinfer.requests import Request
     from jaxinfer.sampling import SamplingParams
@@ -286,35 +287,48 @@ def test_replica_processes_route_by_work_left():
                             max_queue=0)
     assert [e.spec.devices for e in pool.engines] == [(0,), (1,), (2,)]
     sent: list[tuple[int, str]] = []
+    cancelled: list[tuple[int, int]] = []
     full: set[int] = set()
+    instant: set[str] = set()  # tickets answered (done) before submit returns
 
     def fake_submit(ticket, jobs, stream, i):  # no processes: record what each is sent
         if i in full:
             raise QueueFull
         sent.append((i, ticket))
-        return len(sent)
+        if ticket in instant:
+            pool.engines[i]._on_messages([(ticket, "done", k, "R") for k, _ in jobs])
+        return 10 + len(sent)
 
     for i, engine in enumerate(pool.engines):
         engine.submit = lambda t, j, s, i=i: fake_submit(t, j, s, i)
+        engine.cancel = lambda tid, i=i: cancelled.append((i, tid))
 
     def req(prompt: int, new: int) -> Request:  # new=0: a scoring request (prompt only)
         return Request(tuple(range(prompt)), SamplingParams(max_new_tokens=max(new, 1)), (),
                        num_scored=0 if new else 3)
 
+    ids = {}
     for key, (prompt, new) in zip("abcde", [(10, 90), (5, 5), (40, 10), (1, 1), (30, 0)],
                                   strict=True):
-        pool.submit(key, [(0, req(prompt, new))], stream=False)
-    # loads 100 | 10 | 50 after a, b, c; d goes to 1 (11); e to 1 (41)
+        ids[key] = pool.submit(key, [(0, req(prompt, new))], stream=False)
+        # after a, b, c: 100 | 10 | 50; d to 1 (12); e to 1 (42)
     assert sent == [(0, "a"), (1, "b"), (2, "c"), (1, "d"), (1, "e")]
+    assert pool._load == [100, 42, 50]
+    pool.cancel(ids["d"])
+    assert cancelled == [(1, 14)]  # replica 1's own id for d
     msgs = [("a", "done", 0, "A"), ("c", "failed", 0, "why"), ("e", "rejected", None, "no")]
     pool.engines[0]._on_messages(msgs)  # as replica 0's receiver thread would
-    assert seen == [msgs]  # passed on unchanged; loads now 0 | 11 | 0
+    assert seen == [msgs] and pool._load == [0, 12, 0]
+    instant.add("f")
+    pool.submit("f", [(0, req(20, 20)), (1, req(5, 5))], stream=False)
+    assert sent[-1] == (0, "f") and pool._load == [0, 12, 0]  # answered within submit
     full.add(0)
-    pool.submit("f", [(0, req(20, 20))], stream=False)  # replica 0 is full: the next, 2
-    assert sent[-1] == (2, "f")
+    pool.submit("g", [(0, req(20, 20))], stream=False)  # replica 0 is full: the next, 2
+    assert sent[-1] == (2, "g") and pool._load == [0, 12, 40]
     full.update({1, 2})
     with pytest.raises(QueueFull):
-        pool.submit("g", [(0, req(1, 1))], stream=False)
+        pool.submit("h", [(0, req(1, 1))], stream=False)
+    assert pool._load == [0, 12, 40]  # nothing held for the refused ticket
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -323,6 +337,7 @@ def test_replica_processes_route_by_work_left():
      "--replica-processes runs on one host"),
     (("--dp", "2", "--speculative", "draft", "--draft-model", "x"),
      "--speculative draft cannot run with --replica-processes"),
+    (("--dp", "2", "--dtype", "int3"), "dtype 'int3' is not supported"),
 ])
 def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message):
     be = _load_script()
@@ -333,6 +348,24 @@ def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"batch_eval: error: {message}"), err
     assert not out.exists()
+
+
+def test_replica_processes_results_end_the_run_when_an_engine_fails():
+    """An engine's refusal (a reason) is the record's error; a failed or cancelled request
+    ends the run (the written records stay a prefix to resume from)."""
+    import queue
+
+    be = _load_script()
+    runner = be._Processes.__new__(be._Processes)  # its message handling, no processes
+    runner._done = queue.SimpleQueue()
+    runner._done.put([(1, "accepted", None, None), (1, "done", 1, "C"),
+                      (2, "rejected", None, "too long")])
+    assert runner.results() == [(1, "C", None), (2, None, "too long")]
+    for kind, payload in (("failed", "the engine step raised X"), ("done", None),
+                          ("rejected", None)):
+        runner._done.put([(3, kind, 3, payload)])
+        with pytest.raises(RuntimeError, match=f"could not finish line 3 \\({kind}"):
+            runner.results()
 
 
 def _load_dp_scaling():
