@@ -13,6 +13,10 @@ thread until the program is nearly done, with the interpreter lock released. ``s
 starts a step on every idle replica that has work and returns the events of whichever
 replica finishes first; the others keep running.
 
+The replicas' host work shares this process's interpreter lock; for a model loaded from a
+path, ``jaxinfer.engine_process.ReplicaProcesses`` runs each replica in a process of its own
+instead (``batch_eval`` / ``jaxinfer serve`` with ``--replica-processes``).
+
 ``engine_for(model)`` returns the engine that serves ``generate``, ``stream``, ``score`` and
 ``batch_eval`` for a model: an ``Engine``, or a ``DataParallelEngine`` on a mesh whose
 ``data`` axis is larger than 1. A mesh across hosts keeps one ``Engine`` that every process
