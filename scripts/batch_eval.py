@@ -333,7 +333,7 @@ class _InProcess:
         if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the shapes
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
         draft = load_draft(args)
-        if draft is not None:
+        if draft is not None:  # into the caller's options: its requests draft with it
             options.update({k: v for k, v in sampling_kwargs(args, draft).items()
                             if k != "seed"})
         self.model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,

@@ -40,6 +40,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a file from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from jaxinfer.benchmark import device_folder, record_path, write_record  # noqa: E402
+
 MODES = ("one", "threads", "processes")
 OWN_FLAGS = ("--output", "--dp", "--tp", "--replica-processes", "--no-progress")
 SUMMARY = re.compile(
@@ -63,8 +68,8 @@ def parse_summary(stdout: str) -> dict[str, float]:
 
 
 def device_name() -> str:
-    """This machine's GPU name from ``nvidia-smi`` (no JAX backend is started here), or
-    ``"cpu"``."""
+    """This machine's GPU name from ``nvidia-smi``, or ``"cpu"``: ``benchmark.device_name``
+    would start a JAX backend here, taking GPU memory from the runs."""
     if shutil.which("nvidia-smi") is None:
         return "cpu"
     out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -129,11 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    for f in OWN_FLAGS)]:
         p.error(f"{own} are set by this script; drop them after --")
     device = device_name()
-    path = args.json
-    if path == "auto":
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
-        kind = re.sub(r"[^a-z0-9]+", "", device.split(" x ")[-1].lower().replace("nvidia", ""))
-        path = str(REPO / "bench" / "results" / kind / f"dp_scaling_{stamp}.json")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    folder = device_folder(device, "cpu" if device == "cpu" else "gpu")
+    path = record_path(args.json, REPO / "bench" / "results" / folder / f"dp_scaling_{stamp}.json")
     rec: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device, "command": "python " + " ".join(sys.argv), "dp": args.dp,
@@ -156,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode:9s} repeat {r}: {run[rate]:,.1f} {rate}  wall {run['wall_s']} s "
                       f"(after {run['warm_s']} s warm-up)  floor share {run['floor_share']}  "
                       f"identical records {run['identical_records']}/{len(ids)}", flush=True)
-                if path:
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    Path(path).write_text(json.dumps(rec, indent=1) + "\n")
+                write_record(path, rec)
     for mode, s in rec["summary"].items():
         if mode != "measure":
             print(f"{mode:9s} median {s['median']:,.1f}  x one: {s['vs_one']}")

@@ -12,10 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("batch_eval", REPO / "scripts" / "batch_eval.py")
+def _load_script(name: str = "batch_eval"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["batch_eval"] = mod  # dataclasses look their module up while being defined
+    sys.modules[name] = mod  # dataclasses look their module up while being defined
     spec.loader.exec_module(mod)
     return mod
 
@@ -368,13 +368,6 @@ def test_replica_processes_results_end_the_run_when_an_engine_fails():
             runner.results()
 
 
-def _load_dp_scaling():
-    spec = importlib.util.spec_from_file_location("dp_scaling", REPO / "scripts" / "dp_scaling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
 def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
     """``scripts/dp_scaling.py`` runs batch_eval as one replica, 2 threads and 2 processes
@@ -407,7 +400,7 @@ def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
 
 
 def test_dp_scaling_parses_the_summary_and_refuses_its_own_flags(capsys):
-    ds = _load_dp_scaling()
+    ds = _load_script("dp_scaling")
     line = ("requests 2000 generated (+0 resumed, 0 bad)  tokens 256000  wall 4.27 s  "
             "throughput 59906.6 tok/s  468.02 req/s  prefix-cache hits 0 tokens  (after 59.9 s "
             "compiling/loading step programs)  (engine: 93 steps, 4.15 s in steps, 3.88 s "
