@@ -36,12 +36,13 @@ import contextlib
 import dataclasses
 import itertools
 import multiprocessing
+import os
 import queue
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -91,8 +92,9 @@ class EngineSpec:
         scoring programs instead of the generation ones.
       sampled: the warm-up compiles the sampled (temperature > 0) generation programs too.
       devices: the local device ids this process uses (one data replica's ``tp`` devices);
-        on GPUs it sees only those (``jax_cuda_visible_devices``, set before JAX starts), so
-        several engine processes share a host. None: every device.
+        numbered among those this host lets the process see; on GPUs the engine process sees
+        only those (``cuda_visible_devices``, set before JAX starts a backend), so several
+        engine processes share a host. None: every device.
       compile_cache: persistent XLA compilation cache folder (``jax_compilation_cache_dir``);
         None: none.
       replica_processes: serve the ``dp`` replicas as engine processes of their own
@@ -169,13 +171,31 @@ class EngineSpec:
             jax.config.update("jax_compilation_cache_dir", self.compile_cache)
         if self.devices is None:
             return
-        jax.config.update("jax_cuda_visible_devices", ",".join(map(str, self.devices)))
+        # The CUDA driver reads the variable when JAX starts the backend: each process then
+        # numbers its GPUs from 0. (`jax_cuda_visible_devices` keeps the host's ids on the
+        # devices, and programs placed on id 2 of a one-GPU client failed: r157.)
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(
+            self.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if jax.default_backend() == "cpu" and jax.config.jax_platforms == "cpu":
             return
         if jax.default_backend() != "gpu" or len(jax.devices()) != len(self.devices):
             raise InputError(f"this host has no GPUs {list(self.devices)} "
                              f"({jax.default_backend()}: {len(jax.devices())} device(s) seen); "
                              "lower --dp or --tp (or set JAX_PLATFORMS=cpu to run on the CPU)")
+
+
+def cuda_visible_devices(devices: Sequence[int], visible: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that shows a process only ``devices``, numbered
+    among the GPUs ``visible`` (the current value; None or empty: all of the host's) shows.
+    Raises ``InputError`` for an index past them."""
+    if not visible:
+        return ",".join(map(str, devices))
+    names = [v.strip() for v in visible.split(",")]
+    if any(d >= len(names) for d in devices):
+        raise InputError(f"devices {list(devices)} need {max(devices) + 1} GPUs, and "
+                         f"CUDA_VISIBLE_DEVICES={visible} shows {len(names)}; lower --dp or "
+                         "--tp, or show more GPUs")
+    return ",".join(names[d] for d in devices)
 
 
 @dataclasses.dataclass(frozen=True)

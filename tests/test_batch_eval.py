@@ -274,6 +274,21 @@ def _process_worker(tmp: Path) -> None:
                        if rows[i]["token_ids"] != c.token_ids or rows[i]["text"] != c.text]}))
 
 
+def test_replica_devices_count_among_the_gpus_already_visible():
+    """A replica process sees its GPUs through ``CUDA_VISIBLE_DEVICES``, numbered among those
+    the caller's value shows (so ``CUDA_VISIBLE_DEVICES=4,5,6,7 batch_eval --dp 2 --tp 2``
+    pins GPUs 6,7 to the second replica); an index past them is the user's error."""
+    from jaxinfer.engine_process import cuda_visible_devices
+    from jaxinfer.errors import InputError
+
+    assert cuda_visible_devices((2, 3), None) == "2,3"
+    assert cuda_visible_devices((1,), "") == "1"
+    assert cuda_visible_devices((2, 3), "4,5,6,7") == "6,7"
+    assert cuda_visible_devices((0,), "GPU-ab12, GPU-cd34") == "GPU-ab12"
+    with pytest.raises(InputError, match="CUDA_VISIBLE_DEVICES=4,5 shows 2"):
+        cuda_visible_devices((1, 2), "4,5")
+
+
 def test_replica_processes_route_by_work_left():
     """A ticket goes to the replica with the fewest prompt + new tokens outstanding (the next
     one when that queue is full); done, failed or rejected jobs give their tokens back, also
