@@ -90,6 +90,31 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
                         help="data-parallel replicas, the batch is split over them (default 1)")
 
 
+REPLICA_MODES = ("auto", "processes", "threads")
+
+
+def add_replicas_arg(parser: argparse.ArgumentParser) -> None:
+    """``--replicas``: how ``--dp`` replicas run (``replica_processes`` resolves it)."""
+    parser.add_argument("--replicas", choices=REPLICA_MODES, default="auto",
+                        help="how --dp replicas run: processes (an engine process each, pinned "
+                        "to its GPUs, with its own interpreter lock; the model loads in each; "
+                        "one host) or threads of this process; auto (default): processes "
+                        "wherever they can run")
+
+
+def replica_processes(args: argparse.Namespace, *, multihost: bool = False,
+                      draft: bool = False) -> bool:
+    """Whether ``add_replicas_arg``'s ``--replicas`` runs the ``--dp`` replicas as engine
+    processes: ``auto`` does so for ``--dp`` 2 or more on one host (not ``multihost``)
+    without a draft model held by this process (``draft``). Why processes: with threads, one
+    interpreter lock queues every replica's host work (4x H100, ``batch_eval --dp 4``, 1B
+    shapes: 2.0-2.5x one GPU with threads, 3.63-3.66x with processes; bench/NOTES.md r157-r160).
+    """
+    if args.replicas == "auto":
+        return args.dp > 1 and not multihost and not draft
+    return args.replicas == "processes"
+
+
 def mesh_from_args(args: argparse.Namespace) -> Any:
     """The ``(dp, tp)`` mesh named by ``add_mesh_args`` flags, or None for one device."""
     if args.tp == 1 and args.dp == 1:
@@ -132,14 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
     add_kv_cache_arg(sv)
     add_mesh_args(sv)
-    sv.add_argument("--replica-processes", action="store_true",
-                    help="serve each --dp replica from an engine process of its own (its own "
-                    "interpreter lock; the model loads in each)")
+    add_replicas_arg(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-queue", type=int, default=1024,
                     help="requests that may wait for a slot before new ones get 429 (per "
-                    "engine process with --replica-processes)")
+                    "engine process when replicas are processes)")
     sv.add_argument("--shutdown-grace", type=float, default=30.0,
                     help="seconds running requests get to finish at shutdown (then cancelled)")
     sv.add_argument("--speculative", choices=["ngram"], default=None,
@@ -288,7 +311,7 @@ def _serve(args: argparse.Namespace) -> None:
     spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
                       kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
                       warmup=not args.no_warmup, speculative=speculative,
-                      replica_processes=args.replica_processes)
+                      replica_processes=replica_processes(args))
     app = create_app(spec, name=args.served_model_name or args.model,
                      max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)
     # uvicorn stops on SIGINT/SIGTERM: it closes the listening socket, lets open responses

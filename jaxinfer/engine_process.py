@@ -25,8 +25,9 @@ JAX is not fork-safe); ``EngineProcess`` is the HTTP process's handle on it. The
 never initialises a JAX backend: it gets the model's config and tokenizer from the engine
 process (``EngineInfo``).
 
-``ReplicaProcesses`` runs one engine process per data replica (``batch_eval --dp N
---replica-processes``), each pinned to its replica's GPUs, and routes requests by work left.
+``ReplicaProcesses`` runs one engine process per data replica (``batch_eval`` and ``jaxinfer
+serve`` with ``--dp N``: ``--replicas auto`` or ``processes``), each pinned to its replica's
+GPUs, and routes requests by work left.
 """
 
 from __future__ import annotations

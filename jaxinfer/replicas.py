@@ -15,7 +15,7 @@ replica finishes first; the others keep running.
 
 The replicas' host work shares this process's interpreter lock; for a model loaded from a
 path, ``jaxinfer.engine_process.ReplicaProcesses`` runs each replica in a process of its own
-instead (``batch_eval`` / ``jaxinfer serve`` with ``--replica-processes``).
+instead (``batch_eval`` / ``jaxinfer serve --dp N``, by default).
 
 ``engine_for(model)`` returns the engine that serves ``generate``, ``stream``, ``score`` and
 ``batch_eval`` for a model: an ``Engine``, or a ``DataParallelEngine`` on a mesh whose

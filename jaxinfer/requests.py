@@ -254,7 +254,7 @@ def resolve_seed(sp: SamplingParams) -> SamplingParams:
     seed = secrets.randbits(63)
     # Several processes exist only after jax.distributed.initialize; asking process_count
     # first would start a backend here, in a process that may not own a device (the HTTP
-    # process of ``jaxinfer serve``, batch_eval's with --replica-processes).
+    # process of ``jaxinfer serve``, batch_eval's with replica processes).
     if jax.distributed.is_initialized() and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

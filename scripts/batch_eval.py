@@ -33,10 +33,11 @@ Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
 output.
 
-``--dp N --replica-processes`` (one host): each data replica runs in an engine process of its
-own (``jaxinfer.engine_process.ReplicaProcesses``), pinned to its ``--tp`` GPUs, with its own
-interpreter lock; this process reads, routes and writes and never starts JAX. Each process
-loads the model and compiles (reported as one "loading and compiling" time). Without it the
+``--dp N`` on one host (``--replicas auto``, the default; or ``processes``): each data replica
+runs in an engine process of its own (``jaxinfer.engine_process.ReplicaProcesses``), pinned to
+its ``--tp`` GPUs, with its own interpreter lock; this process reads, routes and writes and
+never starts JAX. Each process loads the model and compiles (reported as one "loading and
+compiling" time). With ``--replicas threads``, across hosts, or with a draft model, the
 replicas are threads of this process (``DataParallelEngine``).
 """
 
@@ -59,9 +60,11 @@ if str(REPO) not in sys.path:  # run as a file from a checkout without installin
 from jaxinfer.cli import (  # noqa: E402
     add_kv_cache_arg,
     add_mesh_args,
+    add_replicas_arg,
     add_sampling_args,
     load_draft,
     mesh_from_args,
+    replica_processes,
     sampling_kwargs,
 )
 from jaxinfer.errors import InputError, JaxinferError  # noqa: E402
@@ -195,9 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
-    p.add_argument("--replica-processes", action="store_true",
-                   help="run each --dp replica as an engine process of its own (its own "
-                   "interpreter lock; the model loads in each; one host)")
+    add_replicas_arg(p)
     add_sampling_args(p)
     return p
 
@@ -272,7 +273,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{len(bad)} bad record(s) in {args.input} (first at line "
                          f"{bad[0].line}); fix them or pass --on-bad-record skip")
 
-    if args.replica_processes:
+    processes = replica_processes(args, multihost=bool(args.coordinator)
+                                  or (args.num_processes or 1) > 1,
+                                  draft=args.speculative == "draft")
+    if processes:
         _check_process_args(args)  # and load_model's checks of the dtype, before any process
         from jaxinfer.loading import parse_dtype
 
@@ -296,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     todo = records[done:]
     good = [r for r in todo if not r.error]
-    runner = (_Processes(args, options, work=bool(good)) if args.replica_processes
+    runner = (_Processes(args, options, work=bool(good)) if processes
               else _InProcess(args, options))
     try:
         return _evaluate(args, runner, records, todo, done, primary, options, base_seed)
@@ -305,17 +309,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_process_args(args: argparse.Namespace) -> None:
-    """One-line errors for flags that ``--replica-processes`` cannot take."""
+    """One-line errors for flags that ``--replicas processes`` cannot take."""
     if args.dp < 2:
-        raise InputError("--replica-processes runs one process per --dp replica; give "
+        raise InputError("--replicas processes runs one process per --dp replica; give "
                          "--dp 2 or more")
     if args.coordinator or (args.num_processes or 1) > 1:
-        raise InputError("--replica-processes runs on one host; drop --coordinator/"
+        raise InputError("--replicas processes runs on one host; drop --coordinator/"
                          "--num-processes (a multi-host run is one process per host)")
     if args.speculative == "draft":
-        raise InputError("--speculative draft cannot run with --replica-processes (the draft "
-                         "model is loaded in this process); use --speculative ngram or drop "
-                         "--replica-processes")
+        raise InputError("--speculative draft cannot run with --replicas processes (the draft "
+                         "model is loaded in this process); use --speculative ngram or "
+                         "--replicas threads")
 
 
 class _InProcess:
@@ -347,6 +351,7 @@ class _InProcess:
         self.max_batch = self.engine.max_batch
         self.itemsize = jnp.dtype(self.model.dtype).itemsize
         self.warm_s = 0.0
+        self.warm_what = "compiling/loading step programs"
         self._args, self._options = args, options
         self._line_of: dict[int, int] = {}
 
@@ -382,7 +387,7 @@ class _InProcess:
 
 
 class _Processes:
-    """``--replica-processes``: one engine process per data replica
+    """``--replicas processes``: one engine process per data replica
     (``jaxinfer.engine_process.ReplicaProcesses``), this process never starting JAX."""
 
     def __init__(self, args: argparse.Namespace, options: dict[str, Any], work: bool) -> None:
@@ -406,6 +411,7 @@ class _Processes:
         t0 = time.perf_counter()
         info = self.pool.start()
         self.warm_s = time.perf_counter() - t0  # loads and compiles, in every process at once
+        self.warm_what = f"loading and compiling in {args.dp} replica processes"
         self.model = info.model()
         self.itemsize = jnp.dtype(parse_dtype(args.dtype)).itemsize
         self.devices, self.replicas = args.dp * args.tp, args.dp
@@ -526,7 +532,7 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
               f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
               f"{stats['requests'] / max(wall, 1e-9):.2f} req/s  "
               f"prefix-cache hits {es.cached_tokens} tokens  "
-              f"(after {runner.warm_s:.1f} s {_warm_what(args)})  "
+              f"(after {runner.warm_s:.1f} s {runner.warm_what})  "
               f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
               f"{es.device_seconds:.2f} s waiting on the device)")
         if not args.score:
@@ -535,11 +541,6 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
         if stats["prompt_lens"]:
             print(_floor_line(runner, stats, args.kv_cache_dtype, wall))
     return 0
-
-
-def _warm_what(args: argparse.Namespace) -> str:
-    return (f"loading and compiling in {args.dp} replica processes" if args.replica_processes
-            else "compiling/loading step programs")
 
 
 def _floor_line(runner: Any, stats: dict[str, Any], kv_cache_dtype: str | None,

@@ -14,8 +14,8 @@ fresh ``Engine`` of the same sizes (``BenchSpec``), each in a process of its own
    ``/v1/completions`` with ``"stream": true`` and reading the SSE chunks.
 
 With ``--dp N`` the server runs an engine process per GPU (``ReplicaProcesses``, as ``jaxinfer
-serve --dp N --replica-processes``), each with the same engine; the offline run stays on one
-GPU, so the ratio reads as the scaling over one engine (ideal: N).
+serve --dp N`` does), each with the same engine; the offline run stays on one GPU, so the ratio
+reads as the scaling over one engine (ideal: N).
 
 It prints and records output tok/s of both, their ratio (the issue's target: >= 0.9), the
 fraction of the workload's device floor (``jaxinfer.benchmark.workload_floor``), and the clients'
@@ -258,7 +258,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="JAX persistent compilation cache folder")
     ap.add_argument("--dp", type=int, default=1,
                     help="serve from this many engine processes, one per GPU "
-                         "(``--replica-processes``); the offline run stays on one GPU")
+                         "(``--replicas processes``); the offline run stays on one GPU")
     ap.add_argument("--json", default=None,
                     help="write the record here; 'auto' = bench/results/<device>/"
                          "server_issue14/server_<preset>_<date>.json")

@@ -5,8 +5,10 @@ Issue 16 asks ``batch_eval --dp N`` for at least 0.95 N times one GPU. This runs
 ``--repeats`` times in each mode, in the order one, threads, processes, one, ...:
 
 - ``one``: one replica (``--tp`` devices, the first ones: ``CUDA_VISIBLE_DEVICES`` is set);
-- ``threads``: ``--dp N``, the replicas as threads of one process (``DataParallelEngine``);
-- ``processes``: ``--dp N --replica-processes``, an engine process per replica.
+- ``threads``: ``--dp N --replicas threads``, the replicas as threads of one process
+  (``DataParallelEngine``);
+- ``processes``: ``--dp N --replicas processes`` (``batch_eval``'s default), an engine
+  process per replica.
 
 It parses each run's summary line (tokens, wall, tok/s or records/s, the compile/load time,
 the share of the device floor), checks that every run wrote the same number of records, counts
@@ -18,7 +20,7 @@ ratio to ``one``. The record is rewritten after every run.
         --max-new-tokens 128 --temperature 0
 
 Arguments after ``--`` go to ``batch_eval.py`` unchanged (not ``--output``, ``--dp``,
-``--tp``, ``--replica-processes`` or ``--no-progress``: this script sets them). ``--json
+``--tp``, ``--replicas`` or ``--no-progress``: this script sets them). ``--json
 auto`` writes ``bench/results/<device>/dp_scaling_<time>.json``. A record for bench/NOTES.md,
 not a test.
 """
@@ -46,7 +48,7 @@ if str(REPO) not in sys.path:  # run as a file from a checkout without installin
 from jaxinfer.benchmark import device_folder, record_path, write_record  # noqa: E402
 
 MODES = ("one", "threads", "processes")
-OWN_FLAGS = ("--output", "--dp", "--tp", "--replica-processes", "--no-progress")
+OWN_FLAGS = ("--output", "--dp", "--tp", "--replicas", "--no-progress")
 SUMMARY = re.compile(
     r"requests (?P<requests>\d+) (?P<mode>generated|scored) .*?tokens (?P<tokens>\d+)\s+"
     r"wall (?P<wall>[\d.]+) s\s+throughput (?P<tok_s>[\d.]+) tok/s\s+(?P<req_s>[\d.]+) req/s"
@@ -82,8 +84,7 @@ def mode_args(mode: str, dp: int, tp: int) -> tuple[list[str], dict[str, str]]:
     """``batch_eval`` flags and environment of a mode."""
     if mode == "one":
         return ["--tp", str(tp)], {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(tp)))}
-    extra = ["--replica-processes"] if mode == "processes" else []
-    return ["--dp", str(dp), "--tp", str(tp), *extra], {}
+    return ["--dp", str(dp), "--tp", str(tp), "--replicas", mode], {}
 
 
 def run_once(mode: str, dp: int, tp: int, passthrough: list[str], out: Path

@@ -173,7 +173,8 @@ MESHES = [(2, 2), (2, 4), (4, 2), (2, 3)]  # (dp, tp); tp=3 on a model of 3 K/V 
 
 @pytest.mark.slow
 def test_sharded_batch_eval_matches_single_device(tmp_path):
-    """``batch_eval --dp D --tp T`` on 8 forced CPU devices writes the single-device
+    """``batch_eval --dp D --tp T --replicas threads`` on 8 forced CPU devices writes the
+    single-device
     ``generate``'s tokens and text for every record, and a one-line error for each bad one."""
     from test_sharding import run_with_devices
 
@@ -209,7 +210,8 @@ def _worker(tmp: Path) -> None:
         out = tmp / f"out{dp}x{tp}.jsonl"
         rc = be.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out),
                       "--dtype", "float32", "--backend", "reference", "--max-new-tokens", "8",
-                      "--tp", str(tp), "--dp", str(dp), "--no-progress"])
+                      "--tp", str(tp), "--dp", str(dp), "--replicas", "threads",
+                      "--no-progress"])
         assert rc == 0, (dp, tp)
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         result[f"{dp}x{tp}"] = {
@@ -222,10 +224,10 @@ def _worker(tmp: Path) -> None:
 
 @pytest.mark.slow
 def test_replica_processes_match_single_device(tmp_path):
-    """``--dp 2 --tp 2 --replica-processes``: two engine processes of two forced CPU devices
-    each write the single-device ``generate``'s tokens and text for every record, and the
-    process that runs batch_eval never starts a JAX backend (on GPUs it would take memory on
-    every device)."""
+    """``--dp 2 --tp 2`` (``--replicas auto``: processes on one host): two engine processes
+    of two forced CPU devices each write the single-device ``generate``'s tokens and text for
+    every record, and the process that runs batch_eval never starts a JAX backend (on GPUs it
+    would take memory on every device)."""
     from test_sharding import run_with_devices
 
     from sharding.testing import tiny_config, write_tiny_model
@@ -254,7 +256,7 @@ def _process_worker(tmp: Path) -> None:
         rc = _load_script().main([
             "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype",
             "float32", "--backend", "reference", "--max-new-tokens", "8", "--tp", "2", "--dp",
-            "2", "--replica-processes", "--batch-size", "4", "--no-progress"])
+            "2", "--batch-size", "4", "--no-progress"])
     assert rc == 0
     started = xla_bridge.backends_are_initialized()
 
@@ -346,12 +348,34 @@ def test_replica_processes_route_by_work_left():
     assert pool._load == [0, 12, 40]  # nothing held for the refused ticket
 
 
+@pytest.mark.parametrize("flags, multihost, draft, want", [
+    (("--dp", "4"), False, False, True),  # auto on one host: processes
+    (("--dp", "1"), False, False, False),  # nothing to split
+    (("--dp", "4"), True, False, False),  # across hosts: a process per host, replicas threads
+    (("--dp", "4"), False, True, False),  # the draft model lives in this process
+    (("--dp", "4", "--replicas", "threads"), False, False, False),
+    (("--dp", "4", "--replicas", "processes"), True, False, True),  # refused later, one line
+])
+def test_replicas_auto_picks_processes_where_they_run(flags, multihost, draft, want):
+    """``--replicas auto`` (the default) runs ``--dp`` replicas as engine processes on one
+    host without a draft model, as threads otherwise; an explicit choice is kept."""
+    import argparse
+
+    from jaxinfer.cli import add_mesh_args, add_replicas_arg, replica_processes
+
+    p = argparse.ArgumentParser()
+    add_mesh_args(p)
+    add_replicas_arg(p)
+    args = p.parse_args(list(flags))
+    assert replica_processes(args, multihost=multihost, draft=draft) is want
+
+
 @pytest.mark.parametrize("extra, message", [
-    ((), "--replica-processes runs one process per --dp replica; give --dp 2 or more"),
+    ((), "--replicas processes runs one process per --dp replica; give --dp 2 or more"),
     (("--dp", "2", "--num-processes", "2", "--coordinator", "h:1", "--process-id", "0"),
-     "--replica-processes runs on one host"),
+     "--replicas processes runs on one host"),
     (("--dp", "2", "--speculative", "draft", "--draft-model", "x"),
-     "--speculative draft cannot run with --replica-processes"),
+     "--speculative draft cannot run with --replicas processes"),
     (("--dp", "2", "--dtype", "int3"), "dtype 'int3' is not supported"),
 ])
 def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message):
@@ -359,7 +383,7 @@ def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message)
     inp = tmp_path / "in.jsonl"
     write_input(inp, 2, bad=False)
     out = tmp_path / "out.jsonl"
-    assert be.main(_args(tiny_dir, inp, out, "--replica-processes", *extra)) == 2
+    assert be.main(_args(tiny_dir, inp, out, "--replicas", "processes", *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"batch_eval: error: {message}"), err
     assert not out.exists()
@@ -407,7 +431,8 @@ def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
     assert [r["mode"] for r in runs] == ["one", "threads", "processes"]
     assert all(r["requests"] == 8 and r["identical_records"] == 10 for r in runs), runs
     assert len({r["tokens"] for r in runs}) == 1 and runs[0]["tokens"] == 8 * 5
-    assert "--replica-processes" in runs[2]["command"] and "--dp 2" in runs[1]["command"]
+    assert "--dp 2 --tp 1 --replicas processes" in runs[2]["command"]
+    assert "--dp 2 --tp 1 --replicas threads" in runs[1]["command"]
     one = runs[0]["tok_per_s"]
     for r in runs:
         assert rec["summary"][r["mode"]] == {"median": r["tok_per_s"],

@@ -415,7 +415,7 @@ def test_server_wide_ngram_speculation_gives_the_plain_tokens(folder, model):
 
 
 def test_replica_processes_serve_the_plain_tokens(folder, model, monkeypatch):
-    """``jaxinfer serve --dp 2 --replica-processes``: an engine process per replica (each
+    """``jaxinfer serve --dp 2`` (replicas as processes): an engine process per replica (each
     with its own CPU device here) serves concurrent requests with ``generate``'s texts; both
     replicas take work, and the server's counters add theirs up."""
     import concurrent.futures
@@ -636,9 +636,32 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
     assert "--max-queue=-1 must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--port", "0"]) == 2
     capsys.readouterr()
-    assert main(["serve", "--replica-processes"]) == 2
+    assert main(["serve", "--replicas", "processes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "replica processes serve --dp replicas; give --dp 2" in err[0]
+
+
+@pytest.mark.parametrize("flags, want", [((), (1, False)), (("--dp", "2"), (2, True)),
+                                         (("--dp", "2", "--replicas", "threads"), (2, False))])
+def test_serve_runs_dp_replicas_as_processes_by_default(monkeypatch, flags, want):
+    """``jaxinfer serve --dp N`` serves from N engine processes unless ``--replicas threads``
+    (the spec handed to the app says which; nothing is loaded here)."""
+    import jaxinfer.server
+    from jaxinfer.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        """Raised in place of starting the engine and uvicorn."""
+
+    def fake_create_app(spec, **_):
+        seen.append((spec.dp, spec.replica_processes))
+        raise Stop
+
+    monkeypatch.setattr(jaxinfer.server, "create_app", fake_create_app)
+    with pytest.raises(Stop):
+        main(["serve", *flags])
+    assert seen == [want]
 
 
 @pytest.mark.slow
