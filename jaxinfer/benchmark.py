@@ -198,6 +198,33 @@ def idle_before(gaps: list[tuple[str, float]], n: int) -> list[tuple[str, float,
     return sorted(((k, total[k], counts[k]) for k in total), key=lambda t: -t[1])[:n]
 
 
+COLLECTIVE_KERNEL = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all",
+                               re.IGNORECASE)
+"""Names of collective kernels in a device trace (NCCL's ``ncclDevKernel_AllReduce_...``,
+XLA's own ``all-reduce`` kernels)."""
+
+
+def timeline_split(events: list[tuple[str, float, float]], per: int) -> dict[str, float]:
+    """Where one device's traced time went, in ``events``' unit per one of ``per`` (e.g.
+    decode steps): ``span`` (first kernel start to last end), ``busy`` (kernels running,
+    overlaps counted once), ``idle`` (span - busy), and for ``COLLECTIVE_KERNEL`` kernels
+    their ``collectives`` count, ``collective_time`` (summed durations), ``collective_mean``
+    (per kernel, not per ``per``) and ``idle_before_collectives`` (the idle just before each,
+    ``kernel_gaps``): how a tensor-parallel step's all-reduces split into NCCL kernel time and
+    the waits around it."""
+    if not events:
+        return {}
+    gaps = kernel_gaps(events)
+    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    idle = sum(g for _, g in gaps)
+    coll = [d for n, _, d in events if COLLECTIVE_KERNEL.search(n)]
+    return {"span": span / per, "busy": (span - idle) / per, "idle": idle / per,
+            "collectives": len(coll) / per, "collective_time": sum(coll) / per,
+            "collective_mean": sum(coll) / len(coll) if coll else 0.0,
+            "idle_before_collectives": sum(g for n, g in gaps
+                                           if COLLECTIVE_KERNEL.search(n)) / per}
+
+
 def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: int,
                  repeats: int, *, cold_bytes: int) -> list[tuple[str, float, float]]:
     """The device kernels (``device_events``, host-to-device copies left out) of ``repeats``

@@ -15,8 +15,11 @@ whole decode of ``--new`` tokens in the engine's multi-step ``runner.decode_step
 call). Per case the per-GPU memory roofline is ``jaxinfer.roofline.decode_step_bytes / tp``
 (weights + live K/V at the mean decode context) over the datasheet bandwidth of ``--device``
 (default: this machine's GPU) and over the read bandwidth measured per GPU in the same
-process. Cases run in the given order and the JSON is rewritten after each item; a case is
-skipped when ``--budget-s`` would be exceeded.
+process. With ``--profile``, one more warm call per case and batch runs under
+``jax.profiler.trace`` and the record gets device 0's timeline per decode step
+(``benchmark.timeline_split``: busy, idle, the collective kernels' count and time and the idle
+before them; the call's prefill is in it) and its top kernels. Cases run in the given order
+and the JSON is rewritten after each item; a case is skipped when ``--budget-s`` would be exceeded.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxinfer
 from jaxinfer import roofline
-from jaxinfer.benchmark import device_name
+from jaxinfer.benchmark import device_events, device_name, timeline_split, top_kernels
 from jaxinfer.generate import Model
 from jaxinfer.model import apply_layout
 from jaxinfer.presets import preset_config
@@ -64,6 +69,8 @@ ap.add_argument("--device", default="auto",
 ap.add_argument("--read-gib", type=float, default=2.0, help="per-GPU bytes of the read test")
 ap.add_argument("--budget-s", type=float, default=440)
 ap.add_argument("--json", default=None)
+ap.add_argument("--profile", action="store_true",
+                help="trace one more call per case and batch: device 0's time per step")
 args = ap.parse_args()
 T0 = time.perf_counter()
 devs = jax.devices()
@@ -80,6 +87,25 @@ def save(**item):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rec, f, indent=1)
+
+
+def profile_call(gen, steps: int) -> dict:
+    """Device 0's kernel timeline of one traced ``gen()`` call, in us per decode step
+    (``timeline_split``), and its top kernels; ``{"kernels": 0}`` where the trace holds
+    none (a CPU run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            gen()
+        events = [e for e in device_events(Path(tmp), f"/device:GPU:{devs[0].id}")
+                  if not e[0].startswith("Memcpy")]
+    if not events:
+        return {"kernels": 0}
+    split = {f"{k}_us": round(v / 1e3, 2) for k, v in timeline_split(events, steps).items()}
+    split["collectives"] = split.pop("collectives_us")  # a count per step, not a time
+    return {"kernels": len(events) / steps, **split,
+            "top_kernels": [{"name": n[:100], "per_step": len(d) / steps,
+                             "mean_us": round(sum(d) / len(d) / 1e3, 2)}
+                            for n, d in top_kernels(events, 10)]}
 
 
 def config_of(name: str) -> jaxinfer.LlamaConfig:
@@ -202,6 +228,9 @@ for case in args.cases.split(","):
                      else round(roof_meas, 1),
                      frac_of_datasheet_roofline=round(tps / roof_dt, 3),
                      achieved_bw_per_gpu=step_bytes / tpot)
+                if args.profile:
+                    save(what="profile", model=name, tp=tp, batch=batch,
+                         **profile_call(gen, args.new))
             break
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()

@@ -156,6 +156,25 @@ def test_idle_before_puts_each_gap_on_the_kernel_after_it():
     assert kernel_gaps([]) == [] and idle_before([], 3) == []
 
 
+def test_timeline_split_separates_collectives_and_their_waits():
+    """``timeline_split`` per step: span, busy (overlaps once), idle, and the NCCL/all-reduce
+    kernels' count, time, mean and the idle just before them, for two steps of a
+    tensor-parallel layer (a GEMM, an all-reduce after a wait, a GEMM overlapping it)."""
+    from jaxinfer.benchmark import timeline_split
+
+    step = [("gemm", 0, 10.0), ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 14, 6.0),
+            ("fusion", 18, 4.0), ("all-reduce-start.1", 30, 2.0)]
+    events = step + [(n, s + 40, d) for n, s, d in step]
+    got = timeline_split(events, per=2)
+    # Busy per step 10 + 8 (14-22) + 2 = 20; idle 4 (before nccl) + 8 (before
+    # all-reduce-start) per step and 8 once between the steps: (12 + 8 + 12) / 2 = 16.
+    assert got == {"span": 36.0, "busy": 20.0, "idle": 16.0, "collectives": 2.0,
+                   "collective_time": 8.0, "collective_mean": 4.0,
+                   "idle_before_collectives": 12.0}
+    assert timeline_split([], per=3) == {}
+    assert timeline_split([("gemm", 0, 5.0)], per=1)["collective_mean"] == 0.0
+
+
 def test_top_kernels_ranks_names_by_summed_time(tmp_path):
     """``top_kernels`` groups events by name and ranks by total time, not by count or by the
     longest event; ``device_events`` reads a real trace (on CPU it holds no accelerator
