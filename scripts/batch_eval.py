@@ -243,10 +243,13 @@ def _record(result: Any) -> dict[str, Any]:
         return {"logprob": result.logprob, "token_logprobs": result.token_logprobs,
                 "num_tokens": len(result.token_logprobs), "greedy": result.greedy,
                 "cached_tokens": result.cached_tokens}
-    return {"text": result.text, "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": len(result.prompt_token_ids),
-            "ttft_s": result.time_to_first_token, "tpot_s": result.time_per_output_token}
+    out = {"text": result.text, "token_ids": result.token_ids,
+           "finish_reason": result.finish_reason,
+           "prompt_tokens": len(result.prompt_token_ids),
+           "ttft_s": result.time_to_first_token, "tpot_s": result.time_per_output_token}
+    if result.draft_tokens:  # speculative decoding proposed tokens for it
+        out.update(draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -303,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     runner = (_Processes(args, options, work=bool(good)) if processes
               else _InProcess(args, options))
     try:
-        return _evaluate(args, runner, records, todo, done, primary, options, base_seed)
+        return _evaluate(args, runner, records, todo, done, primary, base_seed)
     finally:
         runner.close()
 
@@ -337,9 +340,9 @@ class _InProcess:
         if args.compile_cache:  # a re-run (or resume) skips XLA compilation of the shapes
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
         draft = load_draft(args)
-        if draft is not None:  # into the caller's options: its requests draft with it
-            options.update({k: v for k, v in sampling_kwargs(args, draft).items()
-                            if k != "seed"})
+        # The requests' sampling options: with a draft model, its Speculative (loaded here).
+        self.options = options if draft is None else {
+            k: v for k, v in sampling_kwargs(args, draft).items() if k != "seed"}
         self.model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
                                          max_batch=args.batch_size, mesh=mesh_from_args(args),
                                          kv_cache_dtype=args.kv_cache_dtype)
@@ -352,7 +355,7 @@ class _InProcess:
         self.itemsize = jnp.dtype(self.model.dtype).itemsize
         self.warm_s = 0.0
         self.warm_what = "compiling/loading step programs"
-        self._args, self._options = args, options
+        self._args = args
         self._line_of: dict[int, int] = {}
 
     def prepare(self, reqs: dict[int, Any]) -> None:
@@ -363,7 +366,7 @@ class _InProcess:
         if reqs:
             self.warm_s = self.engine.warmup(
                 generate=not args.score, score=args.score, sampled=sampled,
-                speculative=None if args.score else self._options["speculative"])
+                speculative=None if args.score else self.options["speculative"])
 
     def submit(self, reqs: dict[int, Any]) -> None:
         """Queue the requests (line -> Request)."""
@@ -416,6 +419,7 @@ class _Processes:
         self.itemsize = jnp.dtype(parse_dtype(args.dtype)).itemsize
         self.devices, self.replicas = args.dp * args.tp, args.dp
         self.device_kind, self.max_batch = info.device_kind, info.max_batch
+        self.options = options  # the requests' sampling options
 
     def prepare(self, reqs: dict[int, Any]) -> None:
         """Nothing: each engine process compiled its programs before it was ready."""
@@ -455,11 +459,12 @@ class _Processes:
 
 
 def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
-              todo: Sequence[Record], done: int, primary: bool, options: dict[str, Any],
-              base_seed: int | None) -> int:
-    """Run ``todo``'s good records on ``runner`` and write every record of ``todo`` in input
-    order as soon as it extends the written prefix; print the summary."""
-    reqs = _requests(runner.model, [r for r in todo if not r.error], args, options, base_seed)
+              todo: Sequence[Record], done: int, primary: bool, base_seed: int | None) -> int:
+    """Run ``todo``'s good records on ``runner`` (with its sampling ``options``) and write
+    every record of ``todo`` in input order as soon as it extends the written prefix; print
+    the summary."""
+    reqs = _requests(runner.model, [r for r in todo if not r.error], args, runner.options,
+                     base_seed)
     for r in todo:
         if isinstance(reqs.get(r.line), str):
             r.error = reqs.pop(r.line)

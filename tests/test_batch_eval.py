@@ -47,7 +47,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 def _args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--input", str(inp), "--output", str(out), "--dtype",
             "float32", "--backend", "reference", "--max-new-tokens", "6", "--batch-size", "4",
-            "--no-progress", *extra]
+            "--no-progress", "--compile-cache", "", *extra]  # no cache in the user's home
 
 
 def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -211,7 +211,7 @@ def _worker(tmp: Path) -> None:
         rc = be.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out),
                       "--dtype", "float32", "--backend", "reference", "--max-new-tokens", "8",
                       "--tp", str(tp), "--dp", str(dp), "--replicas", "threads",
-                      "--no-progress"])
+                      "--no-progress", "--compile-cache", ""])
         assert rc == 0, (dp, tp)
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         result[f"{dp}x{tp}"] = {
@@ -256,7 +256,7 @@ def _process_worker(tmp: Path) -> None:
         rc = _load_script().main([
             "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype",
             "float32", "--backend", "reference", "--max-new-tokens", "8", "--tp", "2", "--dp",
-            "2", "--batch-size", "4", "--no-progress"])
+            "2", "--batch-size", "4", "--no-progress", "--compile-cache", ""])
     assert rc == 0
     started = xla_bridge.backends_are_initialized()
 
@@ -348,6 +348,34 @@ def test_replica_processes_route_by_work_left():
     assert pool._load == [0, 12, 40]  # nothing held for the refused ticket
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_batch_eval_writes_the_plain_greedy_tokens(tiny_dir, tmp_path, method):
+    """``batch_eval --speculative ngram|draft`` (the model as its own draft) writes plain
+    greedy's tokens for every record and reports each record's proposed and accepted
+    tokens; the caller's parsed flags are left as they were."""
+    be = _load_script()
+    inp = tmp_path / "in.jsonl"
+    # Repetitive prompts, so n-gram lookup has something to propose.
+    inp.write_text("".join(json.dumps({"prompt": "ab cd ab cd ab cd " * (1 + i % 3)}) + "\n"
+                           for i in range(6)))
+    plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
+    assert be.main(_args(tiny_dir, inp, plain, "--max-new-tokens", "12")) == 0
+    extra = ["--draft-model", str(tiny_dir)] if method == "draft" else []
+    args = be._parser().parse_args(_args(tiny_dir, inp, spec, "--max-new-tokens", "12",
+                                         "--speculative", method, *extra))
+    before = vars(args).copy()
+    assert be.run(args) == 0
+    assert vars(args) == before
+    want = [json.loads(x) for x in plain.read_text().splitlines()]
+    got = [json.loads(x) for x in spec.read_text().splitlines()]
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    assert all("draft_tokens" not in r for r in want)
+    proposed = sum(r.get("draft_tokens", 0) for r in got)
+    assert proposed > 0 and 0 < sum(r.get("accepted_tokens", 0) for r in got) <= proposed
+    if method == "draft":  # its own draft: greedy proposals are all accepted
+        assert all(r["accepted_tokens"] == r["draft_tokens"] for r in got if "draft_tokens" in r)
+
+
 @pytest.mark.parametrize("flags, multihost, draft, want", [
     (("--dp", "4"), False, False, True),  # auto on one host: processes
     (("--dp", "1"), False, False, False),  # nothing to split
@@ -423,7 +451,8 @@ def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "dp_scaling.py"), "--dp", "2", "--json",
          str(rec_path), "--", "--model", str(tiny_dir), "--input", str(inp), "--dtype",
-         "float32", "--backend", "reference", "--max-new-tokens", "5", "--batch-size", "4"],
+         "float32", "--backend", "reference", "--max-new-tokens", "5", "--batch-size", "4",
+         "--compile-cache", ""],
         env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(rec_path.read_text())
