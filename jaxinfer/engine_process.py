@@ -476,6 +476,8 @@ class EngineProcess:
             target=engine_main, name="jaxinfer-engine", daemon=True,
             args=(self.spec, commands_in, results_out, self.max_decode_steps))
         self._process.start()
+        if self.closing:  # kill() came before the process existed
+            self._process.kill()
         commands_in.close()  # the child's ends: our copies must go for EOF to be seen
         results_out.close()
         self._commands, self._results = commands_out, results_in
@@ -524,6 +526,14 @@ class EngineProcess:
     def cancel(self, tid: int) -> None:
         """Cancel a ticket's unfinished jobs (its client went away); their pages free."""
         self._sendq.put(("cancel", tid, None))
+
+    def kill(self) -> None:
+        """End an engine process that is still starting (another replica failed): its
+        ``start`` then raises. A started one is ended with ``stop``."""
+        with self._lock:
+            self._closing = True
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
 
     def stop(self, grace_s: float) -> None:
         """Take no new requests; let the running ones finish for up to ``grace_s`` seconds,
@@ -639,15 +649,21 @@ class ReplicaProcesses:
 
     def start(self) -> EngineInfo:
         """Start every engine process at once and wait until all are ready; return replica
-        0's ``EngineInfo`` with ``max_batch`` and the counters summed over the replicas. If
-        any fails, stop the others and raise its error (``InputError`` for a user's
-        mistake)."""
+        0's ``EngineInfo`` with ``max_batch`` and the counters summed over the replicas. When
+        one fails, end the others at once (those still loading are killed, not awaited) and
+        raise its error (``InputError`` for a user's mistake)."""
         with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
             futures = [pool.submit(e.start) for e in self.engines]
-            errors = [f.exception() for f in futures]
-        if any(errors):
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures
+                           if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                for e in self.engines:
+                    if e.info is None:
+                        e.kill()
+        if failed is not None:
             self.stop(0.0)
-            raise next(e for e in errors if e is not None)
+            raise failed
         infos = [e.info for e in self.engines]
         self.info = dataclasses.replace(infos[0], max_batch=sum(i.max_batch for i in infos),
                                         max_seq_len=min(i.max_seq_len for i in infos),

@@ -417,6 +417,46 @@ def test_replica_processes_bad_flags(tiny_dir, tmp_path, capsys, extra, message)
     assert not out.exists()
 
 
+def test_replica_processes_fail_fast_when_one_replica_fails_to_start():
+    """A replica that fails to start (a user's mistake) ends the start at once: replicas still
+    loading are killed rather than awaited, started ones are stopped, and its error (not a
+    killed replica's) is raised."""
+    import threading
+    import time
+
+    from jaxinfer.engine_process import EngineInfo, EngineSpec, ReplicaProcesses
+    from jaxinfer.errors import InputError
+
+    pool = ReplicaProcesses(EngineSpec("m", dp=3, replica_processes=True), lambda m: None,
+                            max_queue=0)
+    loading, ready, failing = pool.engines
+    killed = threading.Event()
+    calls: list[str] = []
+
+    def slow_start():  # a replica loading for a minute unless killed
+        if not killed.wait(60):
+            raise AssertionError("never killed")
+        raise RuntimeError("the engine process exited (code -9) before it was ready")
+
+    def ready_start():
+        ready.info = EngineInfo.__new__(EngineInfo)
+        return ready.info
+
+    def fail_start():
+        time.sleep(0.2)  # after the ready one
+        raise InputError("no such model: m")
+
+    loading.start, loading.kill = slow_start, lambda: (calls.append("kill 0"), killed.set())
+    ready.start, ready.kill = ready_start, lambda: calls.append("kill 1")
+    ready.stop = lambda grace: calls.append(f"stop 1 {grace}")
+    failing.start, failing.kill = fail_start, lambda: calls.append("kill 2")
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match="no such model"):
+        pool.start()
+    assert time.perf_counter() - t0 < 30
+    assert calls == ["kill 0", "kill 2", "stop 1 0.0"]
+
+
 def test_replica_processes_results_end_the_run_when_an_engine_fails():
     """An engine's refusal (a reason) is the record's error; a failed or cancelled request
     ends the run (the written records stay a prefix to resume from)."""
