@@ -385,6 +385,14 @@ class _InProcess:
         """The engine's counters."""
         return self.engine.stats()
 
+    def replica_stats(self) -> list[Any]:
+        """Each data replica's counters (one engine: itself)."""
+        from jaxinfer.replicas import DataParallelEngine
+
+        each = (self.engine.replicas if isinstance(self.engine, DataParallelEngine)
+                else [self.engine])
+        return [e.stats() for e in each]
+
     def close(self) -> None:
         """Nothing to release (the model lives as long as this process)."""
 
@@ -452,6 +460,10 @@ class _Processes:
     def stats(self) -> Any:
         """The replicas' counters as one engine's."""
         return self.pool.stats
+
+    def replica_stats(self) -> list[Any]:
+        """Each replica process's last counters."""
+        return [e.stats for e in self.pool.engines]
 
     def close(self) -> None:
         """Stop the engine processes."""
@@ -540,12 +552,27 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
               f"(after {runner.warm_s:.1f} s {runner.warm_what})  "
               f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
               f"{es.device_seconds:.2f} s waiting on the device)")
+        if runner.replicas > 1:
+            print(_replicas_line(runner.replica_stats()))
         if not args.score:
             print(f"TTFT  {_percentiles(stats['ttft'])}")
             print(f"TPOT  {_percentiles(stats['tpot'])}")
         if stats["prompt_lens"]:
             print(_floor_line(runner, stats, args.kv_cache_dtype, wall))
     return 0
+
+
+def _replicas_line(each: Sequence[Any]) -> str:
+    """Per data replica: steps, seconds in steps and waiting on the device, generated and
+    computed tokens (an uneven split or one slow replica shows here)."""
+    def col(f: Any) -> str:
+        return "/".join(f(s) for s in each)
+
+    return (f"replicas: steps {col(lambda s: str(s.steps))}  s in steps "
+            f"{col(lambda s: f'{s.step_seconds:.2f}')}  s on the device "
+            f"{col(lambda s: f'{s.device_seconds:.2f}')}  generated "
+            f"{col(lambda s: str(s.generated_tokens))}  computed "
+            f"{col(lambda s: str(s.computed_tokens))}")
 
 
 def _floor_line(runner: Any, stats: dict[str, Any], kv_cache_dtype: str | None,

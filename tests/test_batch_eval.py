@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -239,6 +240,12 @@ def test_replica_processes_match_single_device(tmp_path):
     assert r["bad_lines"] == [4, 7] and r["n"] == 20
     assert r["mismatches"] == [], r["mismatches"][:3]
     assert "in 2 replica processes" in r["summary"]
+    # Both replicas worked, and their generated tokens add up to the run's.
+    each = re.search(r"replicas: steps (\d+)/(\d+) .* generated (\d+)/(\d+) ", r["summary"])
+    total = re.search(r"tokens (\d+) ", r["summary"])
+    assert each and total, r["summary"]
+    assert all(int(x) > 0 for x in each.groups())
+    assert int(each[3]) + int(each[4]) == int(total[1])
 
 
 def _process_worker(tmp: Path) -> None:
