@@ -54,19 +54,23 @@ SUMMARY = re.compile(
     r"wall (?P<wall>[\d.]+) s\s+throughput (?P<tok_s>[\d.]+) tok/s\s+(?P<req_s>[\d.]+) req/s"
     r".*?\(after (?P<warm>[\d.]+) s")
 FLOOR = re.compile(r"reached (?P<share>[\d.e+-]+)% of it")
+REPLICAS = re.compile(r"^replicas: (.*)$", re.MULTILINE)
 
 
 def parse_summary(stdout: str) -> dict[str, float]:
     """The figures of ``batch_eval``'s summary: requests, tokens, wall, tok/s, req/s,
-    warm-up seconds, and the share of the device floor (None when not printed)."""
+    warm-up seconds, the share of the device floor, and the per-replica line's text (None
+    when not printed)."""
     m = SUMMARY.search(stdout)
     if m is None:
         raise ValueError(f"no batch_eval summary line in its output:\n{stdout[-2000:]}")
     f = FLOOR.search(stdout)
+    r = REPLICAS.search(stdout)
     return {"requests": int(m["requests"]), "tokens": int(m["tokens"]),
             "wall_s": float(m["wall"]), "tok_per_s": float(m["tok_s"]),
             "req_per_s": float(m["req_s"]), "warm_s": float(m["warm"]),
-            "floor_share": None if f is None else float(f["share"]) / 100}
+            "floor_share": None if f is None else float(f["share"]) / 100,
+            "replicas": None if r is None else r[1]}
 
 
 def device_name() -> str:

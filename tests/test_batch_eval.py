@@ -509,6 +509,7 @@ def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
     assert len({r["tokens"] for r in runs}) == 1 and runs[0]["tokens"] == 8 * 5
     assert "--dp 2 --tp 1 --replicas processes" in runs[2]["command"]
     assert "--dp 2 --tp 1 --replicas threads" in runs[1]["command"]
+    assert [r["replicas"] is None for r in runs] == [True, False, False]  # one per replica
     one = runs[0]["tok_per_s"]
     for r in runs:
         assert rec["summary"][r["mode"]] == {"median": r["tok_per_s"],
@@ -524,7 +525,9 @@ def test_dp_scaling_parses_the_summary_and_refuses_its_own_flags(capsys):
             "the run reached 50.7% of it\n")
     assert ds.parse_summary(line) == {
         "requests": 2000, "tokens": 256000, "wall_s": 4.27, "tok_per_s": 59906.6,
-        "req_per_s": 468.02, "warm_s": 59.9, "floor_share": 0.507}
+        "req_per_s": 468.02, "warm_s": 59.9, "floor_share": 0.507, "replicas": None}
+    replicas = "steps 40/41  s in steps 1.10/1.15  s on the device 1.0/1.1  generated 1/2"
+    assert ds.parse_summary(line + f"replicas: {replicas}\n")["replicas"] == replicas
     with pytest.raises(ValueError, match="no batch_eval summary line"):
         ds.parse_summary("batch_eval: error: something\n")
     with pytest.raises(SystemExit):
