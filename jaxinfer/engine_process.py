@@ -170,15 +170,13 @@ class EngineSpec:
 
         if self.compile_cache:
             jax.config.update("jax_compilation_cache_dir", self.compile_cache)
-        if self.devices is None:
+        if self.devices is None or jax.config.jax_platforms == "cpu":
             return
         # The CUDA driver reads the variable when JAX starts the backend: each process then
         # numbers its GPUs from 0. (`jax_cuda_visible_devices` keeps the host's ids on the
         # devices, and programs placed on id 2 of a one-GPU client failed: r157.)
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(
             self.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if jax.default_backend() == "cpu" and jax.config.jax_platforms == "cpu":
-            return
         if jax.default_backend() != "gpu" or len(jax.devices()) != len(self.devices):
             raise InputError(f"this host has no GPUs {list(self.devices)} "
                              f"({jax.default_backend()}: {len(jax.devices())} device(s) seen); "
@@ -187,11 +185,11 @@ class EngineSpec:
 
 def cuda_visible_devices(devices: Sequence[int], visible: str | None) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` value that shows a process only ``devices``, numbered
-    among the GPUs ``visible`` (the current value; None or empty: all of the host's) shows.
-    Raises ``InputError`` for an index past them."""
-    if not visible:
+    among the GPUs ``visible`` (the current value; None: all of the host's; empty: none)
+    shows. Raises ``InputError`` for an index past them."""
+    if visible is None:
         return ",".join(map(str, devices))
-    names = [v.strip() for v in visible.split(",")]
+    names = [v.strip() for v in visible.split(",") if v.strip()]
     if any(d >= len(names) for d in devices):
         raise InputError(f"devices {list(devices)} need {max(devices) + 1} GPUs, and "
                          f"CUDA_VISIBLE_DEVICES={visible} shows {len(names)}; lower --dp or "

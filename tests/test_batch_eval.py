@@ -291,11 +291,12 @@ def test_replica_devices_count_among_the_gpus_already_visible():
     from jaxinfer.errors import InputError
 
     assert cuda_visible_devices((2, 3), None) == "2,3"
-    assert cuda_visible_devices((1,), "") == "1"
     assert cuda_visible_devices((2, 3), "4,5,6,7") == "6,7"
     assert cuda_visible_devices((0,), "GPU-ab12, GPU-cd34") == "GPU-ab12"
     with pytest.raises(InputError, match="CUDA_VISIBLE_DEVICES=4,5 shows 2"):
         cuda_visible_devices((1, 2), "4,5")
+    with pytest.raises(InputError, match="CUDA_VISIBLE_DEVICES= shows 0"):  # no GPUs at all
+        cuda_visible_devices((0,), "")
 
 
 def test_replica_processes_route_by_work_left():
