@@ -198,8 +198,8 @@ def idle_before(gaps: list[tuple[str, float]], n: int) -> list[tuple[str, float,
     return sorted(((k, total[k], counts[k]) for k in total), key=lambda t: -t[1])[:n]
 
 
-COLLECTIVE_KERNEL = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all",
-                               re.IGNORECASE)
+COLLECTIVE_KERNEL = re.compile(
+    r"nccl|(?<![a-z])(?:all[-_]?(?:reduce|gather|to[-_]?all)|reduce[-_]?scatter)", re.IGNORECASE)
 """Names of collective kernels in a device trace (NCCL's ``ncclDevKernel_AllReduce_...``,
 XLA's own ``all-reduce`` kernels)."""
 

@@ -98,21 +98,49 @@ def add_replicas_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", choices=REPLICA_MODES, default="auto",
                         help="how --dp replicas run: processes (an engine process each, pinned "
                         "to its GPUs, with its own interpreter lock; the model loads in each; "
-                        "one host) or threads of this process; auto (default): processes "
-                        "wherever they can run")
+                        "one host of CUDA GPUs) or threads of this process; auto (default): "
+                        "processes for --dp 2+ on one host of CUDA GPUs without a draft "
+                        "model, threads otherwise")
+
+
+def targets_cuda(platforms: str | None, plugins: Sequence[str]) -> bool:
+    """Whether JAX will run on CUDA GPUs, told without starting a backend: ``platforms``
+    (``jax_platforms``; None or empty: JAX's choice) allows them and a CUDA plugin is among
+    the installed ``jax_plugins`` modules ``plugins``."""
+    allowed = not platforms or any(p.strip() in ("cuda", "gpu") for p in platforms.split(","))
+    return allowed and any(name.startswith("xla_cuda") for name in plugins)
+
+
+def cuda_host() -> bool:
+    """``targets_cuda`` for this process's JAX configuration and installed plugins."""
+    import importlib
+    import pkgutil
+
+    import jax
+
+    try:
+        plugins = importlib.import_module("jax_plugins")
+    except ImportError:
+        return False
+    return targets_cuda(jax.config.jax_platforms,
+                        [m.name for m in pkgutil.iter_modules(plugins.__path__)])
 
 
 def replica_processes(args: argparse.Namespace, *, multihost: bool = False,
-                      draft: bool = False) -> bool:
+                      draft: bool = False, gpus: bool | None = None) -> bool:
     """Whether ``add_replicas_arg``'s ``--replicas`` runs the ``--dp`` replicas as engine
-    processes: ``auto`` does so for ``--dp`` 2 or more on one host (not ``multihost``)
-    without a draft model held by this process (``draft``). Why processes: with threads, one
-    interpreter lock queues every replica's host work (4x H100, ``batch_eval --dp 4``, 1B
-    shapes: 2.0-2.5x one GPU with threads, 3.63-3.66x with processes; bench/NOTES.md r157-r160).
+    processes: ``auto`` does so for ``--dp`` 2 or more on one host (not ``multihost``) of
+    CUDA GPUs (``gpus``; None: ``cuda_host()``) without a draft model held by this process
+    (``draft``). Why processes: with threads, one interpreter lock queues every replica's
+    host work (4x H100, ``batch_eval --dp 4``, 1B shapes: 2.0-2.5x one GPU with threads,
+    3.63-3.66x with processes; bench/NOTES.md r157-r160). Engine processes pin GPUs through
+    ``CUDA_VISIBLE_DEVICES``, so elsewhere (CPU, TPU) ``auto`` keeps threads.
     """
-    if args.replicas == "auto":
-        return args.dp > 1 and not multihost and not draft
-    return args.replicas == "processes"
+    if args.replicas != "auto":
+        return args.replicas == "processes"
+    if args.dp < 2 or multihost or draft:
+        return False
+    return cuda_host() if gpus is None else gpus
 
 
 def mesh_from_args(args: argparse.Namespace) -> Any:

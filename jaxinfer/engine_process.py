@@ -180,7 +180,8 @@ class EngineSpec:
         if jax.default_backend() != "gpu" or len(jax.devices()) != len(self.devices):
             raise InputError(f"this host has no GPUs {list(self.devices)} "
                              f"({jax.default_backend()}: {len(jax.devices())} device(s) seen); "
-                             "lower --dp or --tp (or set JAX_PLATFORMS=cpu to run on the CPU)")
+                             "lower --dp or --tp, or run the replicas as threads (--replicas "
+                             "threads)")
 
 
 def cuda_visible_devices(devices: Sequence[int], visible: str | None) -> str:
@@ -386,13 +387,15 @@ def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import jax
 
+    from jaxinfer.replicas import replica_engines
+
     try:
         spec.start_jax()
         engine = spec.build()
         model = engine.model
         if model.tokenizer is None:
             raise InputError("serving needs a model with a tokenizer (text in and out)")
-        engines = getattr(engine, "replicas", [engine])
+        engines = replica_engines(engine)
         info = EngineInfo(config=model.config, tokenizer=model.tokenizer,
                           name=model.name or "jaxinfer", max_batch=engine.max_batch,
                           max_seq_len=min(e.max_seq_len for e in engines),
@@ -652,16 +655,16 @@ class ReplicaProcesses:
         raise its error (``InputError`` for a user's mistake)."""
         with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
             futures = [pool.submit(e.start) for e in self.engines]
-            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            done, _ = concurrent.futures.wait(
+                futures, return_when=concurrent.futures.FIRST_EXCEPTION)
             failed = next((f.exception() for f in futures
-                           if f.done() and f.exception() is not None), None)
-            if failed is not None:
+                           if f in done and f.exception() is not None), None)
+            if failed is not None:  # leaving the pool waits for the killed ones to return
                 for e in self.engines:
                     if e.info is None:
                         e.kill()
-        if failed is not None:
-            self.stop(0.0)
-            raise failed
+                self.stop(0.0)
+                raise failed
         infos = [e.info for e in self.engines]
         self.info = dataclasses.replace(infos[0], max_batch=sum(i.max_batch for i in infos),
                                         max_seq_len=min(i.max_seq_len for i in infos),

@@ -237,6 +237,11 @@ def combine_stats(each: list[EngineStats], wall: float) -> EngineStats:
     return EngineStats(**total)
 
 
+def replica_engines(engine: Engine | DataParallelEngine) -> list[Engine]:
+    """The engines of ``engine``'s data replicas: its replicas, or itself."""
+    return engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
+
+
 def engine_for(model: Model) -> Engine | DataParallelEngine:
     """The engine that serves ``generate``, ``stream``, ``score`` and ``batch_eval`` for
     ``model``: one ``Engine``, or a ``DataParallelEngine`` when the model's mesh has

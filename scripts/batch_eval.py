@@ -11,8 +11,9 @@ Input records: ``{"id": ..., "prompt": "..."}`` (``--chat`` wraps it as a user t
 
 Output: one JSON line per input record, in input order: ``id``, ``line`` (1-based input line),
 then ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``, ``ttft_s``, ``tpot_s``
-(generation) or ``logprob``, ``token_logprobs``, ``num_tokens``, ``greedy``, ``cached_tokens``
-(scoring, the engine path of ``jaxinfer.score``), or ``error`` for a bad record. Bad records
+(generation; with ``--speculative`` also ``draft_tokens`` proposed and ``accepted_tokens``) or
+``logprob``, ``token_logprobs``, ``num_tokens``, ``greedy``, ``cached_tokens`` (scoring, the
+engine path of ``jaxinfer.score``), or ``error`` for a bad record. Bad records
 (not JSON, no prompt, wrong types, too long for the model) are reported on stderr with their
 line number and written as error records, or stop the run before any work with
 ``--on-bad-record fail``. Blank lines are not records.
@@ -24,21 +25,23 @@ Running the same command again checks that prefix against the input, drops a tor
 and continues with the next record. With ``--seed``, record ``i`` samples with seed
 ``seed + line``, so a resumed run draws the same tokens as an uninterrupted one.
 
-At the end process 0 prints the throughput, TTFT and TPOT percentiles, and the run's device
-floor: the records run in this call through ``jaxinfer.benchmark.workload_floor`` (prefill
-FLOPs at the matmul rate, decode weight and K/V bytes at the read bandwidth, measured ceilings
-of this device kind), split over every device of the mesh, with the fraction of it reached.
+At the end process 0 prints the throughput, each data replica's steps and tokens (with
+``--dp``), TTFT and TPOT percentiles, and the run's device floor: the records run in this
+call through ``jaxinfer.benchmark.workload_floor`` (prefill FLOPs at the matmul rate, decode
+weight and K/V bytes at the read bandwidth, measured ceilings of this device kind), split
+over every device of the mesh, with the fraction of it reached.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
 output.
 
-``--dp N`` on one host (``--replicas auto``, the default; or ``processes``): each data replica
-runs in an engine process of its own (``jaxinfer.engine_process.ReplicaProcesses``), pinned to
-its ``--tp`` GPUs, with its own interpreter lock; this process reads, routes and writes and
-never starts JAX. Each process loads the model and compiles (reported as one "loading and
-compiling" time). With ``--replicas threads``, across hosts, or with a draft model, the
-replicas are threads of this process (``DataParallelEngine``).
+``--dp N`` on one host of CUDA GPUs (``--replicas auto``, the default; or ``processes``): each
+data replica runs in an engine process of its own (``jaxinfer.engine_process.ReplicaProcesses``),
+pinned to its ``--tp`` GPUs, with its own interpreter lock; this process reads, routes and
+writes and never starts JAX. Each process loads the model and compiles (reported as one
+"loading and compiling" time). With ``--replicas threads``, on other platforms, or with a
+draft model, the replicas are threads of this process (``DataParallelEngine``); across hosts
+one engine runs over the whole mesh.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file from a checkout without installing
@@ -68,6 +71,9 @@ from jaxinfer.cli import (  # noqa: E402
     sampling_kwargs,
 )
 from jaxinfer.errors import InputError, JaxinferError  # noqa: E402
+
+if TYPE_CHECKING:
+    from jaxinfer.engine import EngineStats
 
 
 @dataclasses.dataclass
@@ -233,8 +239,9 @@ def _requests(model: Any, good: Sequence[Record], args: argparse.Namespace,
     return out
 
 
-def _record(result: Any) -> dict[str, Any]:
-    """The output fields of one finished ``Completion`` or ``ScoreResult``."""
+def _record(result: Any, speculative: bool) -> dict[str, Any]:
+    """The output fields of one finished ``Completion`` or ``ScoreResult`` (``speculative``:
+    the run proposed tokens, so each generation record counts them)."""
     from jaxinfer.requests import ScoreResult
 
     if result.error is not None:
@@ -247,7 +254,7 @@ def _record(result: Any) -> dict[str, Any]:
            "finish_reason": result.finish_reason,
            "prompt_tokens": len(result.prompt_token_ids),
            "ttft_s": result.time_to_first_token, "tpot_s": result.time_per_output_token}
-    if result.draft_tokens:  # speculative decoding proposed tokens for it
+    if speculative:
         out.update(draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens)
     return out
 
@@ -342,7 +349,7 @@ class _InProcess:
         draft = load_draft(args)
         # The requests' sampling options: with a draft model, its Speculative (loaded here).
         self.options = options if draft is None else {
-            k: v for k, v in sampling_kwargs(args, draft).items() if k != "seed"}
+            **options, "speculative": sampling_kwargs(args, draft)["speculative"]}
         self.model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
                                          max_batch=args.batch_size, mesh=mesh_from_args(args),
                                          kv_cache_dtype=args.kv_cache_dtype)
@@ -387,11 +394,9 @@ class _InProcess:
 
     def replica_stats(self) -> list[Any]:
         """Each data replica's counters (one engine: itself)."""
-        from jaxinfer.replicas import DataParallelEngine
+        from jaxinfer.replicas import replica_engines
 
-        each = (self.engine.replicas if isinstance(self.engine, DataParallelEngine)
-                else [self.engine])
-        return [e.stats() for e in each]
+        return [e.stats() for e in replica_engines(self.engine)]
 
     def close(self) -> None:
         """Nothing to release (the model lives as long as this process)."""
@@ -517,7 +522,7 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
                 if result is None:
                     finished[line] = {"error": why}
                     continue
-                finished[line] = _record(result)
+                finished[line] = _record(result, bool(runner.options["speculative"]))
                 if result.error is None:  # the work the device did, for the floor
                     stats["prompt_lens"].append(len(reqs[line].prompt_ids))
                     stats["output_lens"].append(1 if args.score else len(result.token_ids))
@@ -552,8 +557,8 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
               f"(after {runner.warm_s:.1f} s {runner.warm_what})  "
               f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
               f"{es.device_seconds:.2f} s waiting on the device)")
-        if runner.replicas > 1:
-            print(_replicas_line(runner.replica_stats()))
+        if len(each := runner.replica_stats()) > 1:  # one engine across hosts: none
+            print(_replicas_line(each))
         if not args.score:
             print(f"TTFT  {_percentiles(stats['ttft'])}")
             print(f"TPOT  {_percentiles(stats['tpot'])}")
@@ -562,10 +567,10 @@ def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
     return 0
 
 
-def _replicas_line(each: Sequence[Any]) -> str:
+def _replicas_line(each: Sequence[EngineStats]) -> str:
     """Per data replica: steps, seconds in steps and waiting on the device, generated and
     computed tokens (an uneven split or one slow replica shows here)."""
-    def col(f: Any) -> str:
+    def col(f: Callable[[EngineStats], str]) -> str:
         return "/".join(f(s) for s in each)
 
     return (f"replicas: steps {col(lambda s: str(s.steps))}  s in steps "

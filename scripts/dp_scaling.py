@@ -4,7 +4,8 @@ Issue 16 asks ``batch_eval --dp N`` for at least 0.95 N times one GPU. This runs
 ``batch_eval`` workload (each run in its own process, the caller's working directory)
 ``--repeats`` times in each mode, in the order one, threads, processes, one, ...:
 
-- ``one``: one replica (``--tp`` devices, the first ones: ``CUDA_VISIBLE_DEVICES`` is set);
+- ``one``: one replica (``--tp`` devices, the first ones the caller's ``CUDA_VISIBLE_DEVICES``
+  shows: the variable is narrowed to them);
 - ``threads``: ``--dp N --replicas threads``, the replicas as threads of one process
   (``DataParallelEngine``);
 - ``processes``: ``--dp N --replicas processes`` (``batch_eval``'s default), an engine
@@ -46,6 +47,7 @@ if str(REPO) not in sys.path:  # run as a file from a checkout without installin
     sys.path.insert(0, str(REPO))
 
 from jaxinfer.benchmark import device_folder, record_path, write_record  # noqa: E402
+from jaxinfer.engine_process import cuda_visible_devices  # noqa: E402
 
 MODES = ("one", "threads", "processes")
 OWN_FLAGS = ("--output", "--dp", "--tp", "--replicas", "--no-progress")
@@ -87,7 +89,9 @@ def device_name() -> str:
 def mode_args(mode: str, dp: int, tp: int) -> tuple[list[str], dict[str, str]]:
     """``batch_eval`` flags and environment of a mode."""
     if mode == "one":
-        return ["--tp", str(tp)], {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(tp)))}
+        # The first tp GPUs of those this process may use (as the replica processes count).
+        return ["--tp", str(tp)], {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(
+            range(tp), os.environ.get("CUDA_VISIBLE_DEVICES"))}
     return ["--dp", str(dp), "--tp", str(tp), "--replicas", mode], {}
 
 

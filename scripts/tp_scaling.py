@@ -33,7 +33,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +91,7 @@ def save(**item):
             json.dump(rec, f, indent=1)
 
 
-def profile_call(gen, steps: int) -> dict:
+def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
     """Device 0's kernel timeline of one traced ``gen()`` call, in us per decode step
     (``timeline_split``), and its top kernels; ``{"kernels": 0}`` where the trace holds
     none (a CPU run)."""
@@ -100,9 +102,9 @@ def profile_call(gen, steps: int) -> dict:
                   if not e[0].startswith("Memcpy")]
     if not events:
         return {"kernels": 0}
-    split = {f"{k}_us": round(v / 1e3, 2) for k, v in timeline_split(events, steps).items()}
-    split["collectives"] = split.pop("collectives_us")  # a count per step, not a time
-    return {"kernels": len(events) / steps, **split,
+    split = timeline_split(events, steps)  # ns, and a count of collectives
+    times = {f"{k}_us": round(v / 1e3, 2) for k, v in split.items() if k != "collectives"}
+    return {"kernels": len(events) / steps, "collectives": split["collectives"], **times,
             "top_kernels": [{"name": n[:100], "per_step": len(d) / steps,
                              "mean_us": round(sum(d) / len(d) / 1e3, 2)}
                             for n, d in top_kernels(events, 10)]}

@@ -225,8 +225,8 @@ def _worker(tmp: Path) -> None:
 
 @pytest.mark.slow
 def test_replica_processes_match_single_device(tmp_path):
-    """``--dp 2 --tp 2`` (``--replicas auto``: processes on one host): two engine processes
-    of two forced CPU devices each write the single-device ``generate``'s tokens and text for
+    """``--dp 2 --tp 2 --replicas processes``: two engine processes of two forced CPU
+    devices each write the single-device ``generate``'s tokens and text for
     every record, and the process that runs batch_eval never starts a JAX backend (on GPUs it
     would take memory on every device)."""
     from test_sharding import run_with_devices
@@ -263,7 +263,8 @@ def _process_worker(tmp: Path) -> None:
         rc = _load_script().main([
             "--model", str(model_dir), "--input", str(inp), "--output", str(out), "--dtype",
             "float32", "--backend", "reference", "--max-new-tokens", "8", "--tp", "2", "--dp",
-            "2", "--batch-size", "4", "--no-progress", "--compile-cache", ""])
+            "2", "--replicas", "processes", "--batch-size", "4", "--no-progress",
+            "--compile-cache", ""])
     assert rc == 0
     started = xla_bridge.backends_are_initialized()
 
@@ -359,8 +360,7 @@ def test_replica_processes_route_by_work_left():
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_batch_eval_writes_the_plain_greedy_tokens(tiny_dir, tmp_path, method):
     """``batch_eval --speculative ngram|draft`` (the model as its own draft) writes plain
-    greedy's tokens for every record and reports each record's proposed and accepted
-    tokens; the caller's parsed flags are left as they were."""
+    greedy's tokens for every record, and each record its proposed and accepted tokens."""
     be = _load_script()
     inp = tmp_path / "in.jsonl"
     # Repetitive prompts, so n-gram lookup has something to propose.
@@ -369,32 +369,48 @@ def test_speculative_batch_eval_writes_the_plain_greedy_tokens(tiny_dir, tmp_pat
     plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
     assert be.main(_args(tiny_dir, inp, plain, "--max-new-tokens", "12")) == 0
     extra = ["--draft-model", str(tiny_dir)] if method == "draft" else []
-    args = be._parser().parse_args(_args(tiny_dir, inp, spec, "--max-new-tokens", "12",
-                                         "--speculative", method, *extra))
-    before = vars(args).copy()
-    assert be.run(args) == 0
-    assert vars(args) == before
+    assert be.main(_args(tiny_dir, inp, spec, "--max-new-tokens", "12", "--speculative",
+                         method, *extra)) == 0
     want = [json.loads(x) for x in plain.read_text().splitlines()]
     got = [json.loads(x) for x in spec.read_text().splitlines()]
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
     assert all("draft_tokens" not in r for r in want)
-    proposed = sum(r.get("draft_tokens", 0) for r in got)
-    assert proposed > 0 and 0 < sum(r.get("accepted_tokens", 0) for r in got) <= proposed
+    assert all(0 <= r["accepted_tokens"] <= r["draft_tokens"] for r in got)
+    assert sum(r["accepted_tokens"] for r in got) > 0
     if method == "draft":  # its own draft: greedy proposals are all accepted
-        assert all(r["accepted_tokens"] == r["draft_tokens"] for r in got if "draft_tokens" in r)
+        assert all(r["accepted_tokens"] == r["draft_tokens"] for r in got)
 
 
-@pytest.mark.parametrize("flags, multihost, draft, want", [
-    (("--dp", "4"), False, False, True),  # auto on one host: processes
-    (("--dp", "1"), False, False, False),  # nothing to split
-    (("--dp", "4"), True, False, False),  # across hosts: a process per host, replicas threads
-    (("--dp", "4"), False, True, False),  # the draft model lives in this process
-    (("--dp", "4", "--replicas", "threads"), False, False, False),
-    (("--dp", "4", "--replicas", "processes"), True, False, True),  # refused later, one line
+def test_in_process_runner_keeps_the_draft_in_its_own_options(tiny_dir, tmp_path):
+    """With ``--draft-model`` the in-process runner's options carry the loaded draft, and
+    the options it was given stay as they were (the caller may reuse them)."""
+    be = _load_script()
+    args = be._parser().parse_args(_args(tiny_dir, tmp_path / "in.jsonl",
+                                         tmp_path / "out.jsonl", "--speculative", "draft",
+                                         "--draft-model", str(tiny_dir)))
+    options = be.sampling_kwargs(args)
+    options.pop("seed")
+    given = dict(options)
+    runner = be._InProcess(args, options)
+    assert options == given and options["speculative"] is None  # no draft loaded yet
+    assert runner.options["speculative"].draft is not None
+    assert {k: v for k, v in runner.options.items() if k != "speculative"} == {
+        k: v for k, v in given.items() if k != "speculative"}
+
+
+@pytest.mark.parametrize("flags, multihost, draft, gpus, want", [
+    (("--dp", "4"), False, False, True, True),  # auto on one host of GPUs: processes
+    (("--dp", "4"), False, False, False, False),  # CPU or TPU: threads
+    (("--dp", "1"), False, False, True, False),  # nothing to split
+    (("--dp", "4"), True, False, True, False),  # across hosts: one engine over the mesh
+    (("--dp", "4"), False, True, True, False),  # the draft model lives in this process
+    (("--dp", "4", "--replicas", "threads"), False, False, True, False),
+    (("--dp", "4", "--replicas", "processes"), True, False, False, True),  # refused later
 ])
-def test_replicas_auto_picks_processes_where_they_run(flags, multihost, draft, want):
+def test_replicas_auto_picks_processes_where_they_run(flags, multihost, draft, gpus, want):
     """``--replicas auto`` (the default) runs ``--dp`` replicas as engine processes on one
-    host without a draft model, as threads otherwise; an explicit choice is kept."""
+    host of CUDA GPUs without a draft model, as threads otherwise; an explicit choice is
+    kept."""
     import argparse
 
     from jaxinfer.cli import add_mesh_args, add_replicas_arg, replica_processes
@@ -403,7 +419,20 @@ def test_replicas_auto_picks_processes_where_they_run(flags, multihost, draft, w
     add_mesh_args(p)
     add_replicas_arg(p)
     args = p.parse_args(list(flags))
-    assert replica_processes(args, multihost=multihost, draft=draft) is want
+    assert replica_processes(args, multihost=multihost, draft=draft, gpus=gpus) is want
+
+
+def test_targets_cuda_reads_platforms_and_plugins():
+    """CUDA is the target when ``jax_platforms`` allows it (unset, or naming cuda/gpu) and a
+    CUDA plugin is installed; this CPU test process (``JAX_PLATFORMS=cpu``) is not one."""
+    from jaxinfer.cli import cuda_host, targets_cuda
+
+    cuda13 = ["xla_cuda13"]
+    assert targets_cuda(None, cuda13) and targets_cuda("", cuda13)
+    assert targets_cuda("cuda,cpu", cuda13) and targets_cuda("gpu", ["xla_cuda12"])
+    assert not targets_cuda("cpu", cuda13) and not targets_cuda("tpu", cuda13)
+    assert not targets_cuda(None, []) and not targets_cuda(None, ["xla_tpu"])
+    assert cuda_host() is False
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -515,6 +544,18 @@ def test_dp_scaling_runs_each_mode(tiny_dir, tmp_path):
     for r in runs:
         assert rec["summary"][r["mode"]] == {"median": r["tok_per_s"],
                                              "vs_one": round(r["tok_per_s"] / one, 3)}
+
+
+def test_dp_scaling_modes_use_the_callers_gpus(monkeypatch):
+    """The one-replica baseline runs on the first ``--tp`` GPUs the caller shows, as the
+    replica processes count them; the other modes pass ``--replicas``."""
+    ds = _load_script("dp_scaling")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert ds.mode_args("one", 2, 2) == (["--tp", "2"], {"CUDA_VISIBLE_DEVICES": "4,5"})
+    assert ds.mode_args("processes", 2, 2) == (
+        ["--dp", "2", "--tp", "2", "--replicas", "processes"], {})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert ds.mode_args("one", 4, 1)[1] == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 def test_dp_scaling_parses_the_summary_and_refuses_its_own_flags(capsys):

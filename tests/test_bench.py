@@ -159,11 +159,12 @@ def test_idle_before_puts_each_gap_on_the_kernel_after_it():
 def test_timeline_split_separates_collectives_and_their_waits():
     """``timeline_split`` per step: span, busy (overlaps once), idle, and the NCCL/all-reduce
     kernels' count, time, mean and the idle just before them, for two steps of a
-    tensor-parallel layer (a GEMM, an all-reduce after a wait, a GEMM overlapping it)."""
+    tensor-parallel layer (a GEMM, an all-reduce after a wait, a reduction fusion overlapping
+    it that is not a collective)."""
     from jaxinfer.benchmark import timeline_split
 
     step = [("gemm", 0, 10.0), ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 14, 6.0),
-            ("fusion", 18, 4.0), ("all-reduce-start.1", 30, 2.0)]
+            ("small_reduce_fusion", 18, 4.0), ("all-reduce-start.1", 30, 2.0)]
     events = step + [(n, s + 40, d) for n, s, d in step]
     got = timeline_split(events, per=2)
     # Busy per step 10 + 8 (14-22) + 2 = 20; idle 4 (before nccl) + 8 (before

@@ -641,13 +641,18 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
     assert len(err) == 1 and "replica processes serve --dp replicas; give --dp 2" in err[0]
 
 
-@pytest.mark.parametrize("flags, want", [((), (1, False)), (("--dp", "2"), (2, True)),
-                                         (("--dp", "2", "--replicas", "threads"), (2, False))])
-def test_serve_runs_dp_replicas_as_processes_by_default(monkeypatch, flags, want):
-    """``jaxinfer serve --dp N`` serves from N engine processes unless ``--replicas threads``
-    (the spec handed to the app says which; nothing is loaded here)."""
+@pytest.mark.parametrize("flags, gpus, want", [
+    ((), True, (1, False)), (("--dp", "2"), True, (2, True)), (("--dp", "2"), False, (2, False)),
+    (("--dp", "2", "--replicas", "threads"), True, (2, False))])
+def test_serve_runs_dp_replicas_as_processes_by_default(monkeypatch, flags, gpus, want):
+    """``jaxinfer serve --dp N`` on a host of CUDA GPUs serves from N engine processes
+    unless ``--replicas threads``, elsewhere from threads (the spec handed to the app says
+    which; nothing is loaded here)."""
+    import jaxinfer.cli
     import jaxinfer.server
     from jaxinfer.cli import main
+
+    monkeypatch.setattr(jaxinfer.cli, "cuda_host", lambda: gpus)
 
     seen = []
 
