@@ -190,3 +190,34 @@ def test_top_kernels_ranks_names_by_summed_time(tmp_path):
     with jax.profiler.trace(str(tmp_path)):
         jnp.ones(8).sum().block_until_ready()
     assert device_events(tmp_path) == []
+
+
+def test_bench_collectives_checks_and_records_each_variant(tmp_path):
+    """``scripts/bench_collectives.py`` on 4 forced CPU devices: every variant (all-reduces
+    alone, row-parallel GEMVs with and without them) matches its single-device reference
+    before it is timed, and the record holds each one's time and the all-reduce's share."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    rec = tmp_path / "rec.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(repo))
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "bench_collectives.py"), "--hidden", "64",
+         "--rows", "2,3", "--iters", "4", "--repeats", "1", "--cold-mib", "1", "--json",
+         str(rec)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    items = json.loads(rec.read_text())["items"]
+    assert [(i["variant"], i["rows"]) for i in items] == [
+        (v, r) for r in (2, 3) for v in ("psum", "gemv", "gemv+psum", "added by the all-reduce")]
+    checked = [i for i in items if "check_rel_err" in i]
+    assert len(checked) == 6 and all(i["check_rel_err"] < 0.05 for i in checked)
+    # 2 (tp - 1) / tp of the rows x 64 bf16 values leave each device per all-reduce.
+    assert [i["allreduce_bytes_per_device"] for i in checked] == [384, 0, 384, 576, 0, 576]
+    for r in (2, 3):
+        by = {i["variant"]: i["us_per_step"] for i in items if i["rows"] == r}
+        assert by["added by the all-reduce"] == pytest.approx(by["gemv+psum"] - by["gemv"],
+                                                              abs=1e-3)
