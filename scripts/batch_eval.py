@@ -54,7 +54,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file from a checkout without installing
@@ -332,6 +332,38 @@ def _check_process_args(args: argparse.Namespace) -> None:
                          "--replicas threads")
 
 
+class Runner(Protocol):
+    """What ``_evaluate`` runs the records on: ``_InProcess`` or ``_Processes``."""
+
+    model: Any  # jaxinfer.Model: its config and tokenizer (weights only in-process)
+    options: dict[str, Any]  # the requests' sampling options
+    devices: int  # devices of the run, all replicas together
+    replicas: int  # data replicas
+    device_kind: str  # jax.Device.device_kind, for the floor's ceilings
+    max_batch: int  # sequences running at once, all replicas together
+    itemsize: int  # bytes of a weight / K/V element
+    warm_s: float  # seconds loading and compiling before the timed run
+    warm_what: str  # what those seconds were spent on, for the summary
+
+    def prepare(self, reqs: dict[int, Any]) -> None:
+        """Compile what the requests (line -> Request) need before the timed run."""
+
+    def submit(self, reqs: dict[int, Any]) -> None:
+        """Hand the requests (line -> Request) to the engine(s)."""
+
+    def results(self) -> list[tuple[int, Any, str | None]]:
+        """Finished requests: ``(line, result, None)`` or ``(line, None, why refused)``."""
+
+    def stats(self) -> Any:
+        """All replicas' counters as one engine's (``EngineStats``)."""
+
+    def replica_stats(self) -> list[Any]:
+        """Each replica's counters."""
+
+    def close(self) -> None:
+        """Release the engine(s)."""
+
+
 class _InProcess:
     """The model and its engine in this process (``engine_for``: one engine, or one per
     data replica stepped in threads, or one across hosts)."""
@@ -475,7 +507,7 @@ class _Processes:
         self.pool.stop(0.0)
 
 
-def _evaluate(args: argparse.Namespace, runner: Any, records: Sequence[Record],
+def _evaluate(args: argparse.Namespace, runner: Runner, records: Sequence[Record],
               todo: Sequence[Record], done: int, primary: bool, base_seed: int | None) -> int:
     """Run ``todo``'s good records on ``runner`` (with its sampling ``options``) and write
     every record of ``todo`` in input order as soon as it extends the written prefix; print
@@ -580,7 +612,7 @@ def _replicas_line(each: Sequence[EngineStats]) -> str:
             f"{col(lambda s: str(s.computed_tokens))}")
 
 
-def _floor_line(runner: Any, stats: dict[str, Any], kv_cache_dtype: str | None,
+def _floor_line(runner: Runner, stats: dict[str, Any], kv_cache_dtype: str | None,
                 wall: float) -> str:
     """The run's device floor (``jaxinfer.benchmark.workload_floor`` over the records run
     here, on every device of the run) and the fraction of it the run reached."""
