@@ -283,8 +283,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{len(bad)} bad record(s) in {args.input} (first at line "
                          f"{bad[0].line}); fix them or pass --on-bad-record skip")
 
-    processes = replica_processes(args, multihost=bool(args.coordinator)
-                                  or (args.num_processes or 1) > 1,
+    processes = replica_processes(args, multihost=_multihost(args),
                                   draft=args.speculative == "draft")
     if processes:
         _check_process_args(args)  # and load_model's checks of the dtype, before any process
@@ -318,12 +317,17 @@ def run(args: argparse.Namespace) -> int:
         runner.close()
 
 
+def _multihost(args: argparse.Namespace) -> bool:
+    """Whether the flags start a run across hosts (one process per host)."""
+    return bool(args.coordinator) or (args.num_processes or 1) > 1
+
+
 def _check_process_args(args: argparse.Namespace) -> None:
     """One-line errors for flags that ``--replicas processes`` cannot take."""
     if args.dp < 2:
         raise InputError("--replicas processes runs one process per --dp replica; give "
                          "--dp 2 or more")
-    if args.coordinator or (args.num_processes or 1) > 1:
+    if _multihost(args):
         raise InputError("--replicas processes runs on one host; drop --coordinator/"
                          "--num-processes (a multi-host run is one process per host)")
     if args.speculative == "draft":

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +44,13 @@ if str(REPO) not in sys.path:  # run as a file from a checkout without installin
     sys.path.insert(0, str(REPO))
 
 from jaxinfer import runner  # noqa: E402
-from jaxinfer.benchmark import ceilings, device_folder, record_path, write_record  # noqa: E402
+from jaxinfer.benchmark import (  # noqa: E402
+    ceilings,
+    device_folder,
+    median_time,
+    record_path,
+    write_record,
+)
 
 VARIANTS = ("psum", "gemv", "gemv+psum")
 GRAPHS = {"engine": runner.DEVICE_LOOP_GRAPHS, "xla": None,
@@ -108,17 +112,6 @@ def reference(variant: str, x: np.ndarray, w: np.ndarray, tp: int, iters: int) -
     return np.concatenate(xs) if variant == "gemv" else xs[0]
 
 
-def time_per_step(fn: Callable[[], Any], iters: int, repeats: int) -> float:
-    """Median seconds per step of ``fn`` (one program of ``iters`` steps), after a warm-up."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t) / iters)
-    return statistics.median(times)
-
-
 def run_case(mesh: Mesh, rows: int, hidden: int, iters: int, repeats: int,
              read_bytes_per_s: float, cold_bytes: int, options: dict[str, Any] | None
              ) -> list[dict[str, Any]]:
@@ -144,8 +137,13 @@ def run_case(mesh: Mesh, rows: int, hidden: int, iters: int, repeats: int,
         if err > 0.05:  # bf16 steps, float32 accumulation: a few ulps
             raise RuntimeError(f"{variant} at rows={rows} hidden={hidden}: relative error "
                                f"{err:.3g} against the reference")
-        fn = chain(variant, mesh, iters, options)
-        step_s = time_per_step(lambda fn=fn: fn(x, w), iters, repeats)
+        timed = chain(variant, mesh, iters, options)
+
+        def call(fn: Callable[..., jax.Array] = timed) -> None:
+            jax.block_until_ready(fn(x, w))
+
+        call()  # compile and warm up
+        step_s = median_time(call, repeats)[0] / iters
         item = {"variant": variant, "tp": tp, "rows": rows, "hidden": hidden, "iters": iters,
                 "us_per_step": round(step_s * 1e6, 3), "check_rel_err": round(err, 5),
                 "allreduce_bytes_per_device": (2 * (tp - 1) * rows * hidden * 2 // tp
