@@ -294,12 +294,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     served = run_served(dataclasses.replace(spec, dp=args.dp, replica_processes=args.dp > 1),
                         args, w)
     ratio = served["output_tok_per_s"] / offline["output_tok_per_s"]
-    served_floor = floor["floor_output_tok_per_s"] * args.dp  # each replica a whole floor
+    # Each replica has a whole floor.
+    served_share = served["output_tok_per_s"] / (floor["floor_output_tok_per_s"] * args.dp)
     print(f"-- served over HTTP ({served['clients']} streaming clients in "
           f"{served['client_processes']} processes, {args.dp} engine process(es)): "
           f"{served['output_tokens']} tokens in {served['elapsed_s']:.2f} s = "
           f"{served['output_tok_per_s']:.0f} output tok/s = {ratio:.1%} of offline on one GPU, "
-          f"{served['output_tok_per_s'] / served_floor:.1%} of the floor")
+          f"{served_share:.1%} of the floor")
     print(f"   client TTFT ms {served['ttft_ms']}  TPOT ms {served['tpot_ms']}", flush=True)
     record = dict(
         date=now.isoformat(timespec="seconds"), device=run["device"], jax=run["jax"],
@@ -309,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ceilings=run["ceilings"], floor=floor, slots=run["slots"],
         max_tokens_per_step=run["max_tokens_per_step"], offline=offline, served=served,
         served_over_offline=ratio, dp=args.dp,
-        served_fraction_of_floor=served["output_tok_per_s"] / served_floor)
+        served_fraction_of_floor=served_share)
     path = record_path(args.json, REPO / "bench" / "results" / run["device_name"]
                        / "server_issue14" / f"server_{label}_{now.strftime('%Y%m%d')}.json")
     if path is not None:
