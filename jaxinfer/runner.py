@@ -235,6 +235,20 @@ the draft-model loop ran 39.0 against 18.4 ms per iteration with it (r151). Othe
 ignore the option."""
 
 
+TP_DEVICE_LOOP_GRAPHS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                     "DYNAMIC_SLICE_FUSION,COLLECTIVES",
+    "xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+"""XLA options of ``decode_steps`` over tensor-parallel params: each loop iteration in one
+CUDA graph with its NCCL all-reduces, the loops themselves on the host. ``DEVICE_LOOP_GRAPHS``
+cannot hold such a loop: XLA's own one-shot all-reduce kernels (``kCollectiveKernel`` thunks,
+its default for small all-reduces) cannot be captured, so an iteration ran as ~34 graphs
+between 66 host-launched all-reduces and the device idled ~0.8-1.0 ms of a 3.85 ms 8B step
+waiting for launches; NCCL's all-reduces can be captured, but not inside a graph's ``WHILE``
+("Failed to instantiate CUDA graph"). 2x H200, 8B tp=2 batch 1 (bench/NOTES.md r161-r168):
+288.1 against 259.6-262.8 tok/s; 70B tp=2 46.3 against 45.5-46.4."""
+
+
 def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any] | None:
     """The XLA compiler options of a program over ``params`` (one model's, or several:
     target and draft) whose largest matmuls take ``rows`` rows: ``CUBLAS_GEMMS`` where its
@@ -245,29 +259,47 @@ def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any]
     return CUBLAS_GEMMS if fp8 and rows >= FP8_ACTIVATION_ROWS else None
 
 
+def tensor_parallel(params: Params | Sequence[Params]) -> bool:
+    """Whether some weight of ``params`` (one model's, or several) is split over devices
+    (a ``model`` mesh axis above 1), not replicated on each: its programs then hold
+    tensor-parallel all-reduces (``TP_DEVICE_LOOP_GRAPHS``)."""
+    models = [params] if isinstance(params, dict) else list(params)
+    for leaf in jax.tree.leaves(models):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and not sharding.is_fully_replicated:
+            return True
+    return False
+
+
 class StepProgram:
-    """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) twice, with the XLA options
-    ``base`` (None: XLA's defaults) and with ``CUBLAS_GEMMS`` added to them; ``models`` are
-    the first ``num_models`` arguments (model params). A call runs the one ``gemm_options``
-    picks for those params and ``rows(*args, **kwargs)``, their fp8 matmuls set to match
+    """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) with the XLA options a call
+    needs: ``base`` (None: XLA's defaults), or ``tp_base`` where the models are
+    ``tensor_parallel`` (when given), each with ``CUBLAS_GEMMS`` added where
+    ``gemm_options`` picks it for those params and ``rows(*args, **kwargs)``; ``models`` are
+    the first ``num_models`` arguments (model params), their fp8 matmuls set to match
     (``model.with_fp8_activations``: fp8 x fp8 in the cuBLAS program, weight-only in the
-    other). Each is compiled on first use."""
+    other). Each program is compiled on first use."""
 
     def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], num_models: int = 1,
-                 base: dict[str, Any] | None = None, **jit_kwargs: Any):
+                 base: dict[str, Any] | None = None, tp_base: dict[str, Any] | None = None,
+                 **jit_kwargs: Any):
         functools.update_wrapper(self, fn)
+        self._fn = fn
         self._rows = rows
         self._num_models = num_models
         self._base = base
-        self._default = jax.jit(fn, compiler_options=base, **jit_kwargs)
-        self._cublas = jax.jit(fn, compiler_options={**(base or {}), **CUBLAS_GEMMS},
-                               **jit_kwargs)
+        self._tp_base = tp_base
+        self._jit_kwargs = jit_kwargs
+        self._jits: dict[tuple[tuple[str, Any], ...], Any] = {}  # options' items -> jit
 
     def options(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
         """The compiler options of the program a call with these arguments runs (None:
         XLA's defaults)."""
+        models = args[:self._num_models]
+        base = (self._tp_base if self._tp_base is not None and tensor_parallel(models)
+                else self._base)
         gemms = self._gemm_options(args, kwargs)
-        return {**(self._base or {}), **gemms} if gemms else self._base
+        return {**(base or {}), **gemms} if gemms else base
 
     def _gemm_options(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                       ) -> dict[str, Any] | None:
@@ -275,20 +307,29 @@ class StepProgram:
         return gemm_options(models, self._rows(*rest, **kwargs))
 
     def compiled(self) -> dict[str, int]:
-        """Programs compiled so far: ``{"default": n, "cublas": m}``."""
-        return {"default": self._default._cache_size(), "cublas": self._cublas._cache_size()}
+        """Programs compiled so far: ``{"default": n, "cublas": m}`` (``cublas``: those with
+        ``CUBLAS_GEMMS``)."""
+        counts = {"default": 0, "cublas": 0}
+        for items, program in self._jits.items():
+            cublas = all(item in items for item in CUBLAS_GEMMS.items())
+            counts["cublas" if cublas else "default"] += program._cache_size()
+        return counts
 
     def _cache_size(self) -> int:
-        """Programs compiled so far, both variants together: ``jax.jit``'s count, so tests
+        """Programs compiled so far, all variants together: ``jax.jit``'s count, so tests
         that watch for recompilation treat this like any jitted step."""
         return sum(self.compiled().values())
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, tuple[Any, ...]]:
+        options = self.options(*args, **kwargs)
         cublas = self._gemm_options(args, kwargs) is not None
         models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, cublas)
                        for m in args[:self._num_models])
-        return (self._cublas if cublas else self._default), models + args[self._num_models:]
+        key = tuple(sorted((options or {}).items()))
+        if key not in self._jits:
+            self._jits[key] = jax.jit(self._fn, compiler_options=options, **self._jit_kwargs)
+        return self._jits[key], models + args[self._num_models:]
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program a call with these arguments runs, lowered (``jax.jit(...).lower``)."""
@@ -302,10 +343,10 @@ class StepProgram:
 
 
 def step_program(rows: Callable[..., int], num_models: int = 1,
-                 base: dict[str, Any] | None = None, **jit_kwargs: Any
-                 ) -> Callable[[Callable[..., Any]], StepProgram]:
-    """Decorator: ``StepProgram(fn, rows, num_models, base, **jit_kwargs)``."""
-    return lambda fn: StepProgram(fn, rows, num_models, base, **jit_kwargs)
+                 base: dict[str, Any] | None = None, tp_base: dict[str, Any] | None = None,
+                 **jit_kwargs: Any) -> Callable[[Callable[..., Any]], StepProgram]:
+    """Decorator: ``StepProgram(fn, rows, num_models, base, tp_base, **jit_kwargs)``."""
+    return lambda fn: StepProgram(fn, rows, num_models, base, tp_base, **jit_kwargs)
 
 
 @step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0],
@@ -374,6 +415,7 @@ def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
 
 
 @step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0], base=DEVICE_LOOP_GRAPHS,
+              tp_base=TP_DEVICE_LOOP_GRAPHS,
               static_argnames=("config", "backend", "dtype", "max_steps", "chunk", "stochastic",
                                "deterministic", "num_top"),
               donate_argnums=(1, 2))

@@ -45,7 +45,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxinfer
 from jaxinfer import roofline
-from jaxinfer.benchmark import device_events, device_name, timeline_split, top_kernels
+from jaxinfer.benchmark import (
+    device_events,
+    device_name,
+    idle_before,
+    kernel_gaps,
+    timeline_split,
+    top_kernels,
+)
 from jaxinfer.generate import Model
 from jaxinfer.model import apply_layout
 from jaxinfer.presets import preset_config
@@ -93,8 +100,9 @@ def save(**item):
 
 def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
     """Device 0's kernel timeline of one traced ``gen()`` call, in us per decode step
-    (``timeline_split``), and its top kernels; ``{"kernels": 0}`` where the trace holds
-    none (a CPU run)."""
+    (``timeline_split``), its top 30 kernels and the 12 kernel names with the most idle
+    time just before them (``idle_before``); ``{"kernels": 0}`` where the trace holds none
+    (a CPU run)."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             gen()
@@ -107,7 +115,10 @@ def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
     return {"kernels": len(events) / steps, "collectives": split["collectives"], **times,
             "top_kernels": [{"name": n[:100], "per_step": len(d) / steps,
                              "mean_us": round(sum(d) / len(d) / 1e3, 2)}
-                            for n, d in top_kernels(events, 10)]}
+                            for n, d in top_kernels(events, 30)],
+            "idle_before": [{"name": n[:100], "per_step": c / steps,
+                             "idle_us_per_step": round(g / steps / 1e3, 2)}
+                            for n, g, c in idle_before(kernel_gaps(events), 12)]}
 
 
 def config_of(name: str) -> jaxinfer.LlamaConfig:

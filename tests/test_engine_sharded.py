@@ -70,6 +70,11 @@ def test_engine_on_meshes_matches_single_device():
     assert fast["decode_collectives"], fast  # the engine ran decode loops
     for census in fast["decode_collectives"]:
         assert census == {"all-reduce": 2 * fast["num_layers"] + 1, "all-gather": 1}, census
+    # Tensor-parallel decode loops compile with their own XLA options (each iteration one
+    # CUDA graph with its NCCL all-reduces); data-only replicas keep the device-side loop.
+    assert res["tensor_parallel"] == {"1x8": True, "2x4": True, "4x2": True, "2x1": False}
+    assert fast["decode_options"] == [res["loop_options"]["tp"]] * len(
+        fast["decode_options"]), fast["decode_options"]
 
 
 def _workload(n: int = 14) -> list[tuple[list[int], int, int]]:
@@ -103,6 +108,7 @@ def _worker() -> None:
     import jax.numpy as jnp
 
     import jaxinfer
+    from jaxinfer import runner
     from jaxinfer.engine import Engine
     from jaxinfer.errors import InputError
     from jaxinfer.generate import Model
@@ -170,6 +176,10 @@ def _worker() -> None:
             "pool_devices": pool_devices,
             "replica_devices": [sorted(d.id for d in row) for row in mesh.devices.tolist()],
         }
+    out["tensor_parallel"] = {f"{d}x{mm}": runner.tensor_parallel(models[(d, mm)].params)
+                              for d, mm in MESHES}
+    out["loop_options"] = {"tp": runner.TP_DEVICE_LOOP_GRAPHS,
+                           "single": runner.DEVICE_LOOP_GRAPHS}
     m = models[(1, 8)]
     # n-gram speculation's device loop on the model-split mesh: the plain tokens.
     engine = Engine(m, **kw)
@@ -180,11 +190,12 @@ def _worker() -> None:
                                                         shards=8))
     engine = Engine(fast, **kw)
     wqkv = fast.params["layers"][0]["wqkv"]
-    with _compiled_texts(jaxinfer.engine, "decode_steps") as decode_texts:
+    with _compiled_texts(jaxinfer.engine, "decode_steps") as decode_programs:
         fast_tokens = _serve(engine, work[:FAST_N])
     out["fast_layout"] = {
         "tokens": fast_tokens,
-        "decode_collectives": [_collectives(t) for t in decode_texts],
+        "decode_collectives": [_collectives(t) for _, t in decode_programs],
+        "decode_options": [o for o, _ in decode_programs],
         "num_layers": cfg.num_layers,
         "wqkv_shard": list(wqkv.addressable_shards[0].data.shape),
         "wqkv_shard_want": [cfg.hidden_size, 1, wqkv.shape[2]],
@@ -195,14 +206,15 @@ def _worker() -> None:
 
 
 @contextlib.contextmanager
-def _compiled_texts(module: Any, name: str) -> Iterator[list[str]]:
+def _compiled_texts(module: Any, name: str) -> Iterator[list[tuple[dict | None, str]]]:
     """While open, every call of ``module.name`` (a ``runner.StepProgram``) also compiles the
-    program it runs and appends its optimized HLO text to the yielded list."""
+    program it runs and appends its XLA options and optimized HLO text to the yielded list."""
     program = getattr(module, name)
-    texts: list[str] = []
+    texts: list[tuple[dict | None, str]] = []
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        texts.append(program.lower(*args, **kwargs).compile().as_text())
+        texts.append((program.options(*args, **kwargs),
+                      program.lower(*args, **kwargs).compile().as_text()))
         return program(*args, **kwargs)
 
     setattr(module, name, recording)
