@@ -19,7 +19,7 @@ its cost is latency, not bandwidth. Before timing, every case is checked against
 single-device ``jnp`` reference.
 
     PYTHONPATH=. python scripts/bench_collectives.py --tp 4 --hidden 4096,8192 --json auto
-        [--graphs engine|xla|collectives]
+        [--graphs engine|device-loop|xla]
 
 A record for bench/NOTES.md, not a test (``tests/test_bench.py`` runs it on CPU devices).
 """
@@ -53,13 +53,12 @@ from jaxinfer.benchmark import (  # noqa: E402
 )
 
 VARIANTS = ("psum", "gemv", "gemv+psum")
-GRAPHS = {"engine": runner.DEVICE_LOOP_GRAPHS, "xla": None,
-          "collectives": {"xla_gpu_enable_command_buffer":
-                          runner.DEVICE_LOOP_GRAPHS["xla_gpu_enable_command_buffer"]
-                          + ",COLLECTIVES"}}
-"""``--graphs``: the XLA options the programs compile with: the engine decode loop's (its
-CUDA graph over the whole loop; the default, so the steps run as the model's do), XLA's
-defaults, or the engine's with the collectives captured in the graph too."""
+GRAPHS = {"engine": runner.TP_DEVICE_LOOP_GRAPHS, "device-loop": runner.DEVICE_LOOP_GRAPHS,
+          "xla": None}
+"""``--graphs``: the XLA options the programs compile with: the engine's for a
+tensor-parallel decode loop (each iteration one CUDA graph with its NCCL all-reduces; the
+default, so the steps run as the model's do), the one-device decode loop's (the whole loop
+in one graph, which XLA's own all-reduce kernels break up), or XLA's defaults."""
 
 
 def chain(variant: str, mesh: Mesh, iters: int, options: dict[str, Any] | None
