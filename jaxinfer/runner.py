@@ -266,7 +266,11 @@ def tensor_parallel(params: Params | Sequence[Params]) -> bool:
     models = [params] if isinstance(params, dict) else list(params)
     for leaf in jax.tree.leaves(models):
         sharding = getattr(leaf, "sharding", None)
-        if sharding is not None and not sharding.is_fully_replicated:
+        if sharding is None:
+            continue
+        if len(sharding.device_set) == 1:
+            return False  # one device holds the model (all leaves alike): no leaf to check
+        if not sharding.is_fully_replicated:
             return True
     return False
 

@@ -18,7 +18,8 @@ call). Per case the per-GPU memory roofline is ``jaxinfer.roofline.decode_step_b
 process. With ``--profile``, one more warm call per case and batch runs under
 ``jax.profiler.trace`` and the record gets device 0's timeline per decode step
 (``benchmark.timeline_split``: busy, idle, the collective kernels' count and time and the idle
-before them; the call's prefill is in it) and its top kernels. Cases run in the given order
+before them; the call's prefill is in it), its top 30 kernels and the kernels with the most
+idle time just before them. Cases run in the given order
 and the JSON is rewritten after each item; a case is skipped when ``--budget-s`` would be exceeded.
 """
 from __future__ import annotations
