@@ -45,6 +45,7 @@ from jaxinfer.paged_cache import PagePool
 from jaxinfer.quantize import is_quantized
 from jaxinfer.sampling import SamplingArrays, logsumexp_rows, record_tokens, sample
 from jaxinfer.speculative import propose_ngram_rows
+from sharding.mesh import MODEL
 from sharding.rules import engine_pool_spec
 
 Backend = Literal["reference", "pallas"]
@@ -260,18 +261,23 @@ def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any]
 
 
 def tensor_parallel(params: Params | Sequence[Params]) -> bool:
-    """Whether some weight of ``params`` (one model's, or several) is split over devices
-    (a ``model`` mesh axis above 1), not replicated on each: its programs then hold
-    tensor-parallel all-reduces (``TP_DEVICE_LOOP_GRAPHS``)."""
+    """Whether some weight of ``params`` (one model's, or several) is split over a ``model``
+    mesh axis of more than one device: its programs then hold tensor-parallel all-reduces
+    (``TP_DEVICE_LOOP_GRAPHS``). Weights on one device, replicated, or split only over
+    ``data`` are not. Concrete arrays only: inside a trace every model reads as not split."""
     models = [params] if isinstance(params, dict) else list(params)
-    for leaf in jax.tree.leaves(models):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
-            continue
-        if len(sharding.device_set) == 1:
-            return False  # one device holds the model (all leaves alike): no leaf to check
-        if not sharding.is_fully_replicated:
-            return True
+    for model in models:
+        for leaf in jax.tree.leaves(model):
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                continue
+            if len(sharding.device_set) == 1:
+                break  # this model lives on one device: none of its weights is split
+            if (isinstance(sharding, jax.sharding.NamedSharding)
+                    and sharding.mesh.shape.get(MODEL, 1) > 1
+                    and any(MODEL in (axes if isinstance(axes, tuple) else (axes,))
+                            for axes in sharding.spec if axes is not None)):
+                return True
     return False
 
 
@@ -299,10 +305,13 @@ class StepProgram:
     def options(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
         """The compiler options of the program a call with these arguments runs (None:
         XLA's defaults)."""
+        return self._options(args, kwargs, self._gemm_options(args, kwargs))
+
+    def _options(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 gemms: dict[str, Any] | None) -> dict[str, Any] | None:
         models = args[:self._num_models]
         base = (self._tp_base if self._tp_base is not None and tensor_parallel(models)
                 else self._base)
-        gemms = self._gemm_options(args, kwargs)
         return {**(base or {}), **gemms} if gemms else base
 
     def _gemm_options(self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -326,14 +335,16 @@ class StepProgram:
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, tuple[Any, ...]]:
-        options = self.options(*args, **kwargs)
-        cublas = self._gemm_options(args, kwargs) is not None
-        models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, cublas)
+        gemms = self._gemm_options(args, kwargs)
+        options = self._options(args, kwargs, gemms)
+        models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, gemms is not None)
                        for m in args[:self._num_models])
         key = tuple(sorted((options or {}).items()))
-        if key not in self._jits:
-            self._jits[key] = jax.jit(self._fn, compiler_options=options, **self._jit_kwargs)
-        return self._jits[key], models + args[self._num_models:]
+        program = self._jits.get(key)
+        if program is None:  # replica threads may race here: setdefault keeps one jit
+            program = self._jits.setdefault(
+                key, jax.jit(self._fn, compiler_options=options, **self._jit_kwargs))
+        return program, models + args[self._num_models:]
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program a call with these arguments runs, lowered (``jax.jit(...).lower``)."""

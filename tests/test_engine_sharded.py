@@ -71,10 +71,58 @@ def test_engine_on_meshes_matches_single_device():
     for census in fast["decode_collectives"]:
         assert census == {"all-reduce": 2 * fast["num_layers"] + 1, "all-gather": 1}, census
     # Tensor-parallel decode loops compile with their own XLA options (each iteration one
-    # CUDA graph with its NCCL all-reduces); data-only replicas keep the device-side loop.
-    assert res["tensor_parallel"] == {"1x8": True, "2x4": True, "4x2": True, "2x1": False}
+    # CUDA graph with its NCCL all-reduces); data-only replicas (one device each) do not
+    # (test_tensor_parallel_reads_the_model_axis checks the options they get).
+    assert res["tensor_parallel"] == {"1x8": [True], "2x4": [True, True],
+                                      "4x2": [True] * 4, "2x1": [False, False]}
     assert fast["decode_options"] == [res["loop_options"]["tp"]] * len(
         fast["decode_options"]), fast["decode_options"]
+
+
+TP_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxinfer import runner
+from sharding import make_mesh
+mesh = make_mesh(data=2, model=2)
+def put(spec):
+    return jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, spec))
+one = jnp.ones((4, 4))
+split, by_data, replicated = put(P(None, "model")), put(P("data")), put(P())
+tp = runner.tensor_parallel
+class Inp:
+    tokens = np.zeros(2, np.int32)
+options = runner.decode_steps.options
+print({
+    "split": tp({"w": split}), "data_only": tp({"w": by_data}),
+    "replicated": tp({"w": replicated}), "one_device": tp({"w": one}),
+    "one_device_first": tp([{"a": one}, {"b": split}]),
+    "tp_options": options({"w": split}, None, None, Inp()) == runner.TP_DEVICE_LOOP_GRAPHS,
+    "data_options": options({"w": by_data}, None, None, Inp()) == runner.DEVICE_LOOP_GRAPHS,
+    "one_options": options({"w": one}, None, None, Inp()) == runner.DEVICE_LOOP_GRAPHS})
+"""
+
+
+def test_tensor_parallel_reads_the_model_axis():
+    """``runner.tensor_parallel`` on 4 forced CPU devices: a weight split over ``model`` is
+    tensor-parallel; one split over ``data`` only, replicated, or on one device is not, and
+    a one-device model listed first does not hide a split one after it. ``decode_steps``
+    picks ``TP_DEVICE_LOOP_GRAPHS`` for the first and ``DEVICE_LOOP_GRAPHS`` for the rest."""
+    import ast
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-c", TP_CHECK], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert got == {"split": True, "data_only": False, "replicated": False,
+                   "one_device": False, "one_device_first": True, "tp_options": True,
+                   "data_options": True, "one_options": True}, got
 
 
 def _workload(n: int = 14) -> list[tuple[list[int], int, int]]:
@@ -176,10 +224,13 @@ def _worker() -> None:
             "pool_devices": pool_devices,
             "replica_devices": [sorted(d.id for d in row) for row in mesh.devices.tolist()],
         }
-    out["tensor_parallel"] = {f"{d}x{mm}": runner.tensor_parallel(models[(d, mm)].params)
-                              for d, mm in MESHES}
-    out["loop_options"] = {"tp": runner.TP_DEVICE_LOOP_GRAPHS,
-                           "single": runner.DEVICE_LOOP_GRAPHS}
+    # What the engine's replicas (their own models) read as tensor-parallel.
+    out["tensor_parallel"] = {
+        f"{d}x{mm}": [runner.tensor_parallel(e.model.params) for e in
+                      (DataParallelEngine(models[(d, mm)], **kw).replicas if d > 1
+                       else [Engine(models[(d, mm)], **kw)])]
+        for d, mm in MESHES}
+    out["loop_options"] = {"tp": runner.TP_DEVICE_LOOP_GRAPHS}
     m = models[(1, 8)]
     # n-gram speculation's device loop on the model-split mesh: the plain tokens.
     engine = Engine(m, **kw)
