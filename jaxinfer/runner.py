@@ -224,8 +224,10 @@ cuBLAS(Lt) call, none a Triton GEMM XLA autotunes. H100, 8 layers of 8B shapes a
 Triton GEMMs the same program did not compile in minutes (r88-r89, r106)."""
 
 
-DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
-                                                       "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+_XLA_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+# XLA's default command-buffer contents, which both decode-loop option sets extend.
+
+DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": _XLA_COMMANDS + ",WHILE,CONDITIONAL"}
 """XLA options of ``decode_steps``: XLA's default command-buffer contents plus ``WHILE`` and
 ``CONDITIONAL``, so the whole decode loop (its chunks and their check for active rows) runs
 inside one CUDA graph, its predicates read on the device. By default each chunk ends with the
@@ -236,10 +238,8 @@ the draft-model loop ran 39.0 against 18.4 ms per iteration with it (r151). Othe
 ignore the option."""
 
 
-TP_DEVICE_LOOP_GRAPHS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
-                                     "DYNAMIC_SLICE_FUSION,COLLECTIVES",
-    "xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+TP_DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": _XLA_COMMANDS + ",COLLECTIVES",
+                         "xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
 """XLA options of ``decode_steps`` over tensor-parallel params: each loop iteration in one
 CUDA graph with its NCCL all-reduces, the loops themselves on the host. ``DEVICE_LOOP_GRAPHS``
 cannot hold such a loop: XLA's own one-shot all-reduce kernels (``kCollectiveKernel`` thunks,

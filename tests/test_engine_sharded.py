@@ -73,9 +73,12 @@ def test_engine_on_meshes_matches_single_device():
     # Tensor-parallel decode loops compile with their own XLA options (each iteration one
     # CUDA graph with its NCCL all-reduces); data-only replicas (one device each) do not
     # (test_tensor_parallel_reads_the_model_axis checks the options they get).
-    assert res["tensor_parallel"] == {"1x8": [True], "2x4": [True, True],
-                                      "4x2": [True] * 4, "2x1": [False, False]}
-    assert fast["decode_options"] == [res["loop_options"]["tp"]] * len(
+    from jaxinfer import runner
+
+    tp = {mesh: r["tensor_parallel"] for mesh, r in res["meshes"].items()}
+    assert tp == {"1x8": [True], "2x4": [True, True], "4x2": [True] * 4,
+                  "2x1": [False, False], "2x3": [True, True]}, tp
+    assert fast["decode_options"] == [runner.TP_DEVICE_LOOP_GRAPHS] * len(
         fast["decode_options"]), fast["decode_options"]
 
 
@@ -223,14 +226,9 @@ def _worker() -> None:
             "tokens_per_replica": [e.stats().generated_tokens for e in replicas],
             "pool_devices": pool_devices,
             "replica_devices": [sorted(d.id for d in row) for row in mesh.devices.tolist()],
+            # what each replica's own model reads as
+            "tensor_parallel": [runner.tensor_parallel(e.model.params) for e in replicas],
         }
-    # What the engine's replicas (their own models) read as tensor-parallel.
-    out["tensor_parallel"] = {
-        f"{d}x{mm}": [runner.tensor_parallel(e.model.params) for e in
-                      (DataParallelEngine(models[(d, mm)], **kw).replicas if d > 1
-                       else [Engine(models[(d, mm)], **kw)])]
-        for d, mm in MESHES}
-    out["loop_options"] = {"tp": runner.TP_DEVICE_LOOP_GRAPHS}
     m = models[(1, 8)]
     # n-gram speculation's device loop on the model-split mesh: the plain tokens.
     engine = Engine(m, **kw)
