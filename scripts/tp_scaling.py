@@ -44,22 +44,27 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxinfer
-from jaxinfer import roofline
-from jaxinfer.benchmark import (
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a file from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+import jaxinfer  # noqa: E402
+from jaxinfer import roofline  # noqa: E402
+from jaxinfer.benchmark import (  # noqa: E402
     device_events,
     device_name,
     idle_before,
     kernel_gaps,
     timeline_split,
     top_kernels,
+    trace_events,
 )
-from jaxinfer.generate import Model
-from jaxinfer.model import apply_layout
-from jaxinfer.presets import preset_config
-from sharding import make_mesh
-from sharding.random_init import random_params
-from sharding.testing import tiny_config
+from jaxinfer.generate import Model  # noqa: E402
+from jaxinfer.model import apply_layout  # noqa: E402
+from jaxinfer.presets import preset_config  # noqa: E402
+from sharding import make_mesh  # noqa: E402
+from sharding.random_init import random_params  # noqa: E402
+from sharding.testing import tiny_config  # noqa: E402
 
 MODELS = {"8b": "llama-3.1-8b", "70b": "llama-3.1-70b", "1b": "llama-3.2-1b"}
 # Rough seconds a case needs (init + 2 compiles + warm calls) on H200s, for the budget guard.
@@ -101,14 +106,18 @@ def save(**item):
 
 def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
     """Device 0's kernel timeline of one traced ``gen()`` call, in us per decode step
-    (``timeline_split``), its top 30 kernels and the 12 kernel names with the most idle
-    time just before them (``idle_before``); ``{"kernels": 0}`` where the trace holds none
-    (a CPU run)."""
+    (``timeline_split``), its top 30 kernels, the 12 kernel names with the most idle
+    time just before them (``idle_before``) and the 25 host events with the most summed
+    time (``top_host``, the runtime's events without Python's frames: nested events each
+    count their children, so this says where the host waits or works between launches);
+    ``{"kernels": 0}`` where the trace holds no kernel (a CPU run)."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             gen()
         events = [e for e in device_events(Path(tmp), f"/device:GPU:{devs[0].id}")
                   if not e[0].startswith("Memcpy")]
+        host = [e for e in trace_events(Path(tmp), "/host:", streams_only=False)
+                if not e[0].startswith("$")]  # runtime events, not Python frames
     if not events:
         return {"kernels": 0}
     split = timeline_split(events, steps)  # ns, and a count of collectives
@@ -119,7 +128,10 @@ def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
                             for n, d in top_kernels(events, 30)],
             "idle_before": [{"name": n[:100], "per_step": c / steps,
                              "idle_us_per_step": round(g / steps / 1e3, 2)}
-                            for n, g, c in idle_before(kernel_gaps(events), 12)]}
+                            for n, g, c in idle_before(kernel_gaps(events), 12)],
+            "top_host": [{"name": n[:100], "per_step": len(d) / steps,
+                          "mean_us": round(sum(d) / len(d) / 1e3, 2)}
+                         for n, d in top_kernels(host, 25)]}
 
 
 def config_of(name: str) -> jaxinfer.LlamaConfig:
