@@ -4,6 +4,9 @@ The public names below are imported on first access (module ``__getattr__``), so
 core submodule (``jaxinfer.config``, ``jaxinfer.errors``, ...) from a lower layer such as
 ``sharding`` or ``checkpoints`` does not pull in the engine, which itself imports those
 layers. ``tests/test_layering.py`` holds the layer order.
+
+Importing the package adds ``xla_flags.DEFAULTS`` to ``XLA_FLAGS`` (where the user has not
+set them), so import it before the first JAX computation.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from jaxinfer import xla_flags
+
+xla_flags.apply_defaults()  # before any JAX backend starts: XLA reads these flags only then
 
 _EXPORTS = {
     "LlamaConfig": "jaxinfer.config",

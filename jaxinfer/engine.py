@@ -281,9 +281,9 @@ class _Call:
 
 
 class StepLoop:
-    """The caller-side methods of an engine, on top of its ``model``, ``add_request``,
-    ``step``, ``has_unfinished``, ``check_request``, ``finished``, ``result`` and ``forget``
-    (shared by ``Engine`` and ``replicas.DataParallelEngine``)."""
+    """The caller-side methods of an engine, on top of its ``model``, ``decode_steps``,
+    ``add_request``, ``step``, ``has_unfinished``, ``check_request``, ``finished``,
+    ``result`` and ``forget`` (shared by ``Engine`` and ``replicas.DataParallelEngine``)."""
 
     def submit(
         self,
@@ -315,14 +315,20 @@ class StepLoop:
 
     def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
         """Step until the given requests finish; return their results in order (and forget
-        them: ``request_metrics`` no longer knows these ids)."""
+        them: ``request_metrics`` no longer knows these ids).
+
+        Decode calls run up to ``decode_steps`` iterations (ending on the device when their
+        rows stop), not ``decode_call_seconds``: no request can arrive while the caller waits
+        here, so a shorter call would only add its host work (2x H200, 70B tp=2 batch 1,
+        ~14 ms per call: 50.0 against 46.7 tok/s with calls of ~32 instead of ~8 tokens,
+        bench/NOTES.md r171)."""
         pending = set(request_ids)
         while pending:
             for i in pending:
                 self.check_request(i)
             pending = {i for i in pending if not self.finished(i)}
             if pending:
-                self.step()
+                self.step(self.decode_steps)
         results = [self.result(i) for i in request_ids]
         for i in request_ids:  # the caller holds the results; keep no per-request state
             self.forget(i)
@@ -356,7 +362,8 @@ class Engine(StepLoop):
         least 4, at most ``decode_steps``). Longer calls spread the per-call host work over
         more tokens; shorter ones let new requests in sooner. While waiting requests need
         slots, a call runs up to ``decode_steps`` and ends on the device once enough rows
-        have stopped (they could not be admitted sooner anyway).
+        have stopped (they could not be admitted sooner anyway); so does every call of
+        ``run`` (``generate``, ``score``), during which no request can arrive.
       schedule: order in which waiting requests are admitted. ``"fcfs"``: first come, first
         served (online serving: no request waits behind later ones). ``"longest_first"``:
         the largest ``max_new_tokens`` first (stable among equals), for offline batches

@@ -90,6 +90,7 @@ class DataParallelEngine(StepLoop):
         self.model = dataclasses.replace(model)
         self.replicas = [Engine(replica_model(model, i), **engine_kwargs) for i in range(data)]
         self.max_batch = sum(e.max_batch for e in self.replicas)
+        self.decode_steps = self.replicas[0].decode_steps
         self._where: dict[int, tuple[int, int]] = {}  # id -> (replica, the replica's id)
         self._ids: list[dict[int, int]] = [{} for _ in self.replicas]  # replica's id -> id
         self._load = np.zeros(data, np.int64)  # tokens each replica still has to compute

@@ -238,16 +238,16 @@ the draft-model loop ran 39.0 against 18.4 ms per iteration with it (r151). Othe
 ignore the option."""
 
 
-TP_DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": _XLA_COMMANDS + ",COLLECTIVES",
-                         "xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+TP_DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": _XLA_COMMANDS + ",COLLECTIVES"}
 """XLA options of ``decode_steps`` over tensor-parallel params: each loop iteration in one
 CUDA graph with its NCCL all-reduces, the loops themselves on the host. ``DEVICE_LOOP_GRAPHS``
-cannot hold such a loop: XLA's own one-shot all-reduce kernels (``kCollectiveKernel`` thunks,
-its default for small all-reduces) cannot be captured, so an iteration ran as ~34 graphs
-between 66 host-launched all-reduces and the device idled ~0.8-1.0 ms of a 3.85 ms 8B step
-waiting for launches; NCCL's all-reduces can be captured, but not inside a graph's ``WHILE``
-("Failed to instantiate CUDA graph"). 2x H200, 8B tp=2 batch 1 (bench/NOTES.md r161-r168):
-288.1 against 259.6-262.8 tok/s; 70B tp=2 46.3 against 45.5-46.4."""
+cannot hold such a loop: NCCL's all-reduces can be captured, but not inside a graph's
+``WHILE`` ("Failed to instantiate CUDA graph", r167). This needs NCCL's all-reduces: XLA's
+own one-shot kernels (``kCollectiveKernel`` thunks, its default for small all-reduces)
+cannot be captured at all, and only ``XLA_FLAGS`` turns them off (``xla_flags.DEFAULTS``,
+set when ``jaxinfer`` is imported). Without either, an iteration ran as ~34 graphs between
+66 host-launched all-reduces. 2x H200, 8B tp=2 batch 1 (bench/NOTES.md r161-r171): 292.6
+against 259.6-262.8 tok/s; 70B tp=2 46.7 against 45.5-46.4."""
 
 
 def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "jaxinfer", "sharding", "checkpoints")
 
 CORE = {"errors", "config", "params", "quantize", "tokenizer", "paged_cache", "attention",
-        "sampling", "speculative", "presets", "roofline", "structured"}
+        "sampling", "speculative", "presets", "roofline", "structured", "xla_flags"}
 SERVING = {"requests", "engine", "replicas", "runner", "generate", "loading", "server",
            "engine_process"}
 TOOLS = {"cli", "perf_cli", "benchmark", "lm_eval_adapter"}
