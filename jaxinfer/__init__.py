@@ -5,8 +5,8 @@ core submodule (``jaxinfer.config``, ``jaxinfer.errors``, ...) from a lower laye
 ``sharding`` or ``checkpoints`` does not pull in the engine, which itself imports those
 layers. ``tests/test_layering.py`` holds the layer order.
 
-Importing the package adds ``xla_flags.DEFAULTS`` to ``XLA_FLAGS`` (where the user has not
-set them), so import it before the first JAX computation.
+Where JAX can use a CUDA GPU, importing the package adds ``xla_flags.DEFAULTS`` to
+``XLA_FLAGS`` (unless the user set them), so import it before the first JAX computation.
 """
 
 from __future__ import annotations

@@ -11,23 +11,38 @@ NCCL's all-reduces (7.1 against 6.7 us each) the iteration is one graph
 with it (r170).
 
 No JAX import here: the flags must be in the environment before JAX starts a backend, and
-``import jaxinfer`` starts none.
+``import jaxinfer`` starts none. The flags are GPU flags: they are added only where JAX can
+use a CUDA GPU (a ``jax_cuda*`` plugin is installed and ``JAX_PLATFORMS`` allows it).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+import pkgutil
+from collections.abc import Mapping, MutableMapping
 
 DEFAULTS = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": "false"}
 """Flag -> value; a flag the user already put in ``XLA_FLAGS`` keeps the user's value."""
 
 
-def apply_defaults(environ: MutableMapping[str, str] | None = None) -> list[str]:
+def cuda_possible(environ: Mapping[str, str]) -> bool:
+    """Whether JAX could start a CUDA backend here: a ``jax_cuda*`` plugin is installed and
+    ``environ["JAX_PLATFORMS"]`` (if set) names ``cuda`` or ``gpu``."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
+        return False
+    return any(m.name.startswith("jax_cuda") for m in pkgutil.iter_modules())
+
+
+def apply_defaults(environ: MutableMapping[str, str] | None = None,
+                   cuda: bool | None = None) -> list[str]:
     """Append each of ``DEFAULTS`` that ``environ["XLA_FLAGS"]`` (default: the process
-    environment) does not name yet; return the flags added, as written. Takes effect for
-    backends started afterwards: import ``jaxinfer`` before the first JAX computation."""
+    environment) does not name yet, where ``cuda`` (default: ``cuda_possible``); return the
+    flags added, as written. Takes effect for backends started afterwards: import
+    ``jaxinfer`` before the first JAX computation."""
     env = os.environ if environ is None else environ
+    if not (cuda_possible(env) if cuda is None else cuda):
+        return []
     current = env.get("XLA_FLAGS", "")
     named = {word.lstrip("-").split("=", 1)[0] for word in current.split()}
     added = [f"--{flag}={value}" for flag, value in DEFAULTS.items() if flag not in named]

@@ -268,7 +268,8 @@ def test_adaptive_speculation_measures_both_step_kinds():
     model = _model()
     prompt = [5, 6, 5, 6, 5, 6, 5]
     plain = _plain(model, dict(max_new_tokens=48, ignore_eos=True), [prompt] * 2)
-    e = Engine(model, verbose=False, **SIZING)
+    # run() decodes whole calls of decode_steps: 8 leaves room for both kinds of call
+    e = Engine(model, verbose=False, decode_steps=8, **SIZING)
     spec = Speculative(num_tokens=4)  # adaptive
     ids = [e.submit(prompt, max_new_tokens=48, speculative=spec, ignore_eos=True)
            for _ in range(2)]
@@ -369,7 +370,7 @@ def test_adaptive_draft_speculation_tries_both_step_kinds():
     prompts = [[5, 6, 5, 6, 5, 6, 5]] * 2
     options = dict(max_new_tokens=120, ignore_eos=True)
     plain = _plain(model, options, prompts, **SIZING)
-    e = Engine(model, verbose=False, **SIZING)
+    e = Engine(model, verbose=False, decode_steps=8, **SIZING)  # several calls in run()
     spec = Speculative(method="draft", draft=model, num_tokens=4)
     e.warmup(speculative=spec)
     out = e.run([e.submit(p, **options, seed=i, speculative=spec)
