@@ -281,9 +281,9 @@ class _Call:
 
 
 class StepLoop:
-    """The caller-side methods of an engine, on top of its ``model``, ``decode_steps``,
-    ``add_request``, ``step``, ``has_unfinished``, ``check_request``, ``finished``,
-    ``result`` and ``forget`` (shared by ``Engine`` and ``replicas.DataParallelEngine``)."""
+    """The caller-side methods of an engine, on top of its ``model``, ``add_request``,
+    ``step``, ``has_unfinished``, ``check_request``, ``finished``, ``result`` and ``forget``
+    (shared by ``Engine`` and ``replicas.DataParallelEngine``)."""
 
     def submit(
         self,
@@ -317,18 +317,14 @@ class StepLoop:
         """Step until the given requests finish; return their results in order (and forget
         them: ``request_metrics`` no longer knows these ids).
 
-        Decode calls run up to ``decode_steps`` iterations (ending on the device when their
-        rows stop), not ``decode_call_seconds``: no request can arrive while the caller waits
-        here, so a shorter call would only add its host work (2x H200, 70B tp=2 batch 1,
-        ~14 ms per call: 50.0 against 46.7 tok/s with calls of ~32 instead of ~8 tokens,
-        bench/NOTES.md r171)."""
+        Steps with ``no_arrivals``: nothing can be submitted while the caller waits here."""
         pending = set(request_ids)
         while pending:
             for i in pending:
                 self.check_request(i)
             pending = {i for i in pending if not self.finished(i)}
             if pending:
-                self.step(self.decode_steps)
+                self.step(no_arrivals=True)
         results = [self.result(i) for i in request_ids]
         for i in request_ids:  # the caller holds the results; keep no per-request state
             self.forget(i)
@@ -362,8 +358,8 @@ class Engine(StepLoop):
         least 4, at most ``decode_steps``). Longer calls spread the per-call host work over
         more tokens; shorter ones let new requests in sooner. While waiting requests need
         slots, a call runs up to ``decode_steps`` and ends on the device once enough rows
-        have stopped (they could not be admitted sooner anyway); so does every call of
-        ``run`` (``generate``, ``score``), during which no request can arrive.
+        have stopped (they could not be admitted sooner anyway); so does a call of
+        ``step(no_arrivals=True)`` with none waiting (``run``: ``generate``, ``score``).
       schedule: order in which waiting requests are admitted. ``"fcfs"``: first come, first
         served (online serving: no request waits behind later ones). ``"longest_first"``:
         the largest ``max_new_tokens`` first (stable among equals), for offline batches
@@ -592,15 +588,23 @@ class Engine(StepLoop):
         self._unordered = True
         return rid
 
-    def step(self, max_decode_steps: int | None = None) -> list[Event]:
+    def step(self, max_decode_steps: int | None = None, no_arrivals: bool = False
+             ) -> list[Event]:
         """Plan and run one step; return ``(id, new_tokens, finished)`` per advanced request.
 
         ``new_tokens`` is empty when a request ended on a stop token (which is not output) and
         for scoring requests. ``max_decode_steps`` caps this step's decode loop (streaming
-        uses it to yield sooner); by default it follows ``decode_call_seconds``.
+        uses it to yield sooner); by default it follows ``decode_call_seconds``, or, with
+        ``no_arrivals`` (the caller submits nothing before this step returns) and no request
+        waiting, runs up to ``decode_steps``: ``decode_call_seconds`` bounds how long a new
+        request waits, and with none to come a shorter call only adds its host work (2x
+        H200, 70B tp=2 batch 1, ~14 ms per call: 51.0 against 46.7 tok/s, bench/NOTES.md
+        r171-r172).
         """
         t0 = time.perf_counter()
         self._order_waiting()
+        if no_arrivals and max_decode_steps is None and not self._waiting:
+            max_decode_steps = self.decode_steps
         try:
             calls = self._launched  # launched, results not read yet: oldest first
             if not calls:

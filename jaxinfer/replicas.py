@@ -90,7 +90,6 @@ class DataParallelEngine(StepLoop):
         self.model = dataclasses.replace(model)
         self.replicas = [Engine(replica_model(model, i), **engine_kwargs) for i in range(data)]
         self.max_batch = sum(e.max_batch for e in self.replicas)
-        self.decode_steps = self.replicas[0].decode_steps
         self._where: dict[int, tuple[int, int]] = {}  # id -> (replica, the replica's id)
         self._ids: list[dict[int, int]] = [{} for _ in self.replicas]  # replica's id -> id
         self._load = np.zeros(data, np.int64)  # tokens each replica still has to compute
@@ -120,13 +119,16 @@ class DataParallelEngine(StepLoop):
         return rid
 
     # ---------------------------------------------------------------- stepping
-    def step(self, max_decode_steps: int | None = None) -> list[Event]:
-        """Launch a step on every replica with work and none in flight; return the events
-        of the first replica whose step is done (ids are this engine's)."""
+    def step(self, max_decode_steps: int | None = None, no_arrivals: bool = False
+             ) -> list[Event]:
+        """Launch a step (``Engine.step``'s arguments) on every replica with work and none in
+        flight; return the events of the first replica whose step is done (ids are this
+        engine's)."""
         t0 = time.perf_counter()
         for i, e in enumerate(self.replicas):
             if i not in self._running and e.has_unfinished():
-                self._running[i] = self._workers.submit(self._step_replica, i, max_decode_steps)
+                self._running[i] = self._workers.submit(self._step_replica, i, max_decode_steps,
+                                                        no_arrivals)
         events: list[Event] = []
         if self._running:
             done, _ = concurrent.futures.wait(self._running.values(),
@@ -136,9 +138,10 @@ class DataParallelEngine(StepLoop):
         self._step_time += time.perf_counter() - t0
         return events
 
-    def _step_replica(self, i: int, max_decode_steps: int | None) -> list[Event]:
+    def _step_replica(self, i: int, max_decode_steps: int | None, no_arrivals: bool
+                      ) -> list[Event]:
         with self._locks[i]:
-            return self.replicas[i].step(max_decode_steps)
+            return self.replicas[i].step(max_decode_steps, no_arrivals)
 
     def _events(self, i: int, events: list[Event]) -> list[Event]:
         out = []

@@ -418,8 +418,8 @@ class _InProcess:
     def results(self) -> list[tuple[int, Any, str | None]]:
         """Step the engine once; ``(line, result, None)`` for each request it finished."""
         out = []
-        # Every request was submitted up front: whole decode calls (as Engine.run).
-        for i, _, is_done in self.engine.step(self.engine.decode_steps):
+        # Every request was submitted up front (as in Engine.run).
+        for i, _, is_done in self.engine.step(no_arrivals=True):
             if is_done and i in self._line_of:
                 out.append((self._line_of[i], self.engine.result(i), None))
                 self.engine.forget(i)

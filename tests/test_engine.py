@@ -555,10 +555,13 @@ def test_a_step_launched_ahead_drops_a_request_cancelled_meanwhile(model, work20
     assert engine.stats().pages_used == 0
 
 
-def test_a_decode_call_ends_when_waiting_requests_get_their_slots(model):
+@pytest.mark.parametrize("no_arrivals", [False, True])
+def test_a_decode_call_ends_when_waiting_requests_get_their_slots(model, no_arrivals):
     # 8 slots, a ninth request waiting: the decode call ends (at the chunk boundary) once
     # one row stops, however long decode_call_seconds allows, so the ninth is admitted then
     # (a call of decode_steps would have run the others to 40 tokens, one of 16 to ~21).
+    # The same when the caller submits nothing more (run(): whole calls only when none
+    # waits).
     prompts = _long_prompts(9, seed=5)
     lengths = [12] + [40] * 8
     alone = [jaxinfer.generate(model, [p], max_new_tokens=m, ignore_eos=True)[0]
@@ -570,7 +573,7 @@ def test_a_decode_call_ends_when_waiting_requests_get_their_slots(model):
     seen = dict.fromkeys(ids, 0)
     seen_at_admission = None
     while engine.has_unfinished():
-        for rid, new, _ in engine.step():
+        for rid, new, _ in engine.step(no_arrivals=no_arrivals):
             if rid == ids[8] and seen_at_admission is None:
                 seen_at_admission = seen[ids[1]]
             seen[rid] += len(new)
