@@ -358,8 +358,9 @@ class Engine(StepLoop):
         least 4, at most ``decode_steps``). Longer calls spread the per-call host work over
         more tokens; shorter ones let new requests in sooner. While waiting requests need
         slots, a call runs up to ``decode_steps`` and ends on the device once enough rows
-        have stopped (they could not be admitted sooner anyway); so does a call of
-        ``step(no_arrivals=True)`` with none waiting (``run``: ``generate``, ``score``).
+        have stopped (they could not be admitted sooner anyway). With none waiting and none
+        to come (``step(no_arrivals=True)``: ``run``, so ``generate`` and ``score``), a call
+        runs up to ``decode_steps`` and ends when all its rows have stopped.
       schedule: order in which waiting requests are admitted. ``"fcfs"``: first come, first
         served (online serving: no request waits behind later ones). ``"longest_first"``:
         the largest ``max_new_tokens`` first (stable among equals), for offline batches

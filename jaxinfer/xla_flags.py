@@ -37,13 +37,16 @@ def cuda_possible(environ: Mapping[str, str]) -> bool:
 def apply_defaults(environ: MutableMapping[str, str] | None = None,
                    cuda: bool | None = None) -> list[str]:
     """Append each of ``DEFAULTS`` that ``environ["XLA_FLAGS"]`` (default: the process
-    environment) does not name yet, where ``cuda`` (default: ``cuda_possible``); return the
-    flags added, as written. Takes effect for backends started afterwards: import
-    ``jaxinfer`` before the first JAX computation."""
+    environment) does not name yet, where ``cuda`` (default: ``cuda_possible``) and
+    ``XLA_FLAGS`` is not a flags file's name; return the flags added, as written. Takes
+    effect for backends started afterwards: import ``jaxinfer`` before the first JAX
+    computation."""
     env = os.environ if environ is None else environ
     if not (cuda_possible(env) if cuda is None else cuda):
         return []
     current = env.get("XLA_FLAGS", "")
+    if current.strip() and not current.lstrip().startswith("-"):
+        return []  # XLA reads a value not starting with "-" as the name of a flags file
     named = {word.lstrip("-").split("=", 1)[0] for word in current.split()}
     added = [f"--{flag}={value}" for flag, value in DEFAULTS.items() if flag not in named]
     if added:

@@ -200,6 +200,7 @@ def test_run_decodes_whole_calls_and_step_follows_decode_call_seconds(model, wor
     calls = {}
     for how in ("run", "step"):
         engine = _engine(model, decode_steps=8, decode_call_seconds=1e-9)
+        engine.warmup()  # compiled here: every call below is timed, so the 4-minimum holds
         rid = engine.submit(prompt, max_new_tokens=17, ignore_eos=True)
         if how == "run":
             (got,) = engine.run([rid])

@@ -25,7 +25,8 @@ def test_adds_missing_flags_after_the_users_own():
 
 
 def test_keeps_a_value_the_user_set():
-    for given in (f"--{FLAG}=true", f"-{FLAG}=true --xla_dump_to=/tmp/x"):
+    # "--flag" alone reads as true; a value not starting with "-" names a flags file
+    for given in (f"--{FLAG}=true", f"--xla_dump_to=/tmp/x --{FLAG}", "/etc/xla_flags.txt"):
         env = {"XLA_FLAGS": given}
         assert xla_flags.apply_defaults(env, cuda=True) == []
         assert env["XLA_FLAGS"] == given
