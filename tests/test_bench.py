@@ -221,3 +221,37 @@ def test_bench_collectives_checks_and_records_each_variant(tmp_path):
         by = {i["variant"]: i["us_per_step"] for i in items if i["rows"] == r}
         assert by["added by the all-reduce"] == pytest.approx(by["gemv+psum"] - by["gemv"],
                                                               abs=1e-3)
+
+
+@pytest.mark.slow
+def test_tp_scaling_records_each_case(tmp_path):
+    """``scripts/tp_scaling.py`` run as a file (no ``PYTHONPATH``) on 2 forced CPU devices:
+    the read test, a tiny model split over both devices (each holds about half the
+    weights), its decode of exactly ``--new`` tokens per row, and the profile's record (on
+    CPU the trace holds no kernels)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    rec = tmp_path / "rec.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "tp_scaling.py"), "--cases", "tiny:2",
+         "--batches", "1", "--new", "6", "--prompt-len", "8", "--repeats", "1",
+         "--read-gib", "0.001", "--profile", "--json", str(rec)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    items = json.loads(rec.read_text())["items"]
+    assert [i["what"] for i in items] == ["read bandwidth", "init", "decode", "profile"]
+    read, init, decode, profile = items
+    assert read["bytes_per_gpu"] == 2 * 8192 * 65  # --read-gib rounded down to whole rows
+    per_gpu = init["param_bytes_per_gpu"]
+    assert sorted(per_gpu) == ["0", "1"]
+    assert max(per_gpu.values()) < 0.6 * init["param_bytes_total"] <= sum(per_gpu.values())
+    assert (decode["tp"], decode["mesh"], decode["batch"], decode["tokens_per_row"]) == (
+        2, True, 1, 6)
+    assert profile == {"what": "profile", "model": "tiny", "tp": 2, "batch": 1, "kernels": 0,
+                       "t": profile["t"]}
