@@ -331,9 +331,10 @@ class StepLoop:
             yield from self.step()
 
     def run_until_done(self) -> None:
-        """Step until no request is waiting or running."""
-        for _ in self.events():
-            pass
+        """Step until no request is waiting or running, with ``no_arrivals``: nothing can be
+        submitted while the caller waits here."""
+        while self.has_unfinished():
+            self.step(no_arrivals=True)
 
     def run(self, request_ids: Sequence[int]) -> list[Completion | ScoreResult]:
         """Step until the given requests finish; return their results in order (and forget

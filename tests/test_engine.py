@@ -192,24 +192,28 @@ def test_multi_step_decode_equals_single_step(model, work200, alone200):
 
 
 def test_run_decodes_whole_calls_and_step_follows_decode_call_seconds(model, work200):
-    # run() (generate, score): nobody can submit while it waits, so each decode call runs
-    # up to decode_steps; step() keeps decode_call_seconds (tiny here: calls of the
-    # 4-iteration minimum),
-    # which bounds how long a request submitted meanwhile waits for a slot.
+    # run() (generate, score) and run_until_done(): nobody can submit while they wait, so
+    # each decode call runs up to decode_steps; step() keeps decode_call_seconds (tiny here:
+    # calls of the 4-iteration minimum), which bounds how long a request submitted meanwhile
+    # waits for a slot.
     prompt = work200[0][0]
     calls = {}
-    for how in ("run", "step"):
+    for how in ("run", "run_until_done", "step"):
         engine = _engine(model, decode_steps=8, decode_call_seconds=1e-9)
         engine.warmup()  # compiled here: every call below is timed, so the 4-minimum holds
         rid = engine.submit(prompt, max_new_tokens=17, ignore_eos=True)
         if how == "run":
             (got,) = engine.run([rid])
         else:
-            engine.run_until_done()
+            if how == "run_until_done":
+                engine.run_until_done()
+            while engine.has_unfinished():
+                engine.step()
             got = engine.result(rid)
         assert len(got.token_ids) == 17
         calls[how] = engine.stats().decode_calls
-    assert calls["run"] == 2  # 16 decoded tokens after the prefill's first, 8 per call
+    # 16 decoded tokens after the prefill's first, 8 per call
+    assert calls["run"] == calls["run_until_done"] == 2
     assert calls["step"] == 3  # 8 before a time is measured, then the minimum of 4 twice
 
 
