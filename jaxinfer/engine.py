@@ -49,14 +49,12 @@ context shared by several continuations is computed once through the prefix cach
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import gc
 import heapq
 import math
 import sys
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -143,26 +141,6 @@ def step_workspace_bytes(config: Any, slots: int, max_tokens: int,
     scoring = 2 * min(512, max_tokens) * c.vocab_size * 4
     kv_quant = 0 if kv_cache_dtype is None else 2 * max_tokens * c.num_kv_heads * c.head_dim * 4
     return activations + sampling + scoring + kv_quant + 2**30
-
-
-@contextlib.contextmanager
-def frozen_heap() -> Generator[int, None, None]:
-    """Collect garbage once, then exempt every object alive now from garbage collection
-    until the block ends (``gc.freeze``); yields how many objects were frozen.
-
-    For a process whose loop steps the engine: the imports, the model and the compiled
-    programs are ~10^5 long-lived objects that every full collection scans again, and the
-    requests and results of a run trigger several (10-80 ms each on the CI machine, while
-    no step is launched). vLLM freezes its engine process's heap after start-up for the
-    same reason. Objects made inside the block are collected as usual; ``gc.unfreeze`` at
-    the end hands the frozen ones back (also any frozen before the block).
-    """
-    gc.collect()
-    gc.freeze()
-    try:
-        yield gc.get_freeze_count()
-    finally:
-        gc.unfreeze()
 
 
 @dataclasses.dataclass

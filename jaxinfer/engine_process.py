@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from jaxinfer.engine import Engine, EngineStats, frozen_heap
+from jaxinfer.engine import Engine, EngineStats
 from jaxinfer.errors import InputError
 from jaxinfer.requests import Model, Request
 
@@ -210,8 +210,6 @@ class EngineInfo:
     max_seq_len: int  # longest prompt + output it holds
     stats: EngineStats  # its counters at start (after the warm-up)
     device_kind: str = ""  # jax.Device.device_kind of its devices ("NVIDIA H100 80GB HBM3")
-    frozen_objects: int = 0  # start-up objects exempted from garbage collection while serving
-    # (engine.frozen_heap)
 
     def model(self) -> Model:
         """A ``Model`` without weights, for ``requests.make_requests``, ``encode`` and
@@ -411,9 +409,8 @@ def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
     loop = EngineLoop(engine, out, max_decode_steps)
     threading.Thread(target=_read_commands, args=(commands, loop.inbox), daemon=True,
                      name="jaxinfer-commands").start()
-    with frozen_heap() as frozen:  # what start-up made is never scanned again while serving
-        out.send(("ready", dataclasses.replace(info, frozen_objects=frozen)))
-        loop.run()
+    out.send(("ready", info))
+    loop.run()
 
 
 # ---------------------------------------------------------------------------- HTTP process

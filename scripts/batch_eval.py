@@ -532,41 +532,6 @@ def _evaluate(args: argparse.Namespace, runner: Runner, records: Sequence[Record
 
         bar = tqdm(total=len(records), initial=done, unit="rec", file=sys.stderr,
                    dynamic_ncols=True)
-    from jaxinfer.engine import frozen_heap
-
-    # The run makes records by the thousand; a full collection would rescan the loaded
-    # model, JAX and (in process) the compiled programs while the device waits.
-    with frozen_heap():
-        wall = _write_results(args, runner, todo, reqs, stats, bar, primary)
-    if wall is None:
-        return 130
-    if primary:
-        mode = "scored" if args.score else "generated"
-        es = runner.stats()
-        print(f"requests {stats['requests']} {mode} (+{done} resumed, {stats['bad']} bad)  "
-              f"tokens {stats['tokens']}  wall {wall:.2f} s  "
-              f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
-              f"{stats['requests'] / max(wall, 1e-9):.2f} req/s  "
-              f"prefix-cache hits {es.cached_tokens} tokens  "
-              f"(after {runner.warm_s:.1f} s {runner.warm_what})  "
-              f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
-              f"{es.device_seconds:.2f} s waiting on the device)")
-        if len(each := runner.replica_stats()) > 1:  # one engine across hosts: none
-            print(_replicas_line(each))
-        if not args.score:
-            print(f"TTFT  {_percentiles(stats['ttft'])}")
-            print(f"TPOT  {_percentiles(stats['tpot'])}")
-        if stats["prompt_lens"]:
-            print(_floor_line(runner, stats, args.kv_cache_dtype, wall))
-    return 0
-
-
-def _write_results(args: argparse.Namespace, runner: Runner, todo: Sequence[Record],
-                   reqs: dict[int, Any], stats: dict[str, Any], bar: Any, primary: bool
-                   ) -> float | None:
-    """The timed run: submit ``reqs``, write every record of ``todo`` in input order as soon
-    as it extends the written prefix, and add each result to ``stats``; return the wall
-    seconds, or None when interrupted (the records written stay a prefix to resume from)."""
     t0 = time.perf_counter()
     runner.submit(reqs)  # replica processes start on them at once: timed
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -617,7 +582,26 @@ def _write_results(args: argparse.Namespace, runner: Runner, todo: Sequence[Reco
             out_f.close()
     if bar is not None:
         bar.close()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if primary:
+        mode = "scored" if args.score else "generated"
+        es = runner.stats()
+        print(f"requests {stats['requests']} {mode} (+{done} resumed, {stats['bad']} bad)  "
+              f"tokens {stats['tokens']}  wall {wall:.2f} s  "
+              f"throughput {stats['tokens'] / max(wall, 1e-9):.1f} tok/s  "
+              f"{stats['requests'] / max(wall, 1e-9):.2f} req/s  "
+              f"prefix-cache hits {es.cached_tokens} tokens  "
+              f"(after {runner.warm_s:.1f} s {runner.warm_what})  "
+              f"(engine: {es.steps} steps, {es.step_seconds:.2f} s in steps, "
+              f"{es.device_seconds:.2f} s waiting on the device)")
+        if len(each := runner.replica_stats()) > 1:  # one engine across hosts: none
+            print(_replicas_line(each))
+        if not args.score:
+            print(f"TTFT  {_percentiles(stats['ttft'])}")
+            print(f"TPOT  {_percentiles(stats['tpot'])}")
+        if stats["prompt_lens"]:
+            print(_floor_line(runner, stats, args.kv_cache_dtype, wall))
+    return 0
 
 
 def _replicas_line(each: Sequence[EngineStats]) -> str:

@@ -118,28 +118,6 @@ def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatc
     assert "does not match" in capsys.readouterr().err
 
 
-def test_the_timed_run_freezes_the_heap_and_hands_it_back(tiny_dir, tmp_path, monkeypatch):
-    """Results are handled with the start-up heap frozen (``engine.frozen_heap``: a full
-    collection would rescan JAX and the compiled programs while the device waits), and the
-    heap is unfrozen once the run ends (``main`` may run inside a caller's process)."""
-    import gc
-
-    be = _load_script()
-    inp = tmp_path / "in.jsonl"
-    write_input(inp, 5, bad=False)
-    real_record, frozen = be._record, []
-
-    def record(result, speculative):
-        frozen.append(gc.get_freeze_count())
-        return real_record(result, speculative)
-
-    monkeypatch.setattr(be, "_record", record)
-    gc.unfreeze()
-    assert be.main(_args(tiny_dir, inp, tmp_path / "out.jsonl")) == 0
-    assert len(frozen) == 5 and min(frozen) > 10_000  # JAX and the model, at least
-    assert gc.get_freeze_count() == 0
-
-
 def test_summary_states_the_device_floor_of_the_records_run(tiny_dir, tmp_path, capsys):
     """The last summary line is the floor of exactly the records this run generated (their
     prompt and output tokens from the output file), at this device kind's ceilings; scoring

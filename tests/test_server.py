@@ -550,8 +550,6 @@ def http_process_checks(folder: str) -> None:
         ok = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
         assert http.post(url + "/v1/completions", json=ok).status_code == 200
         assert not xla_bridge.backends_are_initialized()
-        # The engine process froze its start-up heap (JAX, the model, the programs).
-        assert app.state.server.engine.info.frozen_objects > 10_000
 
         with http.stream("POST", url + "/v1/completions",
                          json={**LONG, "stream": True}) as r:
