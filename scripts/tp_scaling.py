@@ -122,16 +122,18 @@ def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
         return {"kernels": 0}
     split = timeline_split(events, steps)  # ns, and a count of collectives
     times = {f"{k}_us": round(v / 1e3, 2) for k, v in split.items() if k != "collectives"}
+
+    def per_step(top: list[tuple[str, list[float]]]) -> list[dict[str, Any]]:
+        # (name, durations in ns) -> name, occurrences per decode step, mean duration
+        return [{"name": n[:100], "per_step": len(d) / steps,
+                 "mean_us": round(sum(d) / len(d) / 1e3, 2)} for n, d in top]
+
     return {"kernels": len(events) / steps, "collectives": split["collectives"], **times,
-            "top_kernels": [{"name": n[:100], "per_step": len(d) / steps,
-                             "mean_us": round(sum(d) / len(d) / 1e3, 2)}
-                            for n, d in top_kernels(events, 30)],
+            "top_kernels": per_step(top_kernels(events, 30)),
             "idle_before": [{"name": n[:100], "per_step": c / steps,
                              "idle_us_per_step": round(g / steps / 1e3, 2)}
                             for n, g, c in idle_before(kernel_gaps(events), 12)],
-            "top_host": [{"name": n[:100], "per_step": len(d) / steps,
-                          "mean_us": round(sum(d) / len(d) / 1e3, 2)}
-                         for n, d in top_kernels(host, 25)]}
+            "top_host": per_step(top_kernels(host, 25))}
 
 
 def config_of(name: str) -> jaxinfer.LlamaConfig:
