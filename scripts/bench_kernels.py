@@ -398,18 +398,68 @@ def bench_ragged(quick: bool) -> None:
     RESULTS["ragged"] = rows
 
 
+# --------------------------------------------------------------------------- split-K
+
+
+def bench_splits(quick: bool) -> None:
+    """Paged decode attention (with its combine) against the split count, per batch and
+    head layout, at short and long contexts, with the block table as wide as the context
+    or as wide as an 8k-token engine table: the data behind the split-count rule."""
+    rows = RESULTS.setdefault("splits", [])
+    d, ps = 128, 16
+    key = jax.random.PRNGKey(3)
+    # (batch, q_heads, kv_heads) as one GPU sees them: 8B at tp 1 and 2, 70B at tp 2 and 4.
+    layouts = ((1, 32, 8), (1, 16, 4), (1, 32, 4), (1, 16, 2), (64, 32, 8), (64, 32, 4))
+    # (valid keys, table width in keys)
+    contexts = ((192, 256), (192, 8192), (1000, 1024), (8000, 8192))
+    if quick:
+        layouts, contexts = layouts[::3], contexts[:2]
+    for b, hq, hkv in layouts:
+        for ctx, width in contexts:
+            pps = width // ps
+            num_pages = b * pps
+            kv_bytes = 2 * b * hkv * ctx * d * 2
+            sets = []
+            for i in range(_n_sets(2 * hkv * num_pages * ps * d * 2)):
+                k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, b * 7 + ctx + i), 4)
+                sets.append((rand(k1, (b, hq, d), jnp.bfloat16),
+                             rand(k2, (hkv, num_pages, ps, d), jnp.bfloat16),
+                             rand(k3, (hkv, num_pages, ps, d), jnp.bfloat16),
+                             jax.random.permutation(k4, num_pages).reshape(b, pps)
+                             .astype(jnp.int32)))
+            lengths = jnp.full((b,), ctx, jnp.int32)
+            n_blocks = max(1, width // 128)
+            for splits in [None] + [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= n_blocks]:
+                name = "default" if splits is None else f"splits {splits}"
+                try:
+                    t = time_in_jit(jax.jit(lambda q, kp, vp, bt, lengths=lengths, s=splits:
+                                            paged_attention(q, kp, vp, bt, lengths,
+                                                            num_splits=s)), sets)
+                except Exception as e:
+                    log(f"splits B={b} hq={hq} hkv={hkv} ctx={ctx} {name} FAILED: "
+                        f"{type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rows.append({"batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx,
+                             "table_keys": width, "splits": splits, "us": t * 1e6,
+                             "TBps": kv_bytes / t / 1e12})
+                log(f"splits B={b:2d} hq={hq} hkv={hkv} ctx={ctx:5d} table={width:5d} "
+                    f"{name:10s} {t * 1e6:7.2f} us {kv_bytes / t / 1e12:5.2f} TB/s")
+            del sets
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_kernels.json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--skip", default="", help="comma list of: flash,decode,ragged")
+    p.add_argument("--skip", default="", help="comma list of: flash,decode,ragged,splits")
     args = p.parse_args()
     log(f"jax {jax.__version__} on {jax.devices()}")
     skip = set(args.skip.split(","))
     for name, fn in (("ceiling", lambda: copy_bandwidth()), ("check", check_correctness),
                      ("flash", lambda: bench_flash(args.quick)),
                      ("decode", lambda: bench_decode(args.quick)),
-                     ("ragged", lambda: bench_ragged(args.quick))):
+                     ("ragged", lambda: bench_ragged(args.quick)),
+                     ("splits", lambda: bench_splits(args.quick))):
         if name in skip:
             continue
         try:
@@ -420,7 +470,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)
     log(json.dumps({k: v for k, v in RESULTS.items()
-                    if k not in ("flash", "decode", "ragged")}))
+                    if k not in ("flash", "decode", "ragged", "splits")}))
     sys.stdout.flush()
 
 
