@@ -99,7 +99,6 @@ from jaxinfer.runner import (
 from jaxinfer.sampling import MAX_TOP_LOGPROBS, SamplingArrays, SamplingParams, prng_key_data
 from jaxinfer.speculative import NGRAM_WINDOW, Speculative, propose_ngram
 from jaxinfer.structured import TokenMatcher, fill_masks, mask_words
-from pallas_kernels import default_num_splits, one_split_pages
 from sharding.mesh import mesh_sizes, spans_processes
 from sharding.placement import on_mesh, to_host
 from sharding.rules import engine_pool_sharding
@@ -483,13 +482,6 @@ class Engine(StepLoop):
         self.chunked_prefill = chunked_prefill
         self.backend = resolve_backend(model.backend, cfg.head_dim, model.deterministic,
                                        tensor_parallel=model_size > 1)
-        # The paged decode kernel splits keys by its block table's width: a decode call
-        # whose rows all fit a table of ``one_split_pages`` runs on that table, in one split
-        # (``_short_table``). Deterministic mode decodes with the ragged kernel instead.
-        short = one_split_pages(page_size)
-        self._short_pages = (short if self.backend == "pallas" and not model.deterministic
-                             and short < self.pages_per_seq else 0)
-        self._kv_heads_per_device = max(1, cfg.num_kv_heads // model_size)
         # Fine buckets where padding costs device time; powers of two on CPU, where compile
         # time dominates.
         self.token_buckets = token_buckets(budget, min(budget, 128 if accelerator else 16),
@@ -797,10 +789,8 @@ class Engine(StepLoop):
                     inp = inp.replace(token_mask=everything)
                 to_host(self._dispatch_mixed(inp, t, sc, st))
         for b in self.row_buckets:
-            for pages in {self.pages_per_seq, self._short_table(b)} - {0}:
-                for st in decode:
-                    to_host(self._dispatch_decode(self._decode_inputs([], b, 1, pages=pages),
-                                                  st))
+            for st in decode:
+                to_host(self._dispatch_decode(self._decode_inputs([], b, 1), st))
         for t in self.token_buckets if drafts else ():  # the draft catching up
             to_host(self._dispatch_draft([], self.max_batch, t, 0))
         for b in verify:
@@ -1429,20 +1419,10 @@ class Engine(StepLoop):
             self._preempt(self._running[-1])
         return 0
 
-    def _short_table(self, b: int) -> int:
-        """Pages of the short block table for decode calls over ``b`` rows, or 0 where there
-        is none: the full table would split keys (``default_num_splits``), the short one
-        runs one split per row and kv head and no combine kernel after it. At a 192-token
-        context that was 9.2 us of the paged kernel and its combine per layer (r179)."""
-        full = default_num_splits(b, self._kv_heads_per_device, self.pages_per_seq,
-                                  self.page_size)
-        return self._short_pages if full > 1 else 0
-
-    def _decode_inputs(self, rows: list[_Seq], b: int, k: int, stop_after: int = 0,
-                       pages: int | None = None) -> DecodeInputs:
+    def _decode_inputs(self, rows: list[_Seq], b: int, k: int, stop_after: int = 0
+                       ) -> DecodeInputs:
         """Inputs of a decode call over slots ``[0, b)``, built with array indexing; it ends
-        early once ``stop_after`` rows have stopped (0: when all have). ``pages``: the block
-        table's width, default ``pages_per_seq`` (at least every row's pages)."""
+        early once ``stop_after`` rows have stopped (0: when all have)."""
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -1458,8 +1438,7 @@ class Engine(StepLoop):
             remaining[slots] = np.fromiter((q.req.sampling.max_new_tokens for q in rows),
                                            np.int32, m) - gen[slots]
         return DecodeInputs(
-            tokens=tokens, positions=positions, block_tables=self._tables[:b, :pages],
-            active=active,
+            tokens=tokens, positions=positions, block_tables=self._tables[:b], active=active,
             remaining=remaining, limit=(self._table_len[:b] * self.page_size).astype(np.int32),
             gen_index=gen, stop_ids=self._stop_ids[:b], num_steps=np.int32(k),
             sampling=self._sampling(b), stop_after=np.int32(stop_after or b + 1))
@@ -1467,8 +1446,8 @@ class Engine(StepLoop):
     def _dispatch_decode(self, inp: DecodeInputs, stochastic: bool, num_top: int = 0
                          ) -> dict[str, jax.Array]:
         """Launch one decode call program (asynchronously); the pool and ``counts`` advance."""
-        b, pages = inp.block_tables.shape
-        self._announce(self._decode_program(b, stochastic, num_top, pages),
+        b = inp.block_tables.shape[0]
+        self._announce(self._decode_program(b, stochastic, num_top),
                        f"decode loop for {b} rows" + (", sampled" if stochastic else "")
                        + (", top log-probabilities" if num_top else ""))
         with on_mesh(self.mesh):
@@ -1479,9 +1458,8 @@ class Engine(StepLoop):
                 deterministic=self.model.deterministic, num_top=num_top)
         return out
 
-    def _decode_program(self, b: int, stochastic: bool, num_top: int, pages: int
-                        ) -> tuple[Any, ...]:
-        return ("decode", b, self._stop_width, stochastic, num_top, pages)
+    def _decode_program(self, b: int, stochastic: bool, num_top: int) -> tuple[Any, ...]:
+        return ("decode", b, self._stop_width, stochastic, num_top)
 
     def _call_length(self, b: int, max_steps: int | None,
                      measured: dict[int, float] | None = None) -> int:
@@ -1509,14 +1487,12 @@ class Engine(StepLoop):
         rows = list(self._running)  # planning may have preempted some
         stochastic = any(s.req.sampling.temperature > 0 for s in rows)
         num_top = _num_top(rows)
-        short = self._short_table(b)  # planning reserved the call's pages: they decide
-        pages = short if short and self._table_len[:b].max() <= short else self.pages_per_seq
-        compiled = (self._program_key(self._decode_program(b, stochastic, num_top, pages))
+        compiled = (self._program_key(self._decode_program(b, stochastic, num_top))
                     not in _ANNOUNCED)
         self._inflight = (f"decode call of {b} rows x {k} iterations", rows)
         launched = time.perf_counter()
-        out = self._dispatch_decode(self._decode_inputs(rows, b, k, wanted, pages),
-                                    stochastic, num_top)
+        out = self._dispatch_decode(self._decode_inputs(rows, b, k, wanted), stochastic,
+                                    num_top)
         return _Call(out=out, launched=launched, padded=b * k, rows=rows, compiled=compiled)
 
     def _collect_decode(self, call: _Call) -> list[Event]:

@@ -35,8 +35,6 @@ from pallas_kernels.matmul import (
     row_sum_reference,
 )
 from pallas_kernels.paged_attention import (
-    default_num_splits,
-    one_split_pages,
     paged_attention,
     paged_attention_reference,
     paged_attention_write,
@@ -57,7 +55,6 @@ __all__ = [
     "decode_attention_layer",
     "decode_attention_layer_reference",
     "decode_attention_reference",
-    "default_num_splits",
     "dequantize_kv",
     "flash_attention",
     "flash_attention_reference",
@@ -71,7 +68,6 @@ __all__ = [
     "matmul_reference",
     "row_sum",
     "row_sum_reference",
-    "one_split_pages",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_write",

@@ -62,42 +62,6 @@ from pallas_kernels.kv_quant import dequantize_kv
 _TARGET_PROGRAMS = 132
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
-# A table of at most this many blocks runs in one split: one program reading a second block
-# costs less than the combine kernel that splitting adds (2.6 us per layer at 8B and 70B
-# tp=2, r179).
-_ONE_SPLIT_BLOCKS = 2
-
-
-def _blocks(pages_per_seq: int, page_size: int, pages_per_block: int | None) -> tuple[int, int]:
-    """``(pages_per_block, blocks)``: pages per inner step (a power of two, at least
-    ``MIN_DOT`` keys, not past the table) and the table's number of such blocks."""
-    if pages_per_block is None:
-        pages_per_block = max(1, _BLOCK_KEYS // page_size)
-    pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
-    pages_per_block = min(pages_per_block,
-                          max(next_pow2(pages_per_seq), cdiv(MIN_DOT, page_size)))
-    pages_per_block = next_pow2(pages_per_block)
-    return pages_per_block, cdiv(pages_per_seq, pages_per_block)
-
-
-def default_num_splits(batch: int, kv_heads: int, pages_per_seq: int, page_size: int,
-                       pages_per_block: int | None = None) -> int:
-    """The GPU kernel's split-K factor when ``num_splits`` is not given, for ``block_tables
-    [batch, pages_per_seq]`` over ``kv_heads``: about ``_TARGET_PROGRAMS`` programs, at most
-    one split per block of the table, and one split (no combine) for a table of at most
-    ``one_split_pages(page_size)`` pages. A power of two. The split count follows the
-    table's width, not the lengths: a caller that knows its sequences are short passes a
-    narrower table (the engine does, ``Engine``'s decode calls)."""
-    pages_per_block, n_blocks = _blocks(pages_per_seq, page_size, pages_per_block)
-    if n_blocks <= _ONE_SPLIT_BLOCKS:
-        return 1
-    return next_pow2(max(1, min(next_pow2(cdiv(_TARGET_PROGRAMS, batch * kv_heads)),
-                                n_blocks)))
-
-
-def one_split_pages(page_size: int) -> int:
-    """The widest block table (in pages) that ``default_num_splits`` runs in one split."""
-    return _ONE_SPLIT_BLOCKS * _blocks(1 << 30, page_size, None)[0]
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales) -> bool:
@@ -302,9 +266,15 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
     pps = block_tables.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, _BLOCK_KEYS // page_size)
+    # At least MIN_DOT keys per step (Triton dot) and no more pages than a sequence has.
+    pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
+    pages_per_block = min(pages_per_block, max(next_pow2(pps), cdiv(MIN_DOT, page_size)))
+    pages_per_block = next_pow2(pages_per_block)
+    n_blocks_max = cdiv(pps, pages_per_block)
     if num_splits is None:
-        num_splits = default_num_splits(b, hkv, pps, page_size, pages_per_block)
-    pages_per_block, n_blocks_max = _blocks(pps, page_size, pages_per_block)
+        num_splits = max(1, min(next_pow2(cdiv(_TARGET_PROGRAMS, b * hkv)), n_blocks_max))
     # combine_splits holds every split in one block: a power of two (Triton); the extra
     # splits get no keys and drop out of the combine.
     num_splits = next_pow2(num_splits)
@@ -514,8 +484,7 @@ def paged_attention(
       sm_scale: logit scale, default 1/sqrt(head_dim).
       pages_per_block: pages gathered per inner step on GPU; default gives 128 keys per
         step (rounded so a step has at least 16 keys; larger steps overflow shared memory).
-      num_splits: split-K factor (GPU); default ``default_num_splits``: about one program
-        per H100 SM, one split for a table of at most ``one_split_pages`` pages.
+      num_splits: split-K factor (GPU); default about one program per H100 SM.
       num_warps, num_stages: Triton launch parameters (GPU only).
       interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
       backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).

@@ -492,49 +492,6 @@ def test_pallas_kernels_give_the_reference_tokens():
     assert outs["pallas"] == outs["reference"]
 
 
-@pytest.mark.slow  # ~25 s: 250-token prompts through the interpreted kernels
-def test_short_decode_calls_run_one_split_on_a_short_table(monkeypatch):
-    # The paged kernel splits keys by its table's width: while every row's pages fit
-    # ``one_split_pages``, a decode call passes that many columns (one split, no combine),
-    # then the full table; tokens equal the reference backend's either way.
-    import jaxinfer.engine as engine_module
-    import pallas_kernels
-
-    cfg = jaxinfer.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=128,
-                               num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
-                               max_position_embeddings=512)
-    params = init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
-    short = pallas_kernels.one_split_pages(16)  # 256 keys at 16 tokens a page
-    assert pallas_kernels.default_num_splits(2, 2, short, 16) == 1
-    assert pallas_kernels.default_num_splits(2, 2, 32, 16) == 4  # the full 512-token table
-    widths: list[int] = []
-    decode_steps = engine_module.decode_steps
-
-    def spy(params, pool, counts, inp, **kw):
-        widths.append(inp.block_tables.shape[1])
-        return decode_steps(params, pool, counts, inp, **kw)
-
-    monkeypatch.setattr(engine_module, "decode_steps", spy)
-    # 230 + 24 tokens end at 254 keys, inside the short table; 236 + 24 cross it mid-way.
-    prompts = [[(7 * i) % 90 + 3 for i in range(n)] for n in (230, 236, 9)]
-    outs = {}
-    for backend in ("reference", "pallas"):
-        m = Model(config=cfg, params=params, tokenizer=None, dtype=jnp.float32,
-                  backend=backend, max_batch=4)
-        engine = Engine(m, page_size=16, decode_steps=8, verbose=False)
-        assert engine.pages_per_seq == 32
-        widths.clear()
-        ids = [engine.submit(p, max_new_tokens=24, ignore_eos=True) for p in prompts]
-        engine.run_until_done()
-        outs[backend] = [engine.result(i).token_ids for i in ids]
-        if backend == "reference":
-            assert set(widths) == {32}  # no split-K there: one program
-        else:  # short calls while all three fit, the full table once the 236-token one grows
-            assert widths[0] == short and widths[-1] == 32 and set(widths) == {short, 32}
-    assert outs["pallas"] == outs["reference"]
-    assert all(len(t) == 24 for t in outs["pallas"])
-
-
 def test_step_shape_buckets():
     assert runner.token_buckets(4096, 128) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                                                 3072, 4096)

@@ -20,11 +20,9 @@ from pallas_kernels import (
     decode_attention_layer,
     decode_attention_layer_reference,
     decode_attention_reference,
-    default_num_splits,
     dequantize_kv,
     flash_attention,
     flash_attention_reference,
-    one_split_pages,
     paged_attention,
     paged_attention_reference,
     paged_attention_write,
@@ -266,18 +264,6 @@ def test_paged_attention(backend, dtype, b, hq, hkv, d, page_size, pps, num_spli
     ref = paged_attention_reference(*_f32(q, k, v), table, lengths)
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype)
-
-
-def test_default_split_count_follows_the_table_width():
-    # About 132 programs over (batch, kv heads, splits), at most one split per block of
-    # 128 keys, and one split for a table of two blocks or fewer: a short table skips the
-    # combine kernel.
-    assert default_num_splits(1, 8, 512, 16) == 32  # 8B at batch 1: 17 -> 32, 64 blocks
-    assert default_num_splits(2, 4, 512, 16) == 32
-    assert default_num_splits(1, 8, 24, 16) == 4  # 3 blocks
-    assert one_split_pages(16) == 16 and one_split_pages(256) == 2
-    assert default_num_splits(1, 8, 16, 16) == default_num_splits(1, 8, 2, 256) == 1
-    assert default_num_splits(64, 8, 512, 16) == 1  # 512 programs without splitting
 
 
 # --------------------------------------------------------------------------- ragged
