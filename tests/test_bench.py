@@ -255,3 +255,43 @@ def test_tp_scaling_records_each_case(tmp_path):
         2, True, 1, 6)
     assert profile == {"what": "profile", "model": "tiny", "tp": 2, "batch": 1, "kernels": 0,
                        "t": profile["t"]}
+
+
+@pytest.mark.slow  # ~50 s: 22 interpreted kernel calls, up to 512 programs each
+def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch):
+    """``scripts/bench_kernels.py``'s split sweep (quick) on CPU, the kernel interpreted:
+    every timed call attends over its shuffled page table as the reference does, and the
+    sweep records the default and each split count up to one per 128-key block."""
+    import functools
+    import sys
+    import time
+    from pathlib import Path
+
+    import pallas_kernels
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "RESULTS", {"copy_bw_TBps": 1.0})
+    monkeypatch.setattr(bench_kernels, "paged_attention",
+                        functools.partial(pallas_kernels.paged_attention, interpret=True))
+
+    def once(fn, arg_sets):  # one checked call instead of the GPU timing loop
+        q, kp, vp, bt = arg_sets[0]
+        lengths = jnp.full((q.shape[0],), int(ctx_of[bt.shape[1] * kp.shape[2]]), jnp.int32)
+        t = time.perf_counter()
+        got = jax.block_until_ready(fn(*arg_sets[0]))
+        want = pallas_kernels.paged_attention_reference(q, kp, vp, bt, lengths)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   atol=3e-2)
+        return time.perf_counter() - t
+
+    ctx_of = {256: 192, 8192: 192}  # table width in keys -> valid keys (quick contexts)
+    monkeypatch.setattr(bench_kernels, "time_in_jit", once)
+    bench_kernels.bench_splits(quick=True)
+    rows = bench_kernels.RESULTS["splits"]
+    want = [(b, hkv, width, s) for b, hkv in ((1, 8), (1, 2)) for width, top in
+            ((256, 2), (8192, 64)) for s in [None] + [x for x in (1, 2, 4, 8, 16, 32, 64)
+                                                       if x <= top]]
+    assert [(r["batch"], r["kv_heads"], r["table_keys"], r["splits"]) for r in rows] == want
+    assert all(r["ctx"] == 192 and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
