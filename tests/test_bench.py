@@ -263,13 +263,12 @@ def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch)
     every timed call attends over its shuffled page table as the reference does, and the
     sweep records the default and each split count up to one per 128-key block."""
     import functools
-    import sys
     import time
     from pathlib import Path
 
     import pallas_kernels
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_kernels
 
     monkeypatch.setattr(bench_kernels, "RESULTS", {"copy_bw_TBps": 1.0})
