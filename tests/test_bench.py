@@ -257,7 +257,7 @@ def test_tp_scaling_records_each_case(tmp_path):
                        "t": profile["t"]}
 
 
-@pytest.mark.slow  # ~50 s: 22 interpreted kernel calls, up to 512 programs each
+@pytest.mark.slow  # 22 interpreted kernel calls of up to 512 programs: ~50 s uncached
 def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch):
     """``scripts/bench_kernels.py``'s split sweep (quick) on CPU, the kernel interpreted:
     every timed call attends over its shuffled page table as the reference does, and the
