@@ -207,8 +207,9 @@ def test_run_decodes_whole_calls_and_step_follows_decode_call_seconds(model, wor
         else:
             if how == "run_until_done":
                 engine.run_until_done()
-            while engine.has_unfinished():
-                engine.step()
+            else:
+                while engine.has_unfinished():
+                    engine.step()
             got = engine.result(rid)
         assert len(got.token_ids) == 17
         calls[how] = engine.stats().decode_calls

@@ -64,7 +64,7 @@ def test_importing_jaxinfer_adds_them(tmp_path):
 def test_the_flags_parse():
     # jaxlib parses XLA_FLAGS the same way on every platform (an unknown flag would abort
     # the process), so a CPU backend starting with them shows they are well formed.
-    code = ("import os, jax.numpy as jnp; print(float(jnp.ones(3).sum()))")
+    code = "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": " ".join(f"--{k}={v}" for k, v in xla_flags.DEFAULTS.items())}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
