@@ -12,6 +12,8 @@ masked cache slots / unused pages filled with NaN), then timings:
 * paged attention with its combine against the split count (``splits``): batch 1 and 64,
   the head layouts of 8B and 70B at tp 1-4, short and long contexts, narrow and wide block
   tables;
+* paged attention at batch 64 and short contexts against its launch settings (``configs``):
+  warps, pipeline stages and keys per block;
 * ragged paged attention (the engine's kernel), bf16, 32 q / 8 kv heads, head_dim 128
   and 64, page_size 16: (a) 256 decode sequences with ~1024 keys each (max_q_len 1), in
   achieved K/V bytes/s; (b) 64 decode sequences plus 2 prefill chunks of 1024 tokens on
@@ -422,17 +424,8 @@ def bench_splits(quick: bool) -> None:
         layouts, contexts = layouts[::3], contexts[:2]
     for b, hq, hkv in layouts:
         for ctx, width in contexts:
-            pps = width // ps
-            num_pages = b * pps
+            sets = _paged_sets(jax.random.fold_in(key, b * 7 + ctx), b, hq, hkv, width, ps, d)
             kv_bytes = 2 * b * hkv * ctx * d * 2
-            sets = []
-            for i in range(_n_sets(2 * hkv * num_pages * ps * d * 2)):
-                k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, b * 7 + ctx + i), 4)
-                sets.append((rand(k1, (b, hq, d), jnp.bfloat16),
-                             rand(k2, (hkv, num_pages, ps, d), jnp.bfloat16),
-                             rand(k3, (hkv, num_pages, ps, d), jnp.bfloat16),
-                             jax.random.permutation(k4, num_pages).reshape(b, pps)
-                             .astype(jnp.int32)))
             lengths = jnp.full((b,), ctx, jnp.int32)
             n_blocks = max(1, width // 128)
             for splits in [None] + [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= n_blocks]:
@@ -445,14 +438,74 @@ def bench_splits(quick: bool) -> None:
                     log(f"splits B={b} hq={hq} hkv={hkv} ctx={ctx} {name} FAILED: "
                         f"{type(e).__name__}: {str(e)[:200]}")
                     continue
-                tbps = kv_bytes / t / 1e12
-                floor = tbps / RESULTS["copy_bw_TBps"] if "copy_bw_TBps" in RESULTS else None
-                rows.append({"batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx,
-                             "table_keys": width, "splits": splits, "us": t * 1e6,
-                             "TBps": tbps, "frac_of_copy_bw": floor})
-                log(f"splits B={b:2d} hq={hq} hkv={hkv} ctx={ctx:5d} table={width:5d} "
-                    f"{name:10s} {t * 1e6:7.2f} us {tbps:5.2f} TB/s"
-                    + ("" if floor is None else f" ({floor:.0%} of the copy test)"))
+                rows.append(_paged_row(
+                    f"splits {name:10s}", t, kv_bytes, {"batch": b, "q_heads": hq,
+                                                        "kv_heads": hkv, "ctx": ctx,
+                                                        "table_keys": width, "splits": splits}))
+            del sets
+
+
+def _paged_sets(key: jax.Array, b: int, hq: int, hkv: int, width: int, ps: int,
+                d: int) -> list[tuple]:
+    """Input sets for ``paged_attention``: (q [b, hq, d], k_pages, v_pages [hkv, b * width /
+    ps, ps, d], shuffled block tables [b, width / ps]), bf16, enough sets to pass the L2."""
+    pps = width // ps
+    num_pages = b * pps
+    sets = []
+    for i in range(_n_sets(2 * hkv * num_pages * ps * d * 2)):
+        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, i), 4)
+        sets.append((rand(k1, (b, hq, d), jnp.bfloat16),
+                     rand(k2, (hkv, num_pages, ps, d), jnp.bfloat16),
+                     rand(k3, (hkv, num_pages, ps, d), jnp.bfloat16),
+                     jax.random.permutation(k4, num_pages).reshape(b, pps).astype(jnp.int32)))
+    return sets
+
+
+def _paged_row(label: str, t: float, kv_bytes: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """One timed paged-attention call as a record (``fields`` plus us, TB/s and the share of
+    the copy test's rate), logged with ``label``."""
+    tbps = kv_bytes / t / 1e12
+    floor = tbps / RESULTS["copy_bw_TBps"] if "copy_bw_TBps" in RESULTS else None
+    log(f"{label} {' '.join(f'{k}={v}' for k, v in fields.items())} {t * 1e6:7.2f} us "
+        f"{tbps:5.2f} TB/s" + ("" if floor is None else f" ({floor:.0%} of the copy test)"))
+    return {**fields, "us": t * 1e6, "TBps": tbps, "frac_of_copy_bw": floor}
+
+
+def bench_configs(quick: bool) -> None:
+    """Paged decode attention at batch 64 and short contexts, where one program per (row, kv
+    head) walks its few 128-key blocks one after another and the kernel reads K/V at a third
+    of the copy rate (r185: 19 us per layer at 8B tp=2 for 6.6 us of reading): the launch
+    settings (warps, pipeline stages, keys per block) swept per head layout and context, the
+    default split count each time. The data behind the kernel's defaults at batch 64."""
+    rows = RESULTS.setdefault("configs", [])
+    d, ps, b = 128, 16, 64
+    key = jax.random.PRNGKey(5)
+    # (q_heads, kv_heads) per GPU: 8B at tp 1 and 2, 70B at tp 4
+    layouts = ((32, 8), (16, 4), (16, 2))
+    contexts = (192, 1000, 4000)
+    settings = [(nw, ns, ppb) for ppb in (4, 8) for nw in (2, 4, 8) for ns in (1, 2, 3, 4)]
+    if quick:  # batch 8: the CPU test interprets every program
+        b, layouts, contexts = 8, layouts[1:2], contexts[:1]
+        settings = settings[:2] + settings[-2:]
+    for hq, hkv in layouts:
+        for ctx in contexts:
+            width = 1 << (ctx - 1).bit_length()  # the table as wide as the context
+            sets = _paged_sets(jax.random.fold_in(key, hkv * 10_000 + ctx), b, hq, hkv, width,
+                               ps, d)
+            lengths = jnp.full((b,), ctx, jnp.int32)
+            for nw, ns, ppb in settings:
+                try:
+                    t = time_in_jit(jax.jit(
+                        lambda q, kp, vp, bt, lengths=lengths, nw=nw, ns=ns, ppb=ppb:
+                        paged_attention(q, kp, vp, bt, lengths, num_warps=nw, num_stages=ns,
+                                        pages_per_block=ppb)), sets)
+                except Exception as e:
+                    log(f"configs hkv={hkv} ctx={ctx} w{nw} s{ns} ppb{ppb} FAILED: "
+                        f"{type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rows.append(_paged_row("configs", t, 2 * b * hkv * ctx * d * 2, {
+                    "batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx, "num_warps": nw,
+                    "num_stages": ns, "pages_per_block": ppb}))
             del sets
 
 
@@ -460,7 +513,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_kernels.json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--skip", default="", help="comma list of: flash,decode,ragged,splits")
+    p.add_argument("--skip", default="", help="comma list of: flash,decode,ragged,splits,configs")
     args = p.parse_args()
     log(f"jax {jax.__version__} on {jax.devices()}")
     skip = set(args.skip.split(","))
@@ -468,7 +521,8 @@ def main() -> None:
                      ("flash", lambda: bench_flash(args.quick)),
                      ("decode", lambda: bench_decode(args.quick)),
                      ("ragged", lambda: bench_ragged(args.quick)),
-                     ("splits", lambda: bench_splits(args.quick))):
+                     ("splits", lambda: bench_splits(args.quick)),
+                     ("configs", lambda: bench_configs(args.quick))):
         if name in skip:
             continue
         try:
@@ -479,7 +533,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)
     log(json.dumps({k: v for k, v in RESULTS.items()
-                    if k not in ("flash", "decode", "ragged", "splits")}))
+                    if k not in ("flash", "decode", "ragged", "splits", "configs")}))
     sys.stdout.flush()
 
 

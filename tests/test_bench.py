@@ -257,11 +257,11 @@ def test_tp_scaling_records_each_case(tmp_path):
                        "t": profile["t"]}
 
 
-@pytest.mark.slow  # 22 interpreted kernel calls of up to 512 programs: ~50 s uncached
-def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch):
-    """``scripts/bench_kernels.py``'s split sweep (quick) on CPU, the kernel interpreted:
-    every timed call attends over its shuffled page table as the reference does, and the
-    sweep records the default and each split count up to one per 128-key block."""
+@pytest.fixture
+def checked_bench_kernels(monkeypatch):
+    """``scripts/bench_kernels.py`` on CPU with the paged kernel interpreted and its GPU
+    timing loop replaced by one call checked against ``paged_attention_reference`` (every
+    sequence holding ``ctx[0]`` valid keys: set it before a sweep)."""
     import functools
     import time
     from pathlib import Path
@@ -274,10 +274,11 @@ def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch)
     monkeypatch.setattr(bench_kernels, "RESULTS", {"copy_bw_TBps": 1.0})
     monkeypatch.setattr(bench_kernels, "paged_attention",
                         functools.partial(pallas_kernels.paged_attention, interpret=True))
+    ctx = [0]
 
-    def once(fn, arg_sets):  # one checked call instead of the GPU timing loop
+    def once(fn, arg_sets):
         q, kp, vp, bt = arg_sets[0]
-        lengths = jnp.full((q.shape[0],), int(ctx_of[bt.shape[1] * kp.shape[2]]), jnp.int32)
+        lengths = jnp.full((q.shape[0],), ctx[0], jnp.int32)
         t = time.perf_counter()
         got = jax.block_until_ready(fn(*arg_sets[0]))
         want = pallas_kernels.paged_attention_reference(q, kp, vp, bt, lengths)
@@ -285,8 +286,17 @@ def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch)
                                    atol=3e-2)
         return time.perf_counter() - t
 
-    ctx_of = {256: 192, 8192: 192}  # table width in keys -> valid keys (quick contexts)
     monkeypatch.setattr(bench_kernels, "time_in_jit", once)
+    return bench_kernels, ctx
+
+
+@pytest.mark.slow  # 22 interpreted kernel calls of up to 512 programs: ~50 s uncached
+def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(checked_bench_kernels):
+    """``scripts/bench_kernels.py``'s split sweep (quick) on CPU, the kernel interpreted:
+    every timed call attends over its shuffled page table as the reference does, and the
+    sweep records the default and each split count up to one per 128-key block."""
+    bench_kernels, ctx = checked_bench_kernels
+    ctx[0] = 192  # both quick contexts: 192 keys in a 256- or an 8,192-key table
     bench_kernels.bench_splits(quick=True)
     rows = bench_kernels.RESULTS["splits"]
     want = [(b, hkv, width, s) for b, hkv in ((1, 8), (1, 2)) for width, top in
@@ -294,3 +304,17 @@ def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(monkeypatch)
                                                        if x <= top]]
     assert [(r["batch"], r["kv_heads"], r["table_keys"], r["splits"]) for r in rows] == want
     assert all(r["ctx"] == 192 and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
+
+
+@pytest.mark.slow  # 4 interpreted kernel calls of 32 programs
+def test_bench_kernels_config_sweep_records_each_launch_setting(checked_bench_kernels):
+    """The launch-settings sweep (quick) on CPU: each (warps, stages, pages per block)
+    computes what the reference does over shuffled tables and gets its own record."""
+    bench_kernels, ctx = checked_bench_kernels
+    ctx[0] = 192
+    bench_kernels.bench_configs(quick=True)
+    rows = bench_kernels.RESULTS["configs"]
+    assert [(r["num_warps"], r["num_stages"], r["pages_per_block"]) for r in rows] == [
+        (2, 1, 4), (2, 2, 4), (8, 3, 8), (8, 4, 8)]
+    assert all((r["batch"], r["kv_heads"], r["ctx"]) == (8, 4, 192)
+               and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
