@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.params import param_shapes
+from jaxinfer.params import param_shapes, transpose_copy
 from jaxinfer.quantize import QuantizedWeight, quantize_weight
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -333,12 +333,11 @@ def load_gguf(path: str | Path, native: bool = False
         if name not in tensors:
             raise CheckpointError(f"GGUF file {path.name} is missing tensor {name!r}")
         a = f.tensor(name)
-        if transpose:
-            a = a.T
-        if a.shape != shape:
-            raise CheckpointError(f"GGUF tensor {name!r} has shape {list(a.shape)} (x@W "
+        got = a.shape[::-1] if transpose else a.shape
+        if got != shape:
+            raise CheckpointError(f"GGUF tensor {name!r} has shape {list(got)} (x@W "
                                   f"orientation) but the metadata implies {list(shape)}")
-        return a
+        return transpose_copy(a) if transpose else a
 
     params: dict[str, Any] = {
         "embed": get("token_embd.weight", shapes["embed"], False),
@@ -364,7 +363,10 @@ def load_gguf(path: str | Path, native: bool = False
                                tuple(reversed(shape)) if transpose else shape)
             if n_head:
                 a = _unpermute(a, n_head)
-            stacked[i] = a.T if transpose else a
+            if transpose:
+                transpose_copy(a, stacked[i])
+            else:
+                stacked[i] = a
         layers[key] = stacked
     params["layers"] = layers
     if not config.tie_word_embeddings:
@@ -376,7 +378,7 @@ def load_gguf(path: str | Path, native: bool = False
             params["lm_head"] = _native_checked(f, name, "lm_head",
                                                 tuple(reversed(shapes["lm_head"])), 0, method)
         else:
-            params["lm_head"] = np.ascontiguousarray(get(name, shapes["lm_head"], True))
+            params["lm_head"] = get(name, shapes["lm_head"], True)
     return config, params, meta
 
 
@@ -419,7 +421,7 @@ def requantized_weight(w: np.ndarray, key: str, method: str, n_head: int = 0
     held in float32 there."""
     if n_head:
         w = _unpermute(w, n_head)
-    return jax.device_get(quantize_weight(np.ascontiguousarray(w.T), key, method))
+    return jax.device_get(quantize_weight(transpose_copy(w), key, method))
 
 
 def _shape_checked(name: str, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

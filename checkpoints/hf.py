@@ -35,7 +35,7 @@ from checkpoints.hf_quantized import (
 )
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.params import param_shapes
+from jaxinfer.params import param_shapes, transpose_copy
 
 # HF per-layer tensor name suffix -> (our key, whether the torch weight is transposed).
 _LAYER_TENSORS: dict[str, tuple[str, bool]] = {
@@ -52,6 +52,15 @@ _LAYER_TENSORS: dict[str, tuple[str, bool]] = {
 
 # safetensors dtype codes numpy cannot name natively; read through ml_dtypes (a JAX dependency).
 _RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def hf_tensor_names(config: LlamaConfig) -> list[str]:
+    """The names of the tensors an HF float checkpoint of ``config`` holds, in file order."""
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)
+              for suffix in _LAYER_TENSORS]
+    names.append("model.norm.weight")
+    return names if config.tie_word_embeddings else [*names, "lm_head.weight"]
 
 
 def hf_tensor_shape(name: str, config: LlamaConfig) -> tuple[int, ...]:
@@ -125,7 +134,9 @@ class _SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(s) for s in self.header[name]["shape"])
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, copy: bool = True) -> np.ndarray:
+        """Tensor ``name``; with ``copy=False`` a raw-dtype tensor may be a read-only view of
+        the file's memory map, for a caller that copies it anyway (one pass instead of two)."""
         info = self.header[name]
         code = info["dtype"]
         try:
@@ -136,7 +147,8 @@ class _SafetensorsFile:
                 start, stop = (int(o) for o in info["data_offsets"])
                 raw = np.memmap(self.path, dtype=np.uint8, mode="r",
                                 offset=self.data_start + start, shape=(stop - start,))
-                return np.array(raw.view(dt).reshape(self.shape(name)))
+                view = raw.view(dt).reshape(self.shape(name))
+                return np.array(view) if copy else view
             if self._handle is None:
                 from safetensors import safe_open
 
@@ -182,9 +194,10 @@ def _open_checkpoint(folder: Path) -> dict[str, _SafetensorsFile]:
     return where
 
 
-def _read(where: dict[str, _SafetensorsFile], name: str, expected: tuple[int, ...]
-          ) -> np.ndarray:
-    """Tensor ``name``, which the config requires with shape ``expected``."""
+def _read(where: dict[str, _SafetensorsFile], name: str, expected: tuple[int, ...],
+          copy: bool = True) -> np.ndarray:
+    """Tensor ``name``, which the config requires with shape ``expected`` (``copy``: see
+    ``_SafetensorsFile.read``)."""
     if name not in where:
         raise CheckpointError(f"checkpoint is missing tensor {name!r} that the config requires; "
                               "the checkpoint is incomplete or not a Llama model")
@@ -192,7 +205,7 @@ def _read(where: dict[str, _SafetensorsFile], name: str, expected: tuple[int, ..
     if got != expected:
         raise CheckpointError(f"tensor {name!r} has shape {list(got)} but config.json implies "
                               f"{list(expected)}; the config does not match these weights")
-    return where[name].read(name)
+    return where[name].read(name, copy)
 
 
 def _checked(where: dict[str, _SafetensorsFile], name: str, config: LlamaConfig,
@@ -257,21 +270,30 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
             layers[key] = packed
             continue
         for i, name in enumerate(names):
-            a = _checked(where, name, config, cast)
-            if transposed:
-                a = a.T
+            a = _read(where, name, hf_tensor_shape(name, config), copy=False)
             if key not in layers:
-                # Preallocate the stacked array so peak host memory stays ~1x the checkpoint.
-                layers[key] = np.empty((config.num_layers, *a.shape), dtype=a.dtype)
-            layers[key][i] = a
+                # Preallocate the stacked array so peak host memory stays ~1x the checkpoint;
+                # the copies into it cast to `target`.
+                layers[key] = np.empty((config.num_layers, *(a.shape[::-1] if transposed
+                                                              else a.shape)),
+                                       dtype=a.dtype if target is None else target)
+            if transposed:
+                transpose_copy(a, layers[key][i])
+            else:
+                layers[key][i] = a
     if fmt is not None:
         check_fused_orders(layers)
     params["layers"] = layers
     if not config.tie_word_embeddings:
         head = _packed(where, ["lm_head.weight"], config, fmt)
-        params["lm_head"] = (np.ascontiguousarray(
-            _checked(where, "lm_head.weight", config, cast).T) if head is None
-            else jax.tree.map(lambda a: a[0], head))
+        if head is None:
+            a = _read(where, "lm_head.weight", hf_tensor_shape("lm_head.weight", config),
+                      copy=False)
+            head = transpose_copy(a, np.empty(a.shape[::-1], a.dtype if target is None
+                                              else target))
+        else:
+            head = jax.tree.map(lambda a: a[0], head)
+        params["lm_head"] = head
     extra_layers = [n for n in where if n.startswith("model.layers.")
                     and int(n.split(".")[2]) >= config.num_layers]
     if extra_layers:

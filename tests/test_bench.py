@@ -318,3 +318,47 @@ def test_bench_kernels_config_sweep_records_each_launch_setting(checked_bench_ke
         (2, 1, 4), (2, 2, 4), (8, 3, 8), (8, 4, 8)]
     assert all((r["batch"], r["kv_heads"], r["ctx"]) == (8, 4, 192)
                and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
+
+
+def test_bench_load_times_a_checked_load_and_refuses_bad_arguments(tmp_path, monkeypatch,
+                                                                   capsys):
+    """``scripts/bench_load.py`` on a small untied config whose transposed weights span
+    several ``transpose_copy`` blocks: the record holds the file's size, the timed loads and
+    the floor; a loader that returns a wrong weight fails the run; a non-empty ``--dir``
+    and a bad ``--layers`` are refused in one line before anything is written."""
+    import dataclasses
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_load
+
+    config = dataclasses.replace(TINY, vocab_size=260, intermediate_size=300,
+                                 tie_word_embeddings=False)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_hf_dict()))
+    rec = bench_load.main(["--preset", str(path), "--repeats", "2", "--json",
+                           str(tmp_path / "rec.json")])
+    assert json.loads((tmp_path / "rec.json").read_text()) == rec
+    values = sum(int(np.prod(bench_load.hf_tensor_shape(n, config)))
+                 for n in bench_load.hf_tensor_names(config))
+    assert rec["file_bytes"] > 2 * values and len(rec["load_s_all"]) == 2
+    assert rec["frac_of_floor"] == pytest.approx(rec["floor_s"] / rec["load_s"])
+
+    def wrong(folder):  # the real loader, then one wq element changed
+        cfg, params = load_hf_checkpoint(folder)
+        params["layers"]["wq"][0, 0, 0] += 1
+        return cfg, params
+
+    load_hf_checkpoint = bench_load.load_hf_checkpoint
+    monkeypatch.setattr(bench_load, "load_hf_checkpoint", wrong)
+    with pytest.raises(AssertionError, match="wq"):
+        bench_load.main(["--preset", str(path), "--repeats", "1"])
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    for argv, message in ((["--dir", str(tmp_path / "full")], "is not empty"),
+                          (["--layers", "9"], "--layers must be 1-")):
+        with pytest.raises(SystemExit, match=message):
+            bench_load.main(["--preset", str(path), *argv])
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x"
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["keep.txt"]

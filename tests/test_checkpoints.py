@@ -71,6 +71,20 @@ def test_hf_checkpoint_loads_exact_transposed_weights(tiny_hf):
     assert params["layers"]["wq"].shape == shapes["layers"]["wq"]
 
 
+def test_hf_tensor_names_are_the_saved_checkpoints_names(tiny_hf):
+    """``hf_tensor_names`` lists exactly the tensors transformers saves for the config (tied
+    and untied kinds), each with the shape ``hf_tensor_shape`` gives."""
+    from checkpoints.hf import hf_tensor_names, hf_tensor_shape
+
+    path, model = tiny_hf
+    config, _ = load_hf_checkpoint(path)
+    saved = {k: tuple(v.shape) for k, v in model.state_dict().items()
+             if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    names = hf_tensor_names(config)
+    assert sorted(names) == sorted(saved)
+    assert all(hf_tensor_shape(n, config) == saved[n] for n in names)
+
+
 def test_llama3_rope_scaling_is_read(tmp_path):
     from conftest import make_hf_model
 
@@ -100,7 +114,31 @@ def test_sharded_index_and_dtype(tmp_path):
     assert str(params_bf["embed"].dtype) == "bfloat16"
     _assert_tree_equal(params_bf, _expected_from_state_dict(_state_dict(model), 3, False))
     _, params_f32 = load_hf_checkpoint(bf, dtype="float32")
-    assert params_f32["layers"]["wq"].dtype == np.float32
+    assert {params_f32["layers"]["wq"].dtype, params_f32["lm_head"].dtype,
+            params_f32["embed"].dtype} == {np.dtype(np.float32)}
+    _assert_tree_equal(params_f32, _expected_from_state_dict(_state_dict(model), 3, False))
+
+
+def test_transpose_copy_over_several_blocks_and_casts():
+    """``transpose_copy`` (the loaders' [out, in] -> [in, out] copy, done in blocks of
+    ``TRANSPOSE_ROWS`` rows) equals ``src.T`` when the rows are not a multiple of the block,
+    writes into a slice of a stacked array, casts to ``out``'s dtype, and refuses a
+    misshapen ``out``."""
+    import ml_dtypes
+
+    from jaxinfer.params import TRANSPOSE_ROWS, transpose_copy
+
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal((2 * TRANSPOSE_ROWS + 45, 7)).astype(np.float32)
+    got = transpose_copy(src)
+    assert got.flags.c_contiguous and np.array_equal(got, src.T)
+    stacked = np.zeros((3, 7, src.shape[0]), ml_dtypes.bfloat16)
+    assert transpose_copy(src, stacked[1]) is not None
+    np.testing.assert_array_equal(stacked[1].astype(np.float32),
+                                  src.T.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert not stacked[0].any() and not stacked[2].any()
+    with pytest.raises(ValueError, match="out has shape"):
+        transpose_copy(src, np.empty(src.shape, np.float32))
 
 
 def _copy(src: Path, dst: Path) -> Path:

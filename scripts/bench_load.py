@@ -1,0 +1,147 @@
+"""Host-side checkpoint loading: ``load_hf_checkpoint`` on a random bf16 HF folder of a
+preset's shapes, against the floor of one host copy of the file.
+
+The folder (``config.json`` and one ``model.safetensors``, written here without torch) holds
+random bf16 values; the page cache is warmed by one untimed load, so the figure is the
+loader's own work (reading the mapped file, the [out, in] -> [in, out] transposes, stacking
+the layers), not the disk. Floor: the file's bytes through one host copy at the rate
+``np.copyto`` reaches on 1 GiB here. Each load is checked: one transposed weight and the
+final norm must equal the file's. Prints one JSON record and, with ``--json``, writes it.
+
+Usage:
+    python scripts/bench_load.py --preset llama-3.2-1b --json bench/results/cpu/load/F.json
+    python scripts/bench_load.py --preset llama-3.1-8b --layers 4   # 8B shapes, 4 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from checkpoints.hf import hf_tensor_names, hf_tensor_shape, load_hf_checkpoint
+from jaxinfer.config import LlamaConfig
+from jaxinfer.errors import InputError
+from jaxinfer.presets import resolve_config
+
+
+def write_random_folder(folder: Path, config: LlamaConfig, seed: int = 0) -> int:
+    """Write ``config.json`` and a random bf16 ``model.safetensors`` of ``config``'s shapes
+    into ``folder``; return the file's size in bytes. Values are positive normal bf16 numbers
+    in [2^-7, 1) (bit patterns 0x3C00-0x3F7F): no zeros, NaNs or infinities."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    names = hf_tensor_names(config)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in names:
+        shape = hf_tensor_shape(name, config)
+        nbytes = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    rng = np.random.default_rng(seed)
+    path = folder / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name in names:
+            n = int(np.prod(hf_tensor_shape(name, config)))
+            f.write(rng.integers(0x3C00, 0x3F80, n, dtype=np.uint16).tobytes())
+    return path.stat().st_size
+
+
+def copy_rate(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Host copy bytes/s: the median of ``repeats`` ``np.copyto`` calls of ``nbytes``."""
+    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def check_loaded(folder: Path, config: LlamaConfig, params: dict[str, Any]) -> None:
+    """Raise AssertionError unless the loaded layer-0 ``wq`` is the file's q_proj
+    transposed and the final norm is the file's."""
+    header_len = struct.unpack("<Q", (folder / "model.safetensors").read_bytes()[:8])[0]
+    header = json.loads((folder / "model.safetensors").read_bytes()[8:8 + header_len])
+    raw = np.memmap(folder / "model.safetensors", dtype=np.uint8, mode="r")
+
+    def stored(name: str) -> np.ndarray:
+        start, stop = header[name]["data_offsets"]
+        return (raw[8 + header_len + start:8 + header_len + stop]
+                .view(ml_dtypes.bfloat16).reshape(header[name]["shape"]))
+
+    q = stored("model.layers.0.self_attn.q_proj.weight")
+    if not np.array_equal(params["layers"]["wq"][0], q.T):
+        raise AssertionError("loaded wq[0] is not the file's q_proj transposed")
+    if not np.array_equal(params["final_norm"], stored("model.norm.weight")):
+        raise AssertionError("loaded final_norm is not the file's")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark (see the module docstring); returns the record."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.2-1b",
+                    help="a model preset or a config.json path (shapes only)")
+    ap.add_argument("--layers", type=int, default=None, help="keep this many layers")
+    ap.add_argument("--repeats", type=int, default=3, help="timed loads (median reported)")
+    ap.add_argument("--dir", default=None,
+                    help="a new or empty folder to write and keep (default: a temporary one)")
+    ap.add_argument("--json", default=None, help="also write the record here")
+    args = ap.parse_args(argv)
+    try:
+        config = resolve_config(args.preset)
+    except InputError as e:
+        sys.exit(f"bench_load: {e}")
+    if args.layers is not None:
+        if not 1 <= args.layers <= config.num_layers:
+            sys.exit(f"bench_load: --layers must be 1-{config.num_layers} for {args.preset}")
+        config = dataclasses.replace(config, num_layers=args.layers)
+    if args.repeats < 1:
+        sys.exit("bench_load: --repeats must be at least 1")
+    if args.dir and Path(args.dir).exists() and any(Path(args.dir).iterdir()):
+        sys.exit(f"bench_load: --dir {args.dir} is not empty; pass a new or empty folder")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.dir) if args.dir else Path(tmp) / "model"
+        file_bytes = write_random_folder(folder, config)
+        rate = copy_rate()
+        params = load_hf_checkpoint(folder)[1]  # warms the page cache; checked, not timed
+        check_loaded(folder, config, params)
+        del params
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            params = load_hf_checkpoint(folder)[1]
+            times.append(time.perf_counter() - t)
+            check_loaded(folder, config, params)
+            del params
+    load_s = statistics.median(times)
+    floor_s = file_bytes / rate
+    record = {"what": "load_hf_checkpoint", "preset": args.preset, "layers": config.num_layers,
+              "file_bytes": file_bytes, "copy_GBps": rate / 1e9, "load_s": load_s,
+              "load_s_all": times, "floor_s": floor_s, "frac_of_floor": floor_s / load_s}
+    print(json.dumps(record))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
