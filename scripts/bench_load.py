@@ -5,8 +5,9 @@ The folder (``config.json`` and one ``model.safetensors``, written here without 
 random bf16 values; the page cache is warmed by one untimed load, so the figure is the
 loader's own work (reading the mapped file, the [out, in] -> [in, out] transposes, stacking
 the layers), not the disk. Floor: the file's bytes through one host copy at the rate
-``np.copyto`` reaches on 1 GiB here. Each load is checked: one transposed weight and the
-final norm must equal the file's. Prints one JSON record and, with ``--json``, writes it.
+``np.copyto`` reaches on 1 GiB (``--copy-mib``) here. Each load is checked: one transposed
+weight and the final norm must equal the file's. Prints one JSON record and, with
+``--json``, writes it.
 
 Usage:
     python scripts/bench_load.py --preset llama-3.2-1b --json bench/results/cpu/load/F.json
@@ -103,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3, help="timed loads (median reported)")
     ap.add_argument("--dir", default=None,
                     help="a new or empty folder to write and keep (default: a temporary one)")
+    ap.add_argument("--copy-mib", type=int, default=1024,
+                    help="MiB the host copy test moves (the floor's rate)")
     ap.add_argument("--json", default=None, help="also write the record here")
     args = ap.parse_args(argv)
     try:
@@ -113,14 +116,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if not 1 <= args.layers <= config.num_layers:
             sys.exit(f"bench_load: --layers must be 1-{config.num_layers} for {args.preset}")
         config = dataclasses.replace(config, num_layers=args.layers)
-    if args.repeats < 1:
-        sys.exit("bench_load: --repeats must be at least 1")
+    if args.repeats < 1 or args.copy_mib < 1:
+        sys.exit("bench_load: --repeats and --copy-mib must be at least 1")
     if args.dir and Path(args.dir).exists() and any(Path(args.dir).iterdir()):
         sys.exit(f"bench_load: --dir {args.dir} is not empty; pass a new or empty folder")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.dir) if args.dir else Path(tmp) / "model"
         file_bytes = write_random_folder(folder, config)
-        rate = copy_rate()
+        rate = copy_rate(args.copy_mib << 20)
         params = load_hf_checkpoint(folder)[1]  # warms the page cache; checked, not timed
         check_loaded(folder, config, params)
         del params

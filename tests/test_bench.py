@@ -336,8 +336,8 @@ def test_bench_load_times_a_checked_load_and_refuses_bad_arguments(tmp_path, mon
                                  tie_word_embeddings=False)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_hf_dict()))
-    rec = bench_load.main(["--preset", str(path), "--repeats", "2", "--json",
-                           str(tmp_path / "rec.json")])
+    rec = bench_load.main(["--preset", str(path), "--repeats", "2", "--copy-mib", "8",
+                           "--json", str(tmp_path / "rec.json")])
     assert json.loads((tmp_path / "rec.json").read_text()) == rec
     values = sum(int(np.prod(bench_load.hf_tensor_shape(n, config)))
                  for n in bench_load.hf_tensor_names(config))
@@ -352,7 +352,7 @@ def test_bench_load_times_a_checked_load_and_refuses_bad_arguments(tmp_path, mon
     load_hf_checkpoint = bench_load.load_hf_checkpoint
     monkeypatch.setattr(bench_load, "load_hf_checkpoint", wrong)
     with pytest.raises(AssertionError, match="wq"):
-        bench_load.main(["--preset", str(path), "--repeats", "1"])
+        bench_load.main(["--preset", str(path), "--repeats", "1", "--copy-mib", "8"])
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
