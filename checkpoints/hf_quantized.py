@@ -40,12 +40,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxinfer.errors import CheckpointError, InputError
+from jaxinfer.params import host_threads
 from jaxinfer.quantize import QuantizedWeight, pack_int4
 
 GROUPS = (32, 64, 128)
@@ -119,9 +121,15 @@ def packed_format(folder: str | Path) -> PackedFormat | None:
 
 
 def _nibbles(words: np.ndarray) -> np.ndarray:
-    """int32 ``[..., n]`` -> its eight 4-bit values uint8 ``[..., n, 8]``, low nibble first."""
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    return ((words.view(np.uint32)[..., None] >> shifts) & 15).astype(np.uint8)
+    """int32 ``[..., n]`` -> its eight 4-bit values uint8 ``[..., n, 8]``, low nibble first.
+    Byte-wise (the words' four little-endian bytes, each split in two): 5x faster than
+    shifting each word eight times in uint32 (an 8B gate projection: 36 against 181 ms)."""
+    b = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
+    b = b.reshape(*words.shape, 4)
+    out = np.empty((*words.shape, 4, 2), np.uint8)
+    np.bitwise_and(b, 15, out=out[..., 0])
+    np.right_shift(b, 4, out=out[..., 1])
+    return out.reshape(*words.shape, 8)
 
 
 def _row_order(g_idx: np.ndarray, group: int, name: str) -> np.ndarray | None:
@@ -199,7 +207,10 @@ def packed_layers(read: Callable[[str, tuple[int, ...]], np.ndarray],
         raise CheckpointError(f"{prefixes[packed.index(False)]} is stored unquantized but "
                               f"{prefixes[packed.index(True)]} is quantized; jaxinfer stacks "
                               "one kind per weight across layers")
-    weights = [packed_weight(read, has, p, shape, fmt) for p in prefixes]
+    # One layer per thread (numpy releases the GIL): 8 layers of an 8B AWQ / GPTQ export
+    # loaded 1.3x / 1.5x faster on the 2-core CI machine (bench/NOTES.md r190).
+    with ThreadPoolExecutor(host_threads(len(prefixes))) as pool:
+        weights = list(pool.map(lambda p: packed_weight(read, has, p, shape, fmt), prefixes))
     if any(w.perm is not None for w in weights):
         identity = np.arange(shape[1], dtype=np.int32)
         weights = [w if w.perm is not None else dataclasses.replace(w, perm=identity)

@@ -24,10 +24,17 @@ TRANSPOSE_ROWS = 128
 """Rows of ``src`` per block in ``transpose_copy``: 64-128 ran fastest on the CI machine
 (bf16 8192x2048 to 128256x4096: 17-711 ms; 512 ran 2.5-6x slower)."""
 
-TRANSPOSE_THREADS = 8
-"""Most threads one ``transpose_copy`` uses (numpy releases the GIL while it copies): two
-ran a bf16 14336x4096 transpose 1.9x faster than one on the 2-core CI machine; more than a
-few saturate a host's memory bandwidth."""
+HOST_THREADS = 8
+"""Most threads a loader's numpy work uses (numpy releases the GIL while it copies and
+computes): two ran a bf16 14336x4096 transpose 1.9x faster than one on the 2-core CI machine;
+more than a few saturate a host's memory bandwidth."""
+
+
+def host_threads(items: int) -> int:
+    """Threads for ``items`` independent pieces of host array work: at most ``HOST_THREADS``,
+    the CPUs this process may run on, and ``items`` (at least 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(HOST_THREADS, cpus or 1, items))
 
 
 def transpose_copy(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -36,8 +43,7 @@ def transpose_copy(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
     pass), returned. Checkpoints store matmul weights as torch's ``[out, in]``; our layout is
     ``[in, out]``. numpy's own transposed copy walks ``out`` a column at a time: on the CI
     machine it moved bf16 at ~0.14 GB/s (7.7 s for an 8B model's 1 GB head), and blocks of
-    ``TRANSPOSE_ROWS`` rows run 5-10x faster (0.71 s), on up to ``TRANSPOSE_THREADS``
-    threads."""
+    ``TRANSPOSE_ROWS`` rows run 5-10x faster (0.71 s), on ``host_threads`` threads."""
     rows, cols = src.shape
     if out is None:
         out = np.empty((cols, rows), src.dtype)
@@ -49,8 +55,7 @@ def transpose_copy(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
         for i in starts[first:last]:
             out[:, i:i + TRANSPOSE_ROWS] = src[i:i + TRANSPOSE_ROWS].T
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = max(1, min(TRANSPOSE_THREADS, cpus or 1, len(starts)))
+    n = host_threads(len(starts))
     if n == 1:
         copy_blocks(0, len(starts))
         return out

@@ -362,3 +362,39 @@ def test_bench_load_times_a_checked_load_and_refuses_bad_arguments(tmp_path, mon
             bench_load.main(["--preset", str(path), *argv])
     assert (tmp_path / "full" / "keep.txt").read_text() == "x"
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("packed", ["awq", "gptq"])
+def test_bench_load_packed_folders_load_as_int4(tmp_path, monkeypatch, packed):
+    """``scripts/bench_load.py --packed``: the random AWQ / GPTQ export it writes loads
+    through the packed path (every layer linear an int4 weight, the file's scales kept), and
+    a loader that changes a scale fails the run."""
+    import dataclasses
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_load
+
+    config = dataclasses.replace(TINY, hidden_size=128, intermediate_size=256, num_heads=2,
+                                 num_kv_heads=1, vocab_size=260)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_hf_dict()))
+    folder = tmp_path / "model"
+    rec = bench_load.main(["--preset", str(path), "--packed", packed, "--repeats", "1",
+                           "--copy-mib", "8", "--dir", str(folder)])
+    assert rec["packed"] == packed
+    _, params = bench_load.load_hf_checkpoint(folder)
+    assert {k: getattr(w, "kind", None) for k, w in params["layers"].items()
+            if k not in ("attn_norm", "mlp_norm")} == dict.fromkeys(
+                ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), "int4")
+
+    def wrong(folder):
+        cfg, params = load_hf_checkpoint(folder)
+        params["layers"]["wq"].scale[0, 0, 0] += 1
+        return cfg, params
+
+    load_hf_checkpoint = bench_load.load_hf_checkpoint
+    monkeypatch.setattr(bench_load, "load_hf_checkpoint", wrong)
+    with pytest.raises(AssertionError, match="scales"):
+        bench_load.main(["--preset", str(path), "--packed", packed, "--repeats", "1",
+                         "--copy-mib", "8"])
