@@ -19,6 +19,7 @@ linear layers as int4 ``QuantizedWeight`` without a float copy (``checkpoints.hf
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -50,8 +51,25 @@ _LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "mlp.down_proj.weight": ("w_down", True),
 }
 
-# safetensors dtype codes numpy cannot name natively; read through ml_dtypes (a JAX dependency).
-_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# safetensors dtype code -> numpy dtype name (little-endian, as the format stores them); the
+# names numpy lacks come from ml_dtypes (a JAX dependency).
+_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+           "F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4",
+           "I64": "<i8", "U8": "u1", "BOOL": "?"}
+
+
+def _numpy_dtype(code: str) -> np.dtype:
+    """The numpy dtype of safetensors dtype ``code``; CheckpointError for one jaxinfer
+    does not read."""
+    if code not in _DTYPES:
+        raise CheckpointError(f"safetensors dtype {code!r} is not one jaxinfer reads "
+                              f"({', '.join(_DTYPES)}); convert the checkpoint")
+    name = _DTYPES[code]
+    if name.isalpha() and len(name) > 1:  # an ml_dtypes name
+        import ml_dtypes  # imported here: only needed for the dtypes numpy does not know
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
 
 
 def hf_tensor_names(config: LlamaConfig) -> list[str]:
@@ -97,9 +115,9 @@ def _parse_dtype(dtype: Any) -> np.dtype | None:
 class _SafetensorsFile:
     """One ``.safetensors`` file: validated header, tensors read as numpy arrays.
 
-    The header is parsed here (rather than only through ``safe_open``) so that a truncated file is
-    reported by name before any tensor read, and so bfloat16 tensors, which the safetensors numpy
-    backend refuses, can be read straight from the mapped bytes.
+    The header is parsed here, so that a truncated file is reported by name before any tensor
+    read, and every tensor is read straight from the mapped bytes (bfloat16 and fp8, which the
+    safetensors package's numpy backend refuses, through ml_dtypes).
     """
 
     def __init__(self, path: Path):
@@ -129,36 +147,31 @@ class _SafetensorsFile:
                 f"{path} is truncated ({size} bytes, its header needs {self.data_start + end}); "
                 "re-download it"
             )
-        self._handle: Any = None
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(s) for s in self.header[name]["shape"])
 
     def read(self, name: str, copy: bool = True) -> np.ndarray:
-        """Tensor ``name``; with ``copy=False`` a raw-dtype tensor may be a read-only view of
-        the file's memory map, for a caller that copies it anyway (one pass instead of two)."""
+        """Tensor ``name`` from the file's memory map: a copy, or with ``copy=False`` a
+        read-only view, for a caller that copies it anyway (one pass instead of two)."""
         info = self.header[name]
-        code = info["dtype"]
+        dtype = _numpy_dtype(info["dtype"])
+        shape = self.shape(name)
+        start, stop = (int(o) for o in info["data_offsets"])
+        if stop - start != dtype.itemsize * math.prod(shape):
+            raise CheckpointError(f"tensor {name!r} in {self.path} holds {stop - start} bytes, "
+                                  f"not the {dtype.itemsize * math.prod(shape)} its dtype and "
+                                  "shape need; the file is corrupt, re-download it")
+        if stop == start:  # numpy cannot map zero bytes
+            return np.zeros(shape, dtype)
         try:
-            if code in _RAW_DTYPES:
-                import ml_dtypes
-
-                dt = np.dtype(getattr(ml_dtypes, _RAW_DTYPES[code]))
-                start, stop = (int(o) for o in info["data_offsets"])
-                raw = np.memmap(self.path, dtype=np.uint8, mode="r",
-                                offset=self.data_start + start, shape=(stop - start,))
-                view = raw.view(dt).reshape(self.shape(name))
-                return np.array(view) if copy else view
-            if self._handle is None:
-                from safetensors import safe_open
-
-                self._handle = safe_open(str(self.path), framework="numpy")
-            return self._handle.get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any decode failure means a corrupt file
-            raise CheckpointError(f"cannot read tensor {name!r} from {self.path} ({e}); the file "
-                                  "is corrupt, re-download it") from None
+            raw = np.memmap(self.path, dtype=np.uint8, mode="r",
+                            offset=self.data_start + start, shape=(stop - start,))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.path} ({e}); re-"
+                                  "download the checkpoint") from None
+        view = raw.view(dtype).reshape(shape)
+        return np.array(view) if copy else view
 
 
 def _open_checkpoint(folder: Path) -> dict[str, _SafetensorsFile]:

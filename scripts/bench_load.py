@@ -49,16 +49,20 @@ _QUANTIZATION = {
 }
 
 
-def folder_tensors(config: LlamaConfig, packed: str | None
+FLOAT_CODES = {"bfloat16": "BF16", "float16": "F16"}
+"""``--dtype`` -> the safetensors code of the folder's float tensors."""
+
+
+def folder_tensors(config: LlamaConfig, packed: str | None, code: str = "BF16"
                    ) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(name, safetensors dtype, shape)`` of each tensor of a random folder of ``config``:
-    bf16 throughout, or with ``packed`` (``"awq"`` / ``"gptq"``) every layer's linear weight
-    as that format's int32 ``qweight`` / ``qzeros`` and float16 ``scales``."""
+    floats of ``code`` throughout, or with ``packed`` (``"awq"`` / ``"gptq"``) every layer's
+    linear weight as that format's int32 ``qweight`` / ``qzeros`` and float16 ``scales``."""
     out = []
     for name in hf_tensor_names(config):
         shape = hf_tensor_shape(name, config)
         if packed is None or not name.startswith("model.layers.") or len(shape) != 2:
-            out.append((name, "BF16", shape))
+            out.append((name, code, shape))
             continue
         prefix, (rows, cols) = name.removesuffix(".weight"), shape  # torch [out, in]
         qweight = (cols, rows // 8) if packed == "awq" else (cols // 8, rows)
@@ -69,7 +73,7 @@ def folder_tensors(config: LlamaConfig, packed: str | None
 
 
 def write_random_folder(folder: Path, config: LlamaConfig, packed: str | None = None,
-                        seed: int = 0) -> int:
+                        code: str = "BF16", seed: int = 0) -> int:
     """Write ``config.json`` and a random ``model.safetensors`` (``folder_tensors``) into
     ``folder``; return the file's size in bytes. Float values (bf16 weights, float16 scales)
     are positive normal numbers (bit patterns 0x3C00-0x3F7F: [2^-7, 1) in bf16, [1, 2) in
@@ -79,7 +83,7 @@ def write_random_folder(folder: Path, config: LlamaConfig, packed: str | None = 
     if packed is not None:
         hf["quantization_config"] = _QUANTIZATION[packed]
     (folder / "config.json").write_text(json.dumps(hf))
-    tensors = folder_tensors(config, packed)
+    tensors = folder_tensors(config, packed, code)
     header: dict[str, Any] = {}
     offset = 0
     for name, code, shape in tensors:
@@ -114,28 +118,29 @@ def copy_rate(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     return nbytes / statistics.median(times)
 
 
-def check_loaded(folder: Path, params: dict[str, Any], packed: str | None) -> None:
+def check_loaded(folder: Path, params: dict[str, Any], packed: str | None,
+                 dtype: Any) -> None:
     """Raise AssertionError unless the loaded layer-0 ``wq`` is the file's q_proj (its
-    weight transposed; with ``packed``, its scales) and the final norm is the file's."""
+    weight transposed; with ``packed``, its scales) and the final norm is the file's (floats
+    of numpy ``dtype``)."""
     path = folder / "model.safetensors"
     header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
     header = json.loads(path.read_bytes()[8:8 + header_len])
     raw = np.memmap(path, dtype=np.uint8, mode="r")
 
-    def stored(name: str, dtype: Any) -> np.ndarray:
+    def stored(name: str, as_dtype: Any) -> np.ndarray:
         start, stop = header[name]["data_offsets"]
         return (raw[8 + header_len + start:8 + header_len + stop]
-                .view(dtype).reshape(header[name]["shape"]))
+                .view(as_dtype).reshape(header[name]["shape"]))
 
     q = "model.layers.0.self_attn.q_proj"
     wq = params["layers"]["wq"]
     if packed is None:
-        if not np.array_equal(wq[0], stored(f"{q}.weight", ml_dtypes.bfloat16).T):
+        if not np.array_equal(wq[0], stored(f"{q}.weight", dtype).T):
             raise AssertionError("loaded wq[0] is not the file's q_proj transposed")
     elif not np.array_equal(wq.scale[0], stored(f"{q}.scales", np.float16)):
         raise AssertionError("loaded wq[0]'s scales are not the file's q_proj.scales")
-    if not np.array_equal(params["final_norm"],
-                          stored("model.norm.weight", ml_dtypes.bfloat16)):
+    if not np.array_equal(params["final_norm"], stored("model.norm.weight", dtype)):
         raise AssertionError("loaded final_norm is not the file's")
 
 
@@ -147,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--layers", type=int, default=None, help="keep this many layers")
     ap.add_argument("--packed", choices=sorted(_QUANTIZATION), default=None,
                     help="write the layers' linear weights as a 4-bit AWQ or GPTQ export "
-                         f"(group {PACKED_GROUP}) instead of bf16")
+                         f"(group {PACKED_GROUP}) instead of floats")
+    ap.add_argument("--dtype", choices=sorted(FLOAT_CODES), default="bfloat16",
+                    help="the folder's float tensors")
     ap.add_argument("--repeats", type=int, default=3, help="timed loads (median reported)")
     ap.add_argument("--dir", default=None,
                     help="a new or empty folder to write and keep (default: a temporary one)")
@@ -169,22 +176,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sys.exit(f"bench_load: --dir {args.dir} is not empty; pass a new or empty folder")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.dir) if args.dir else Path(tmp) / "model"
-        file_bytes = write_random_folder(folder, config, args.packed)
+        file_bytes = write_random_folder(folder, config, args.packed, FLOAT_CODES[args.dtype])
+        dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float16
         rate = copy_rate(args.copy_mib << 20)
         params = load_hf_checkpoint(folder)[1]  # warms the page cache; checked, not timed
-        check_loaded(folder, params, args.packed)
+        check_loaded(folder, params, args.packed, dtype)
         del params
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
             params = load_hf_checkpoint(folder)[1]
             times.append(time.perf_counter() - t)
-            check_loaded(folder, params, args.packed)
+            check_loaded(folder, params, args.packed, dtype)
             del params
     load_s = statistics.median(times)
     floor_s = file_bytes / rate
     record = {"what": "load_hf_checkpoint", "preset": args.preset, "layers": config.num_layers,
-              "packed": args.packed,
+              "packed": args.packed, "dtype": args.dtype,
               "file_bytes": file_bytes, "copy_GBps": rate / 1e9, "load_s": load_s,
               "load_s_all": times, "floor_s": floor_s, "frac_of_floor": floor_s / load_s}
     print(json.dumps(record))

@@ -343,6 +343,9 @@ def test_bench_load_times_a_checked_load_and_refuses_bad_arguments(tmp_path, mon
                  for n in bench_load.hf_tensor_names(config))
     assert rec["file_bytes"] > 2 * values and len(rec["load_s_all"]) == 2
     assert rec["frac_of_floor"] == pytest.approx(rec["floor_s"] / rec["load_s"])
+    f16 = bench_load.main(["--preset", str(path), "--dtype", "float16", "--repeats", "1",
+                           "--copy-mib", "8"])
+    assert f16["dtype"] == "float16" and abs(f16["file_bytes"] - rec["file_bytes"]) < 1024
 
     def wrong(folder):  # the real loader, then one wq element changed
         cfg, params = load_hf_checkpoint(folder)

@@ -173,6 +173,51 @@ def test_truncated_and_corrupt_safetensors(tiny_hf, tmp_path):
         load_hf_checkpoint(tmp_path / "nowhere")
 
 
+def _rewrite_header(folder: Path, edit) -> None:
+    """Apply ``edit`` to the JSON header of ``folder/model.safetensors``, keeping its length
+    (padded with spaces) so the data offsets stay valid."""
+    import struct
+
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    f.write_bytes(data[:8] + text + b" " * (n - len(text)) + data[8 + n:])
+
+
+def test_float16_tensors_and_bad_tensor_entries(tmp_path):
+    """Every dtype is read from the mapped file: a float16 checkpoint loads exactly (as
+    float16); a tensor whose byte range does not fit its dtype and shape, and a dtype code
+    jaxinfer does not read, are one-line CheckpointErrors naming the tensor or code."""
+    import torch
+    from conftest import make_hf_model
+
+    model = make_hf_model("gqa")
+    f16 = tmp_path / "f16"
+    model.to(torch.float16).save_pretrained(f16)
+    _, params = load_hf_checkpoint(f16)
+    assert params["layers"]["w_up"].dtype == np.float16
+    want = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    _assert_tree_equal(params, _expected_from_state_dict(want, 3, False))
+
+    def shrink(header):  # one tensor's range a few bytes short of its dtype x shape
+        start, stop = header["model.norm.weight"]["data_offsets"]
+        header["model.norm.weight"]["data_offsets"] = [start, stop - 2]
+
+    short = _copy(f16, tmp_path / "short")
+    _rewrite_header(short, shrink)
+    with pytest.raises(CheckpointError, match="model.norm.weight.*holds .* bytes"):
+        load_hf_checkpoint(short)
+
+    odd = _copy(f16, tmp_path / "odd")
+    _rewrite_header(odd, lambda h: h["model.norm.weight"].update(dtype="C64"))
+    with pytest.raises(CheckpointError, match="dtype 'C64' is not one jaxinfer reads"):
+        load_hf_checkpoint(odd)
+
+
 def test_shape_mismatch_names_tensor(tiny_hf, tmp_path):
     src, model = tiny_hf
     bad = _copy(src, tmp_path / "bad")
