@@ -138,10 +138,14 @@ class _SafetensorsFile:
         except (OSError, ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not a valid safetensors file ({e}); re-download "
                                   "it") from None
-        header.pop("__metadata__", None)
+        try:
+            header.pop("__metadata__", None)
+            end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+            raise CheckpointError(f"{path} has a malformed header ({type(e).__name__}: {e}); "
+                                  "re-download it") from None
         self.data_start = 8 + n
         self.header: dict[str, dict[str, Any]] = header
-        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
         if self.data_start + end > size:
             raise CheckpointError(
                 f"{path} is truncated ({size} bytes, its header needs {self.data_start + end}); "
@@ -149,15 +153,26 @@ class _SafetensorsFile:
             )
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.header[name]["shape"])
+        """Tensor ``name``'s shape as the header gives it."""
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        """``(dtype, shape, start, stop)`` of tensor ``name`` from the header (byte offsets
+        from the data's start); CheckpointError for a malformed entry."""
+        info = self.header[name]
+        try:
+            shape = tuple(int(s) for s in info["shape"])
+            start, stop = (int(o) for o in info["data_offsets"])
+            code = info["dtype"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"tensor {name!r} has a malformed header entry in {self.path} "
+                                  f"({type(e).__name__}: {e}); re-download the file") from None
+        return _numpy_dtype(code), shape, start, stop
 
     def read(self, name: str, copy: bool = True) -> np.ndarray:
         """Tensor ``name`` from the file's memory map: a copy, or with ``copy=False`` a
         read-only view, for a caller that copies it anyway (one pass instead of two)."""
-        info = self.header[name]
-        dtype = _numpy_dtype(info["dtype"])
-        shape = self.shape(name)
-        start, stop = (int(o) for o in info["data_offsets"])
+        dtype, shape, start, stop = self._entry(name)
         if stop - start != dtype.itemsize * math.prod(shape):
             raise CheckpointError(f"tensor {name!r} in {self.path} holds {stop - start} bytes, "
                                   f"not the {dtype.itemsize * math.prod(shape)} its dtype and "

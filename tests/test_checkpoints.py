@@ -190,8 +190,9 @@ def _rewrite_header(folder: Path, edit) -> None:
 
 def test_float16_tensors_and_bad_tensor_entries(tmp_path):
     """Every dtype is read from the mapped file: a float16 checkpoint loads exactly (as
-    float16); a tensor whose byte range does not fit its dtype and shape, and a dtype code
-    jaxinfer does not read, are one-line CheckpointErrors naming the tensor or code."""
+    float16); a tensor whose byte range does not fit its dtype and shape, a malformed header
+    entry and a dtype code jaxinfer does not read are one-line CheckpointErrors naming the
+    tensor or code."""
     import torch
     from conftest import make_hf_model
 
@@ -211,6 +212,16 @@ def test_float16_tensors_and_bad_tensor_entries(tmp_path):
     _rewrite_header(short, shrink)
     with pytest.raises(CheckpointError, match="model.norm.weight.*holds .* bytes"):
         load_hf_checkpoint(short)
+
+    bad_shape = _copy(f16, tmp_path / "bad_shape")
+    _rewrite_header(bad_shape, lambda h: h["model.norm.weight"].update(shape="x"))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has a malformed header"):
+        load_hf_checkpoint(bad_shape)
+
+    no_offsets = _copy(f16, tmp_path / "no_offsets")
+    _rewrite_header(no_offsets, lambda h: h["model.norm.weight"].pop("data_offsets"))
+    with pytest.raises(CheckpointError, match="malformed header"):
+        load_hf_checkpoint(no_offsets)
 
     odd = _copy(f16, tmp_path / "odd")
     _rewrite_header(odd, lambda h: h["model.norm.weight"].update(dtype="C64"))
