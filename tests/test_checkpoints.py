@@ -208,25 +208,18 @@ def test_float16_tensors_and_bad_tensor_entries(tmp_path):
         start, stop = header["model.norm.weight"]["data_offsets"]
         header["model.norm.weight"]["data_offsets"] = [start, stop - 2]
 
-    short = _copy(f16, tmp_path / "short")
-    _rewrite_header(short, shrink)
-    with pytest.raises(CheckpointError, match="model.norm.weight.*holds .* bytes"):
-        load_hf_checkpoint(short)
-
-    bad_shape = _copy(f16, tmp_path / "bad_shape")
-    _rewrite_header(bad_shape, lambda h: h["model.norm.weight"].update(shape="x"))
-    with pytest.raises(CheckpointError, match="'model.norm.weight' has a malformed header"):
-        load_hf_checkpoint(bad_shape)
-
-    no_offsets = _copy(f16, tmp_path / "no_offsets")
-    _rewrite_header(no_offsets, lambda h: h["model.norm.weight"].pop("data_offsets"))
-    with pytest.raises(CheckpointError, match="malformed header"):
-        load_hf_checkpoint(no_offsets)
-
-    odd = _copy(f16, tmp_path / "odd")
-    _rewrite_header(odd, lambda h: h["model.norm.weight"].update(dtype="C64"))
-    with pytest.raises(CheckpointError, match="dtype 'C64' is not one jaxinfer reads"):
-        load_hf_checkpoint(odd)
+    norm = "model.norm.weight"
+    for case, edit, message in (
+        ("short", shrink, "model.norm.weight.*holds .* bytes"),
+        ("bad_shape", lambda h: h[norm].update(shape="x"),
+         "'model.norm.weight' has a malformed header"),
+        ("no_offsets", lambda h: h[norm].pop("data_offsets"), "malformed header"),
+        ("odd", lambda h: h[norm].update(dtype="C64"), "dtype 'C64' is not one jaxinfer reads"),
+    ):
+        folder = _copy(f16, tmp_path / case)
+        _rewrite_header(folder, edit)
+        with pytest.raises(CheckpointError, match=message):
+            load_hf_checkpoint(folder)
 
 
 def test_shape_mismatch_names_tensor(tiny_hf, tmp_path):
