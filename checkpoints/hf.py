@@ -64,12 +64,7 @@ def _numpy_dtype(code: str) -> np.dtype:
     if code not in _DTYPES:
         raise CheckpointError(f"safetensors dtype {code!r} is not one jaxinfer reads "
                               f"({', '.join(_DTYPES)}); convert the checkpoint")
-    name = _DTYPES[code]
-    if name.isalpha() and len(name) > 1:  # an ml_dtypes name
-        import ml_dtypes  # imported here: only needed for the dtypes numpy does not know
-
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
+    return _parse_dtype(_DTYPES[code])
 
 
 def hf_tensor_names(config: LlamaConfig) -> list[str]:
