@@ -1,6 +1,7 @@
 """Time the int4 (``--int8``: int8) GEMV kernels on a GPU: the bandwidth each kernel and tiling
-reaches on the weight shapes of an 8B model's layer at batch 1 (one and two rows: an all-int4
-model decodes a lone request in a one-row call, two requests in a two-row one).
+reaches on the weight shapes of a model's layer (``--shapes``: 1B, 8B by default, 70B) at batch
+1 (one and two rows: an all-int4 model decodes a lone request in a one-row call, two requests
+in a two-row one).
 
 Usage: ``PYTHONPATH=. python scripts/bench_int4.py --json bench/results/<device>/int4.json``
 
@@ -49,14 +50,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.benchmark import call_kernels, top_kernels
+from jaxinfer.presets import preset_config
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
 from pallas_kernels.word_gemv import WORD_ROWS, field_as_float
 
-# (name, K, N) of Llama-3.1-8B's layer in the fast layout (fused QKV and gate/up).
-SHAPES_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
-             ("down", 14336, 4096)]
+
+def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
+    """``(name, K, N)`` of a preset's layer weights in the fast layout (fused QKV and
+    gate/up), whole (one device)."""
+    c = preset_config(preset)
+    d, f = c.hidden_size, c.intermediate_size
+    return [("qkv", d, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
+            ("o", c.num_heads * c.head_dim, d), ("gate_up", d, 2 * f), ("down", f, d)]
+
+
+SHAPES = {size: layer_shapes(f"llama-3.{minor}-{size}")
+          for size, minor in (("1b", 2), ("8b", 1), ("70b", 1))}
+SHAPES_8B = SHAPES["8b"]
 # The default tiling with the float32 word kernel at every group size (no float16 pairs).
 FLOAT32_WORDS = Int4Tiles(word=dataclasses.replace(Int4Tiles().word, half2_min_group=0))
 
@@ -203,13 +215,13 @@ def measure(name: str, m: int, k: int, n: int, group: int, cand: Candidate, read
     return row
 
 
-def run_once() -> None:
-    """Each default kernel on each 8B shape at one row, twice (the second call is the one
+def run_once(shapes: list[tuple[str, int, int]]) -> None:
+    """Each default kernel on each of ``shapes`` at one row, twice (the second call is the one
     to read in a profile: the first compiles), with no profiler of JAX's own attached:
     ``ncu`` and ``jax.profiler`` both need CUPTI."""
     cands = [for_tiles(Int4Tiles()), for_tiles(FLOAT32_WORDS),
              dataclasses.replace(for_tiles(Int8Tiles()), label="int8 default")]
-    for name, k, n in SHAPES_8B:
+    for name, k, n in shapes:
         for cand in cands:
             ops = operands8(1, k, n) if cand.int8 else operands(1, k, n, 128)
             for _ in range(2):
@@ -233,8 +245,12 @@ def main() -> None:
                         help="time the float16-pair kernel's tiles at one row, g128 (slow)")
     sweeps.add_argument("--sweep-pairs", action="store_true",
                         help="time the float16-pair kernel's tilings, loads a step ahead or "
-                             "not and programs (int4 g128 at each of --rows, int8 g64 at one "
-                             "row) (slow)")
+                             "not and each of --programs (int4 g128 at each of --rows; with "
+                             "--int8 the int8 g64 kernel at one row instead) (slow)")
+    ap.add_argument("--programs", default="512,1024,2048",
+                    help="--sweep-pairs: the program targets to time")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="8b",
+                    help="whose layer shapes to time (the layer's fraction of its floor)")
     ap.add_argument("--probe", action="store_true",
                     help="also time the stripped read / unpack kernels (one row)")
     ap.add_argument("--only-probe", action="store_true",
@@ -251,6 +267,14 @@ def main() -> None:
                          "Compute (ncu) to profile; other modes are ignored")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:
+        programs = [int(p) for p in args.programs.split(",")]
+        row_counts = [int(m) for m in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--programs {args.programs!r} and --rows {args.rows!r} must be "
+                 "comma-separated whole numbers, e.g. 512,1024")
+    if min(programs + row_counts) < 1 or max(row_counts) > WORD_ROWS:
+        ap.error(f"--programs must be positive and --rows between 1 and {WORD_ROWS}")
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
@@ -265,22 +289,24 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.json}", flush=True)
 
-    def layer(cand: Candidate, m: int, shapes=SHAPES_8B, groups=(32, 64, 128)) -> dict:
+    def layer(cand: Candidate, m: int, groups=(32, 64, 128)) -> dict:
         rows = [measure(nm, m, k, n, g, cand, args.read_tbps, args.calls, args.repeats)
-                for g in groups for nm, k, n in shapes]
+                for g in groups for nm, k, n in SHAPES[args.shapes]]
         floor = {g: sum(r["floor_us"] for r in rows if r["group"] == g) for g in groups}
         us = {g: sum(r["us"] for r in rows if r["group"] == g) for g in groups}
         print(f"layer, {m} row(s): " + ", ".join(
             f"g{g} {us[g]:.1f} us ({floor[g] / us[g]:.1%} of floor)" for g in groups)
             + f"  {cand.label}", flush=True)
-        return dict(kernel=cand.label, rows_per_call=m, rows=rows, layer_us=us, floor_us=floor)
+        return dict(kernel=cand.label, shapes=args.shapes, rows_per_call=m, rows=rows,
+                    layer_us=us, floor_us=floor)
 
     if args.once:
-        run_once()
+        run_once(SHAPES[args.shapes])
         return
-    if args.int8:  # one row count at a time, both kernels, the JSON rewritten after each
+    if args.int8 and not args.sweep_pairs:  # one row count at a time, both kernels, the
+        # JSON rewritten after each
         candidates = []
-        for m in map(int, args.rows.split(",")):
+        for m in row_counts:
             for label, tiles in (("int8 float16 pairs", Int8Tiles(word_rows=WORD_ROWS)),
                                  ("int8 tensor-core (word_rows=0)", Int8Tiles(word_rows=0))):
                 cand = dataclasses.replace(for_tiles(tiles), label=label)
@@ -293,7 +319,7 @@ def main() -> None:
                                probe=True)):
             trace_call(cand, operands(1, 4096, 4096, 128), args.calls)
     candidates = [] if args.only_probe or args.sweep_pairs or args.sweep else [
-        layer(c, m) for m in map(int, args.rows.split(","))
+        layer(c, m) for m in row_counts
         for c in (for_tiles(Int4Tiles()),
                   for_tiles(FLOAT32_WORDS),
                   for_tiles(Int4Tiles(word_rows=0)))]
@@ -309,17 +335,15 @@ def main() -> None:
     if args.sweep_pairs:  # every shape, the JSON rewritten after each tiling; int4 at each
         # of --rows, int8 at one row (its pair kernel's only row count, Int8Tiles.word_rows);
         # each around its shipped tiling, so the default is one of the candidates
-        row_counts = list(map(int, args.rows.split(",")))
-        for m, ahead, programs in itertools.product(row_counts, (False, True),
-                                                    (512, 1024, 2048)):
-            word = dataclasses.replace(Int4Tiles().word, prefetch=ahead,
-                                       half2_programs=programs)
-            sweep.append(layer(for_tiles(Int4Tiles(word=word)), m, groups=(128,)))
-            write(candidates, sweep)
-        for ahead, programs in itertools.product((False, True) if 1 in row_counts else (),
-                                                 (512, 1024)):
+        if not args.int8:
+            for m, ahead, target in itertools.product(row_counts, (False, True), programs):
+                word = dataclasses.replace(Int4Tiles().word, prefetch=ahead,
+                                           half2_programs=target)
+                sweep.append(layer(for_tiles(Int4Tiles(word=word)), m, groups=(128,)))
+                write(candidates, sweep)
+        for ahead, target in itertools.product((False, True) if args.int8 else (), programs):
             word = dataclasses.replace(Int8Tiles().word, prefetch=ahead,
-                                       target_programs=programs)
+                                       target_programs=target)
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
     if args.sweep:  # the float16-pair kernel's tile at one row, g128, around the default

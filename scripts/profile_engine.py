@@ -4,12 +4,14 @@ Usage: ``PYTHONPATH=. python scripts/profile_engine.py --model llama-3.2-1b --re
 --trace-steps 12 --out profile_engine.json`` (``--score`` profiles scoring requests instead)
 
 Random bf16 weights in the execution layout ``load_model`` would pick, ``Engine(model)`` with
-its defaults, a log-uniform workload (prompts 32-1,024 tokens, outputs 16-512, all at once, as
-``scripts/bench_engine.py``). After ``--skip-steps`` untraced steps it traces
-``--trace-steps`` engine steps with ``jax.profiler.trace``, reads the trace back with
-``jax.profiler.ProfileData`` and prints: the wall time of each traced step and its kind
-(mixed step with its token bucket, or decode call with its rows and iterations), the summed
-kernel time, and the kernels that take the most time. A record for bench/NOTES.md, not a test.
+its defaults (``--max-batch`` and ``--token-budget`` shrink it, and so the step programs its
+warm-up compiles: a 70B model's ~20 take ~6 minutes), a log-uniform workload (prompts 32-1,024
+tokens, outputs 16-512, all at once, as ``scripts/bench_engine.py``). After ``--skip-steps``
+untraced steps it traces ``--trace-steps`` engine steps with ``jax.profiler.trace``, reads the
+trace back with ``jax.profiler.ProfileData`` and prints: the wall time of each traced step and
+its kind (mixed step with its token bucket, or decode call with its rows and iterations), the
+summed kernel time, and the kernels that take the most time. A record for bench/NOTES.md, not a
+test.
 
 ``--batch1 N`` profiles single-request decode instead: one 128-token prompt, its N new
 tokens traced after the prompt step, every kernel reported per generated token (count and
@@ -221,6 +223,10 @@ def main() -> None:
                          "(random weights; 'self' = the target; a quantization method such "
                          "as int4-g128 = the target's weights quantized so), every step (not "
                          "adaptive)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="engine slots (fewer: fewer step programs to compile)")
+    ap.add_argument("--token-budget", type=int, default=None,
+                    help="the engine's max_tokens_per_step (smaller: fewer step programs)")
     ap.add_argument("--out", default="profile_engine.json")
     ap.add_argument("--timeline", default=None, metavar="PATH",
                     help="with --batch1: also write every traced kernel in order, with the "
@@ -232,6 +238,8 @@ def main() -> None:
         ap.error("--quantize profiles one device: leave --tp at 1")
     if args.draft is not None and not args.batch1:
         ap.error("--draft profiles single-request decode: pass --batch1 N too")
+    if any(n is not None and n < 1 for n in (args.max_batch, args.token_budget)):
+        ap.error("--max-batch and --token-budget must be positive")
 
     # An 8k context, as bench_engine's presets: block tables are as wide as the context.
     cfg = dataclasses.replace(preset_config(args.model), max_position_embeddings=8192)
@@ -246,7 +254,8 @@ def main() -> None:
     if mesh is None:  # as load_model does
         params = fp8_prefill_layout(params, jax.devices()[0])
     model = Model(cfg, params, None, jnp.bfloat16, name=args.model, mesh=mesh)
-    engine = jaxinfer.Engine(model)
+    sizes = dict(max_batch=args.max_batch, max_tokens_per_step=args.token_budget)
+    engine = jaxinfer.Engine(model, **{k: v for k, v in sizes.items() if v is not None})
     spec = None
     if args.draft is not None:
         draft = model

@@ -495,3 +495,31 @@ def test_first_difference_names_the_run_and_token(bench):
                                     {"decode_tok_per_s": 1.0}, [[1], [2]], [[1], [9]], 4)
     assert (out["identical_tokens"], out["first_difference"], out["speedup"]) == (
         False, (1, 0), 2.0)
+
+
+def test_bench_int4_layer_shapes_follow_the_presets():
+    """``bench_int4.SHAPES``: each layer weight's ``(K, N)`` in the fast layout, from the
+    preset's published config (8B's by hand), so the floor is the bytes the model reads."""
+    b = load_script("bench_int4")
+    assert b.SHAPES["8b"] == [("qkv", 4096, 6144), ("o", 4096, 4096),
+                              ("gate_up", 4096, 28672), ("down", 14336, 4096)]
+    # 70B: 64 q heads + 2 x 8 kv heads of 128; the MLP is 28,672 wide.
+    assert b.SHAPES["70b"][0] == ("qkv", 8192, 10240)
+    assert b.SHAPES["70b"][3] == ("down", 28672, 8192)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("bench_int4", ["--programs", "512,x"], "comma-separated whole numbers"),
+    ("bench_int4", ["--rows", "8"], "--rows between 1 and 4"),
+    ("bench_int4", ["--shapes", "13b"], "invalid choice"),
+    ("profile_engine", ["--max-batch", "0"], "must be positive")])
+def test_gpu_profilers_refuse_bad_arguments_in_one_line(script, argv, says, monkeypatch,
+                                                        capsys):
+    """Bad arguments to the GPU-only profilers are argparse errors (exit 2) before any
+    device work, on any machine."""
+    mod = load_script(script)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        mod.main()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and says in err, err
