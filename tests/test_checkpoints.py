@@ -57,8 +57,11 @@ def _state_dict(model) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------- HF folders
-def test_hf_checkpoint_loads_exact_transposed_weights(tiny_hf):
+def test_hf_checkpoint_loads_exact_transposed_weights(tiny_hf, monkeypatch):
+    """The folder's tensors, transposed to the params layout, exactly; read by the loader
+    itself, with no ``safetensors`` package (a test-only dependency)."""
     path, model = tiny_hf
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors now fails
     config, params = load_hf_checkpoint(path)
     hf = model.config
     assert config.num_layers == hf.num_hidden_layers
