@@ -225,6 +225,22 @@ def timeline_split(events: list[tuple[str, float, float]], per: int) -> dict[str
                                            if COLLECTIVE_KERNEL.search(n)) / per}
 
 
+def layer_gemms(c: LlamaConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each GEMM of one layer in the fast layout, whole (one device): ``name -> (in, [out,
+    ...])``; several outs are separate GEMMs on the same input (the gate|up split). The
+    shapes ``scripts/bench_gemm.py`` and ``scripts/bench_int4.py`` time."""
+    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    h, f = c.hidden_size, c.intermediate_size
+    return {
+        "qkv": (h, [nq + 2 * nkv]),
+        "o": (nq, [h]),
+        "gate_up": (h, [2 * f]),
+        "gate+up": (h, [f, f]),
+        "down": (f, [h]),
+        "head": (h, [c.vocab_size]),
+    }
+
+
 def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: int,
                  repeats: int, *, cold_bytes: int) -> list[tuple[str, float, float]]:
     """The device kernels (``device_events``, host-to-device copies left out) of ``repeats``

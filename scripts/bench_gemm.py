@@ -25,29 +25,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.benchmark import call_kernels, top_kernels
-from jaxinfer.config import LlamaConfig
+from jaxinfer.benchmark import call_kernels, layer_gemms, top_kernels
 from jaxinfer.presets import PRESETS, resolve_config
 
 COLD_BYTES = 1 << 40
 """Weight bytes a timing program cycles through: more than any call count needs, so every
 call gets its own weight copy. With a copy shared by several calls, XLA merged their GEMMs
 into one of more rows (r82: at 1-256 rows, up to 8x the weight's floor)."""
-
-
-def layer_gemms(c: LlamaConfig) -> dict[str, tuple[int, list[int]]]:
-    """Each GEMM of one layer in the fast layout: ``name -> (in, [out, ...])``; several outs
-    are separate GEMMs on the same input (the gate|up split)."""
-    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    h, f = c.hidden_size, c.intermediate_size
-    return {
-        "qkv": (h, [nq + 2 * nkv]),
-        "o": (nq, [h]),
-        "gate_up": (h, [2 * f]),
-        "gate+up": (h, [f, f]),
-        "down": (f, [h]),
-        "head": (h, [c.vocab_size]),
-    }
 
 
 def gemm_call(outs: int) -> Callable[..., list[jax.Array]]:

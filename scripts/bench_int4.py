@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.benchmark import call_kernels, top_kernels
+from jaxinfer.benchmark import call_kernels, layer_gemms, top_kernels
 from jaxinfer.presets import preset_config
 from pallas_kernels import largest_divisor
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
@@ -59,11 +59,9 @@ from pallas_kernels.word_gemv import WORD_ROWS, field_as_float
 
 def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
     """``(name, K, N)`` of a preset's layer weights in the fast layout (fused QKV and
-    gate/up), whole (one device)."""
-    c = preset_config(preset)
-    d, f = c.hidden_size, c.intermediate_size
-    return [("qkv", d, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
-            ("o", c.num_heads * c.head_dim, d), ("gate_up", d, 2 * f), ("down", f, d)]
+    gate/up), whole (one device): ``layer_gemms``' one-GEMM entries."""
+    gemms = layer_gemms(preset_config(preset))
+    return [(name, gemms[name][0], gemms[name][1][0]) for name in ("qkv", "o", "gate_up", "down")]
 
 
 SHAPES = {size: layer_shapes(f"llama-3.{minor}-{size}")

@@ -274,17 +274,18 @@ def test_bench_server_host_synthetic_engine(tmp_path):
 
 
 def test_bench_gemm_layer_gemms_cover_the_layer_weights():
-    """``bench_gemm.layer_gemms``: the fused layer's GEMMs (qkv, o, gate|up, down) hold every
-    matrix weight of a layer once, the gate+up pair the same columns as the fused gate|up,
-    and the head the LM head's; so each floor counts the weight bytes the model reads."""
+    """``benchmark.layer_gemms`` (bench_gemm's and bench_int4's shapes): the fused layer's
+    GEMMs (qkv, o, gate|up, down) hold every matrix weight of a layer once, the gate+up pair
+    the same columns as the fused gate|up, and the head the LM head's; so each floor counts
+    the weight bytes the model reads."""
     import jax
 
+    from jaxinfer.benchmark import layer_gemms
     from jaxinfer.params import init_params
     from jaxinfer.presets import resolve_config
 
-    gemm = load_script("bench_gemm")
     cfg = resolve_config("smollm2-135m-instruct")
-    g = gemm.layer_gemms(cfg)
+    g = layer_gemms(cfg)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     layer = params["layers"]
     matrices = sum(np.prod(a.shape[1:]) for a in jax.tree.leaves(layer) if a.ndim == 3)
