@@ -313,6 +313,25 @@ def test_profile_engine_step_timelines_split_a_step_into_lead_span_idle_tail():
     assert prof.step_timelines([("s", 0, ms)], [])[0]["lead_ms"] == 1.0
 
 
+def test_profile_engine_kernels_by_kind_splits_decode_from_mixed_steps():
+    """``profile_engine.kernels_by_kind``: each kind's top kernels come from its own steps
+    only, with time per token computed in steps of that kind."""
+    prof = load_script("profile_engine")
+    ms = 1_000_000
+    steps = [{"kind": "decode", "computed_tokens": 64}, {"kind": "mixed", "computed_tokens": 500},
+             {"kind": "decode", "computed_tokens": 64}]
+    kernels = [(("s0", 0, ms), [("attn", 0, 2 * ms), ("gemv", 0, 1 * ms)]),
+               (("s1", ms, ms), [("gemm", ms, 5 * ms), ("attn", ms, 1 * ms)]),
+               (("s2", 2 * ms, ms), [("attn", 2 * ms, 2 * ms)])]
+    by_kind = prof.kernels_by_kind(steps, kernels)
+    decode, mixed = by_kind["decode"], by_kind["mixed"]
+    assert [(k["name"], k["count"], k["ms"]) for k in decode] == [("attn", 2, 4.0),
+                                                                   ("gemv", 1, 1.0)]
+    assert decode[0]["us_per_token"] == 4000.0 / 128 and decode[0]["mean_us"] == 2000.0
+    assert [(k["name"], k["ms"]) for k in mixed] == [("gemm", 5.0), ("attn", 1.0)]
+    assert mixed[0]["us_per_token"] == 5000.0 / 500
+
+
 def test_profile_engine_timeline_names_the_host_events_behind_long_gaps(tmp_path):
     """``profile_engine.write_timeline``: one line per kernel with its start, gap and
     duration (us); a gap of 20 us or more is followed by the host events covering at least
