@@ -39,6 +39,7 @@ from pallas_kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_write,
     paged_attention_write_reference,
+    paged_decode_launch,
     store_new_tokens,
 )
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
@@ -69,6 +70,7 @@ __all__ = [
     "row_sum",
     "row_sum_reference",
     "paged_attention",
+    "paged_decode_launch",
     "paged_attention_reference",
     "paged_attention_write",
     "paged_attention_write_reference",

@@ -62,6 +62,30 @@ from pallas_kernels.kv_quant import dequantize_kv
 _TARGET_PROGRAMS = 132
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
+# From this many (sequence, kv head) pairs on, the batch alone fills the GPU, and a
+# program's time is set by its own sequence's length: with one split per sequence the
+# longest sequences run their blocks one after another while short ones are done. There
+# the default launch splits each sequence for about MANY_TARGET_PROGRAMS programs in all
+# (~16 per SM: the load evens out), BLOCK_KEYS_MANY keys per step, no software pipelining
+# (the block loop is a few steps long; each stage holds a block in shared memory, which
+# caps the programs per SM). One H200, batch 64, 8 kv heads, so 4 splits (bench/NOTES.md
+# r202-r203): engine-like lengths (mean 310, max 1,108 keys) 57.0 -> 41.9 us per call; the
+# 8B engine at 64 slots 4,608 -> 4,832 output tok/s.
+MANY_PROGRAMS = 512
+MANY_TARGET_PROGRAMS = 2048
+BLOCK_KEYS_MANY = 64
+
+
+def paged_decode_launch(batch: int, kv_heads: int, page_size: int) -> tuple[int, int, int]:
+    """``(pages_per_block, num_splits, num_stages)`` of the GPU kernel where not given: 128
+    keys per step, splits for about one program per H100 SM in all (``_TARGET_PROGRAMS``),
+    3 stages; from ``MANY_PROGRAMS`` (sequence, kv head) pairs on, ``BLOCK_KEYS_MANY`` keys,
+    splits for about ``MANY_TARGET_PROGRAMS`` programs and one stage. The kernel then caps
+    the splits at the blocks a sequence can have and rounds both to powers of two."""
+    pairs = batch * kv_heads
+    if pairs >= MANY_PROGRAMS:
+        return max(1, BLOCK_KEYS_MANY // page_size), max(1, MANY_TARGET_PROGRAMS // pairs), 1
+    return max(1, _BLOCK_KEYS // page_size), next_pow2(cdiv(_TARGET_PROGRAMS, pairs)), 3
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales) -> bool:
@@ -266,15 +290,18 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
     pps = block_tables.shape[1]
+    default_ppb, default_splits, default_stages = paged_decode_launch(b, hkv, page_size)
     if pages_per_block is None:
-        pages_per_block = max(1, _BLOCK_KEYS // page_size)
+        pages_per_block = default_ppb
+    if num_stages is None:
+        num_stages = default_stages
     # At least MIN_DOT keys per step (Triton dot) and no more pages than a sequence has.
     pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
     pages_per_block = min(pages_per_block, max(next_pow2(pps), cdiv(MIN_DOT, page_size)))
     pages_per_block = next_pow2(pages_per_block)
     n_blocks_max = cdiv(pps, pages_per_block)
     if num_splits is None:
-        num_splits = max(1, min(next_pow2(cdiv(_TARGET_PROGRAMS, b * hkv)), n_blocks_max))
+        num_splits = max(1, min(default_splits, n_blocks_max))
     # combine_splits holds every split in one block: a power of two (Triton); the extra
     # splits get no keys and drop out of the combine.
     num_splits = next_pow2(num_splits)
@@ -464,7 +491,7 @@ def paged_attention(
     pages_per_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     interpret: bool = False,
     backend: str = "gpu",
 ) -> jax.Array:
@@ -485,7 +512,10 @@ def paged_attention(
       pages_per_block: pages gathered per inner step on GPU; default gives 128 keys per
         step (rounded so a step has at least 16 keys; larger steps overflow shared memory).
       num_splits: split-K factor (GPU); default about one program per H100 SM.
-      num_warps, num_stages: Triton launch parameters (GPU only).
+      num_warps, num_stages: Triton launch parameters (GPU only); num_stages default 3.
+        The defaults are ``paged_decode_launch``'s: a batch of at least ``MANY_PROGRAMS``
+        (sequence, kv head) pairs gets 64 keys per step, splits for ~2,048 programs and one
+        stage instead.
       interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
       backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
 
@@ -561,7 +591,7 @@ def paged_attention_write(
     v_scales: jax.Array | None = None, k_new_scales: jax.Array | None = None,
     v_new_scales: jax.Array | None = None, sm_scale: float | None = None,
     pages_per_block: int | None = None, num_splits: int | None = None, num_warps: int = 4,
-    num_stages: int = 3, interpret: bool = False, backend: str = "gpu",
+    num_stages: int | None = None, interpret: bool = False, backend: str = "gpu",
 ) -> tuple[jax.Array, ...]:
     """A decode step's attention that also stores the step's K/V: each sequence's new key
     and value go to their slot, and the sequence attends over its pages including them.

@@ -12,8 +12,8 @@ masked cache slots / unused pages filled with NaN), then timings:
 * paged attention with its combine against the split count (``splits``): batch 1 and 64,
   the head layouts of 8B and 70B at tp 1-4, short and long contexts, narrow and wide block
   tables;
-* paged attention at batch 64 and short contexts against its launch settings (``configs``):
-  warps, pipeline stages and keys per block;
+* paged attention at batch 64 against its launch settings (``configs``): splits, pipeline
+  stages and keys per block, on rows of one length and on the engine's mix of lengths;
 * ragged paged attention (the engine's kernel), bf16, 32 q / 8 kv heads, head_dim 128
   and 64, page_size 16: (a) 256 decode sequences with ~1024 keys each (max_q_len 1), in
   achieved K/V bytes/s; (b) 64 decode sequences plus 2 prefill chunks of 1024 tokens on
@@ -53,6 +53,7 @@ from pallas_kernels import (
     flash_attention_reference,
     paged_attention,
     paged_attention_reference,
+    paged_decode_launch,
     ragged_attention,
     ragged_attention_reference,
 )
@@ -471,41 +472,58 @@ def _paged_row(label: str, t: float, kv_bytes: int, fields: dict[str, Any]) -> d
     return {**fields, "us": t * 1e6, "TBps": tbps, "frac_of_copy_bw": floor}
 
 
+def engine_lengths(b: int, seed: int = 0) -> np.ndarray:
+    """Keys per row of a decode step at ``b`` slots under ``bench_engine.py``'s default
+    workload, roughly: a log-uniform 32-1,024-token prompt plus a uniform share of a
+    log-uniform 16-512-token output. At 64 rows (seed 0): mean 310, max 1,108 keys."""
+    rng = np.random.default_rng(seed)
+    prompt = np.exp(rng.uniform(np.log(32), np.log(1025), b)).astype(int)
+    out = np.exp(rng.uniform(np.log(16), np.log(513), b)).astype(int)
+    return prompt + (rng.uniform(0, 1, b) * out).astype(int)
+
+
 def bench_configs(quick: bool) -> None:
-    """Paged decode attention at batch 64 and short contexts, where one program per (row, kv
-    head) walks its few 128-key blocks one after another and the kernel reads K/V at a third
-    of the copy rate (r185: 19 us per layer at 8B tp=2 for 6.6 us of reading): the launch
-    settings (warps, pipeline stages, keys per block) swept per head layout and context, the
-    default split count each time. The data behind the kernel's defaults at batch 64."""
+    """Paged decode attention at batch 64: the launch settings (splits, pipeline stages,
+    keys per block; 4 warps, r188 swept 2-8) per head layout, on rows of one length (192,
+    1,000, 4,000 keys) and on the engine's mix of lengths (``engine_lengths``), each beside
+    the default launch (``paged_decode_launch``). With one split per row the longest rows
+    walk their blocks one after another while the rest of the GPU idles: equal lengths hide
+    that, the mix shows it (r188 against r202). The data behind the kernel's defaults at
+    large batches."""
     rows = RESULTS.setdefault("configs", [])
     d, ps, b = 128, 16, 64
     key = jax.random.PRNGKey(5)
     # (q_heads, kv_heads) per GPU: 8B at tp 1 and 2, 70B at tp 4
     layouts = ((32, 8), (16, 4), (16, 2))
-    contexts = (192, 1000, 4000)
-    settings = [(nw, ns, ppb) for ppb in (4, 8) for nw in (2, 4, 8) for ns in (1, 2, 3, 4)]
+    contexts: tuple[int | str, ...] = ("mixed", 192, 1000, 4000)
+    settings = [None] + [(s, ns, ppb) for s in (1, 2, 4, 8) for ns in (1, 3) for ppb in (4, 8)]
     if quick:  # batch 8: the CPU test interprets every program
         b, layouts, contexts = 8, layouts[1:2], contexts[:1]
-        settings = settings[:2] + settings[-2:]
+        settings = settings[:2] + settings[-1:]
     for hq, hkv in layouts:
         for ctx in contexts:
-            width = 1 << (ctx - 1).bit_length()  # the table as wide as the context
-            sets = _paged_sets(jax.random.fold_in(key, hkv * 10_000 + ctx), b, hq, hkv, width,
-                               ps, d)
-            lengths = jnp.full((b,), ctx, jnp.int32)
-            for nw, ns, ppb in settings:
+            lens = engine_lengths(b) if ctx == "mixed" else np.full(b, ctx)
+            width = 1 << (int(lens.max()) - 1).bit_length()  # the table as wide as the rows
+            sets = _paged_sets(jax.random.fold_in(key, hkv * 10_000 + width), b, hq, hkv,
+                               width, ps, d)
+            lengths = jnp.asarray(lens, jnp.int32)
+            for setting in settings:
+                s, ns, ppb = setting or (None, None, None)
                 try:
                     t = time_in_jit(jax.jit(
-                        lambda q, kp, vp, bt, lengths=lengths, nw=nw, ns=ns, ppb=ppb:
-                        paged_attention(q, kp, vp, bt, lengths, num_warps=nw, num_stages=ns,
+                        lambda q, kp, vp, bt, lengths=lengths, s=s, ns=ns, ppb=ppb:
+                        paged_attention(q, kp, vp, bt, lengths, num_splits=s, num_stages=ns,
                                         pages_per_block=ppb)), sets)
                 except Exception as e:
-                    log(f"configs hkv={hkv} ctx={ctx} w{nw} s{ns} ppb{ppb} FAILED: "
+                    log(f"configs hkv={hkv} ctx={ctx} {setting} FAILED: "
                         f"{type(e).__name__}: {str(e)[:200]}")
                     continue
-                rows.append(_paged_row("configs", t, 2 * b * hkv * ctx * d * 2, {
-                    "batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx, "num_warps": nw,
-                    "num_stages": ns, "pages_per_block": ppb}))
+                if setting is None:
+                    ppb, s, ns = paged_decode_launch(b, hkv, ps)
+                rows.append(_paged_row("configs", t, 2 * hkv * int(lens.sum()) * d * 2, {
+                    "batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx,
+                    "mean_keys": float(lens.mean()), "default": setting is None,
+                    "splits": s, "num_stages": ns, "pages_per_block": ppb}))
             del sets
 
 

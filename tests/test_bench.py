@@ -261,7 +261,8 @@ def test_tp_scaling_records_each_case(tmp_path):
 def checked_bench_kernels(monkeypatch):
     """``scripts/bench_kernels.py`` on CPU with the paged kernel interpreted and its GPU
     timing loop replaced by one call checked against ``paged_attention_reference`` (every
-    sequence holding ``ctx[0]`` valid keys: set it before a sweep)."""
+    sequence holding ``ctx[0]`` valid keys, a count or one per row: set it before a
+    sweep)."""
     import functools
     import time
     from pathlib import Path
@@ -278,7 +279,7 @@ def checked_bench_kernels(monkeypatch):
 
     def once(fn, arg_sets):
         q, kp, vp, bt = arg_sets[0]
-        lengths = jnp.full((q.shape[0],), ctx[0], jnp.int32)
+        lengths = jnp.broadcast_to(jnp.asarray(ctx[0], jnp.int32), (q.shape[0],))
         t = time.perf_counter()
         got = jax.block_until_ready(fn(*arg_sets[0]))
         want = pallas_kernels.paged_attention_reference(q, kp, vp, bt, lengths)
@@ -306,18 +307,22 @@ def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(checked_benc
     assert all(r["ctx"] == 192 and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
 
 
-@pytest.mark.slow  # 4 interpreted kernel calls of 32 programs
+@pytest.mark.slow  # 3 interpreted kernel calls of up to 256 programs
 def test_bench_kernels_config_sweep_records_each_launch_setting(checked_bench_kernels):
-    """The launch-settings sweep (quick) on CPU: each (warps, stages, pages per block)
-    computes what the reference does over shuffled tables and gets its own record."""
+    """The launch-settings sweep (quick) on CPU, on the engine's mix of lengths: the default
+    launch and each (splits, stages, pages per block) compute what the reference does over
+    shuffled tables and get their own record, the default's with the settings it chose."""
     bench_kernels, ctx = checked_bench_kernels
-    ctx[0] = 192
+    lens = bench_kernels.engine_lengths(8)
+    assert lens.min() >= 32 and lens.max() <= 1024 + 512 and len(set(lens)) > 1
+    ctx[0] = lens
     bench_kernels.bench_configs(quick=True)
     rows = bench_kernels.RESULTS["configs"]
-    assert [(r["num_warps"], r["num_stages"], r["pages_per_block"]) for r in rows] == [
-        (2, 1, 4), (2, 2, 4), (8, 3, 8), (8, 4, 8)]
-    assert all((r["batch"], r["kv_heads"], r["ctx"]) == (8, 4, 192)
-               and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
+    assert [(r["default"], r["splits"], r["num_stages"], r["pages_per_block"])
+            for r in rows] == [(True, 8, 3, 8), (False, 1, 1, 4), (False, 8, 3, 8)]
+    assert all((r["batch"], r["kv_heads"], r["ctx"]) == (8, 4, "mixed")
+               and r["mean_keys"] == lens.mean() and r["frac_of_copy_bw"] == r["TBps"]
+               for r in rows)
 
 
 def test_bench_load_times_a_checked_load_and_refuses_bad_arguments(tmp_path, monkeypatch,

@@ -27,6 +27,7 @@ from pallas_kernels import (
     paged_attention_reference,
     paged_attention_write,
     paged_attention_write_reference,
+    paged_decode_launch,
     quantize_kv,
     ragged_attention,
     ragged_attention_reference,
@@ -428,6 +429,33 @@ def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_siz
     followed by paged attention does. The slot holds NaN before the call, so a kernel that
     read the new key from the pool (instead of its input) gives NaN. Row 1 is inactive
     (length 0, its page out of range): it stores nothing and gives zeros."""
+    _check_paged_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps, num_splits,
+                       pages_per_block=2)
+
+
+def test_default_launch_splits_a_batch_that_fills_the_gpu():
+    """Few (sequence, kv head) pairs: 128 keys per step, splits for >= 132 programs, 3 stages;
+    from 512 pairs on (batch 64 x 8 kv heads): 64 keys, splits for ~2,048 programs, 1 stage."""
+    assert paged_decode_launch(1, 8, 16) == (8, 32, 3)
+    assert paged_decode_launch(32, 8, 16) == (8, 1, 3)
+    assert paged_decode_launch(64, 8, 16) == (4, 4, 1)
+    assert paged_decode_launch(128, 8, 16) == (4, 2, 1)
+    assert paged_decode_launch(512, 8, 16) == (4, 1, 1)
+    assert paged_decode_launch(64, 8, 128) == (1, 4, 1)
+
+
+@pytest.mark.slow
+def test_paged_attention_write_default_launch_for_a_full_batch():
+    """The launch a batch of 64 sequences over 8 kv heads gets by default (4 splits of
+    64-key steps, as the engine's decode steps run it at 64 slots) gives the reference's
+    results on lengths from 0 to 253 keys."""
+    _check_paged_write("gpu", jnp.float32, None, 64, 8, 8, 64, 16, 16, None,
+                       pages_per_block=None)
+
+
+def _check_paged_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps, num_splits,
+                       pages_per_block):
+    """``test_paged_attention_write``'s check for one configuration."""
     rng = _rng(10, b, hq, hkv, page_size, pps)
     q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
     k, v, table, lengths = _make_paged(rng, b, hkv, d, page_size, pps, jnp.float32)
@@ -454,7 +482,8 @@ def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_siz
                                                                "v_new_scales": nvs}
     args = (*news, *pools, table, jnp.asarray(lengths), jnp.asarray(pages),
             jnp.asarray(offsets, jnp.int32))
-    out, *written = paged_attention_write(q, *args, **kw_pools, **kw_news, pages_per_block=2,
+    out, *written = paged_attention_write(q, *args, **kw_pools, **kw_news,
+                                          pages_per_block=pages_per_block,
                                           num_splits=num_splits, interpret=True,
                                           backend=backend)
     wide = _f32(*news, *pools) if kv_dtype is None else [*news, *pools]  # reference: float32
