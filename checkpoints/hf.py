@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -231,11 +231,6 @@ def _read(where: dict[str, _SafetensorsFile], name: str, expected: tuple[int, ..
     return where[name].read(name, copy)
 
 
-def _checked(where: dict[str, _SafetensorsFile], name: str, config: LlamaConfig,
-             cast: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    return cast(_read(where, name, hf_tensor_shape(name, config)))
-
-
 def _packed(where: dict[str, _SafetensorsFile], names: list[str], config: LlamaConfig,
             fmt: PackedFormat | None) -> Any:
     """The linear weights ``names`` (one per layer, ``...weight``) of an AWQ/GPTQ folder
@@ -277,14 +272,21 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
     fmt = packed_format(folder)
     target = _parse_dtype(dtype)
 
-    def cast(a: np.ndarray) -> np.ndarray:
-        return a if target is None or a.dtype == target else a.astype(target)
+    def buffer(shape: tuple[int, ...], stored: np.dtype) -> np.ndarray:
+        # Every tensor is copied from the file's memory map into a buffer of the target
+        # dtype: the copy casts, one pass per tensor, and peak host memory stays ~1x the
+        # checkpoint (stacked layers are preallocated).
+        return np.empty(shape, stored if target is None else target)
+
+    def whole(name: str) -> np.ndarray:
+        a = _read(where, name, hf_tensor_shape(name, config), copy=False)
+        out = buffer(a.shape, a.dtype)
+        out[...] = a
+        return out
 
     where = _open_checkpoint(folder)
-    params: dict[str, Any] = {
-        "embed": _checked(where, "model.embed_tokens.weight", config, cast),
-        "final_norm": _checked(where, "model.norm.weight", config, cast),
-    }
+    params: dict[str, Any] = {"embed": whole("model.embed_tokens.weight"),
+                              "final_norm": whole("model.norm.weight")}
     layers: dict[str, Any] = {}
     for suffix, (key, transposed) in _LAYER_TENSORS.items():
         names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
@@ -295,11 +297,8 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
         for i, name in enumerate(names):
             a = _read(where, name, hf_tensor_shape(name, config), copy=False)
             if key not in layers:
-                # Preallocate the stacked array so peak host memory stays ~1x the checkpoint;
-                # the copies into it cast to `target`.
-                layers[key] = np.empty((config.num_layers, *(a.shape[::-1] if transposed
-                                                              else a.shape)),
-                                       dtype=a.dtype if target is None else target)
+                layers[key] = buffer((config.num_layers, *(a.shape[::-1] if transposed
+                                                            else a.shape)), a.dtype)
             if transposed:
                 transpose_copy(a, layers[key][i])
             else:
@@ -312,8 +311,7 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
         if head is None:
             a = _read(where, "lm_head.weight", hf_tensor_shape("lm_head.weight", config),
                       copy=False)
-            head = transpose_copy(a, np.empty(a.shape[::-1], a.dtype if target is None
-                                              else target))
+            head = transpose_copy(a, buffer(a.shape[::-1], a.dtype))
         else:
             head = jax.tree.map(lambda a: a[0], head)
         params["lm_head"] = head
