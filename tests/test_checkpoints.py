@@ -117,8 +117,9 @@ def test_sharded_index_and_dtype(tmp_path):
     assert str(params_bf["embed"].dtype) == "bfloat16"
     _assert_tree_equal(params_bf, _expected_from_state_dict(_state_dict(model), 3, False))
     _, params_f32 = load_hf_checkpoint(bf, dtype="float32")
-    assert {params_f32["layers"]["wq"].dtype, params_f32["lm_head"].dtype,
-            params_f32["embed"].dtype} == {np.dtype(np.float32)}
+    assert {params_f32["layers"]["wq"].dtype, params_f32["layers"]["attn_norm"].dtype,
+            params_f32["lm_head"].dtype, params_f32["embed"].dtype,
+            params_f32["final_norm"].dtype} == {np.dtype(np.float32)}
     _assert_tree_equal(params_f32, _expected_from_state_dict(_state_dict(model), 3, False))
 
 
