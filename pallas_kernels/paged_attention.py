@@ -65,26 +65,28 @@ _BLOCK_KEYS = 128
 # From this many (sequence, kv head) pairs on, the batch alone fills the GPU, and a
 # program's time is set by its own sequence's length: with one split per sequence the
 # longest sequences run their blocks one after another while short ones are done. There
-# the default launch splits each sequence for about MANY_TARGET_PROGRAMS programs in all
-# (~16 per SM: the load evens out), BLOCK_KEYS_MANY keys per step, no software pipelining
+# the default launch splits each sequence for about _MANY_TARGET_PROGRAMS programs in all
+# (~16 per SM: the load evens out), _BLOCK_KEYS_MANY keys per step, no software pipelining
 # (the block loop is a few steps long; each stage holds a block in shared memory, which
 # caps the programs per SM). One H200, batch 64, 8 kv heads, so 4 splits (bench/NOTES.md
 # r202-r203): engine-like lengths (mean 310, max 1,108 keys) 57.0 -> 41.9 us per call; the
 # 8B engine at 64 slots 4,608 -> 4,832 output tok/s.
-MANY_PROGRAMS = 512
-MANY_TARGET_PROGRAMS = 2048
-BLOCK_KEYS_MANY = 64
+_MANY_PROGRAMS = 512
+_MANY_TARGET_PROGRAMS = 2048
+_BLOCK_KEYS_MANY = 64
 
 
 def paged_decode_launch(batch: int, kv_heads: int, page_size: int) -> tuple[int, int, int]:
-    """``(pages_per_block, num_splits, num_stages)`` of the GPU kernel where not given: 128
-    keys per step, splits for about one program per H100 SM in all (``_TARGET_PROGRAMS``),
-    3 stages; from ``MANY_PROGRAMS`` (sequence, kv head) pairs on, ``BLOCK_KEYS_MANY`` keys,
-    splits for about ``MANY_TARGET_PROGRAMS`` programs and one stage. The kernel then caps
-    the splits at the blocks a sequence can have and rounds both to powers of two."""
+    """``(pages_per_block, num_splits, num_stages)`` of the GPU kernel where the caller gives
+    none. Below 512 (sequence, kv head) pairs: 128 keys per step, splits for at least 132
+    programs (about one per H100 SM), 3 stages. From 512 pairs on: 64 keys per step, splits
+    for at least 2,048 programs (4 at 512 pairs, 1 from 2,048), one stage. Splits are powers
+    of two; the kernel then caps them at the blocks a row of the block table can hold (and
+    rounds pages per block to a power of two of at least 16 keys)."""
     pairs = batch * kv_heads
-    if pairs >= MANY_PROGRAMS:
-        return max(1, BLOCK_KEYS_MANY // page_size), max(1, MANY_TARGET_PROGRAMS // pairs), 1
+    if pairs >= _MANY_PROGRAMS:
+        return (max(1, _BLOCK_KEYS_MANY // page_size),
+                next_pow2(cdiv(_MANY_TARGET_PROGRAMS, pairs)), 1)
     return max(1, _BLOCK_KEYS // page_size), next_pow2(cdiv(_TARGET_PROGRAMS, pairs)), 3
 
 
@@ -509,13 +511,12 @@ def paged_attention(
       k_scales, v_scales: [kv_heads, num_pages, page_size] per-token scales of quantized
         pages (bfloat16 or float32), read through the same block table.
       sm_scale: logit scale, default 1/sqrt(head_dim).
-      pages_per_block: pages gathered per inner step on GPU; default gives 128 keys per
-        step (rounded so a step has at least 16 keys; larger steps overflow shared memory).
-      num_splits: split-K factor (GPU); default about one program per H100 SM.
-      num_warps, num_stages: Triton launch parameters (GPU only); num_stages default 3.
-        The defaults are ``paged_decode_launch``'s: a batch of at least ``MANY_PROGRAMS``
-        (sequence, kv head) pairs gets 64 keys per step, splits for ~2,048 programs and one
-        stage instead.
+      pages_per_block: pages gathered per inner step on GPU, rounded so a step has at least
+        16 keys (larger steps overflow shared memory); default ``paged_decode_launch``'s.
+      num_splits: split-K factor (GPU); default ``paged_decode_launch``'s, capped at the
+        blocks a row of ``block_tables`` holds.
+      num_warps: Triton launch parameter (GPU only), default 4.
+      num_stages: Triton pipeline stages (GPU only); default ``paged_decode_launch``'s.
       interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
       backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
 

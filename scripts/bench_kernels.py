@@ -410,10 +410,12 @@ def bench_ragged(quick: bool) -> None:
 def bench_splits(quick: bool) -> None:
     """Paged decode attention (with its combine) against the split count, per batch and
     head layout, at short and long contexts, with the block table as wide as the context
-    or as wide as an 8k-token engine table: the data behind the split-count rule. Each row
-    gives the K/V bytes read per second and their share of the copy test's rate. Outside a
-    CUDA graph a batch-1 call is launch-bound (~25-40 us whatever the split, r178): judge
-    short contexts by the engine's profile instead."""
+    or as wide as an 8k-token engine table: the data behind the split-count rule. The keys
+    per step and the stages are the default launch's (``paged_decode_launch``: from 512
+    (sequence, kv head) pairs, 64 keys and one stage; before r203, 128 keys and 3 stages
+    everywhere). Each row gives the K/V bytes read per second and their share of the copy
+    test's rate. Outside a CUDA graph a batch-1 call is launch-bound (~25-40 us whatever the
+    split, r178): judge short contexts by the engine's profile instead."""
     rows = RESULTS.setdefault("splits", [])
     d, ps = 128, 16
     key = jax.random.PRNGKey(3)
@@ -428,7 +430,7 @@ def bench_splits(quick: bool) -> None:
             sets = _paged_sets(jax.random.fold_in(key, b * 7 + ctx), b, hq, hkv, width, ps, d)
             kv_bytes = 2 * b * hkv * ctx * d * 2
             lengths = jnp.full((b,), ctx, jnp.int32)
-            n_blocks = max(1, width // 128)
+            n_blocks = max(1, width // (paged_decode_launch(b, hkv, ps)[0] * ps))
             for splits in [None] + [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= n_blocks]:
                 name = "default" if splits is None else f"splits {splits}"
                 try:
@@ -475,7 +477,8 @@ def _paged_row(label: str, t: float, kv_bytes: int, fields: dict[str, Any]) -> d
 def engine_lengths(b: int, seed: int = 0) -> np.ndarray:
     """Keys per row of a decode step at ``b`` slots under ``bench_engine.py``'s default
     workload, roughly: a log-uniform 32-1,024-token prompt plus a uniform share of a
-    log-uniform 16-512-token output. At 64 rows (seed 0): mean 310, max 1,108 keys."""
+    log-uniform 16-512-token output. At 64 rows (seed 0): mean 385, max 1,281 keys (r202's
+    script drew another sample of the same law: mean 310, max 1,108)."""
     rng = np.random.default_rng(seed)
     prompt = np.exp(rng.uniform(np.log(32), np.log(1025), b)).astype(int)
     out = np.exp(rng.uniform(np.log(16), np.log(513), b)).astype(int)
@@ -509,6 +512,8 @@ def bench_configs(quick: bool) -> None:
             lengths = jnp.asarray(lens, jnp.int32)
             for setting in settings:
                 s, ns, ppb = setting or (None, None, None)
+                if s is not None and s > max(1, width // (ppb * ps)):
+                    continue  # more splits than the table has blocks: keyless programs
                 try:
                     t = time_in_jit(jax.jit(
                         lambda q, kp, vp, bt, lengths=lengths, s=s, ns=ns, ppb=ppb:
@@ -518,8 +523,9 @@ def bench_configs(quick: bool) -> None:
                     log(f"configs hkv={hkv} ctx={ctx} {setting} FAILED: "
                         f"{type(e).__name__}: {str(e)[:200]}")
                     continue
-                if setting is None:
+                if setting is None:  # what the kernel ran: the cap and rounding applied
                     ppb, s, ns = paged_decode_launch(b, hkv, ps)
+                    s = min(s, max(1, width // (ppb * ps)))
                 rows.append(_paged_row("configs", t, 2 * hkv * int(lens.sum()) * d * 2, {
                     "batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx,
                     "mean_keys": float(lens.mean()), "default": setting is None,

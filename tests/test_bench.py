@@ -295,7 +295,8 @@ def checked_bench_kernels(monkeypatch):
 def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(checked_bench_kernels):
     """``scripts/bench_kernels.py``'s split sweep (quick) on CPU, the kernel interpreted:
     every timed call attends over its shuffled page table as the reference does, and the
-    sweep records the default and each split count up to one per 128-key block."""
+    sweep records the default and each split count up to one per block of the default
+    launch's keys."""
     bench_kernels, ctx = checked_bench_kernels
     ctx[0] = 192  # both quick contexts: 192 keys in a 256- or an 8,192-key table
     bench_kernels.bench_splits(quick=True)

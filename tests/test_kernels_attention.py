@@ -433,22 +433,53 @@ def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_siz
                        pages_per_block=2)
 
 
-def test_default_launch_splits_a_batch_that_fills_the_gpu():
-    """Few (sequence, kv head) pairs: 128 keys per step, splits for >= 132 programs, 3 stages;
-    from 512 pairs on (batch 64 x 8 kv heads): 64 keys, splits for ~2,048 programs, 1 stage."""
+def test_paged_decode_launch_splits_a_batch_that_fills_the_gpu():
+    """Below 512 (sequence, kv head) pairs: 128 keys per step, splits (a power of two) for at
+    least 132 programs, 3 stages; from 512 pairs on (batch 64 x 8 kv heads): 64 keys, splits
+    for at least 2,048 programs, 1 stage."""
     assert paged_decode_launch(1, 8, 16) == (8, 32, 3)
     assert paged_decode_launch(32, 8, 16) == (8, 1, 3)
+    assert paged_decode_launch(511, 1, 16) == (8, 1, 3)
+    assert paged_decode_launch(512, 1, 16) == (4, 4, 1)
     assert paged_decode_launch(64, 8, 16) == (4, 4, 1)
+    assert paged_decode_launch(65, 8, 16) == (4, 4, 1)  # 3.9 rounds up
     assert paged_decode_launch(128, 8, 16) == (4, 2, 1)
     assert paged_decode_launch(512, 8, 16) == (4, 1, 1)
     assert paged_decode_launch(64, 8, 128) == (1, 4, 1)
+
+
+@pytest.mark.parametrize("b,splits,stages", [(2, 8, 3), (64, 4, 1)])
+def test_paged_decode_default_launch_reaches_triton(b, splits, stages):
+    """Lowered for a GPU (jax.export on this CPU machine), ``paged_attention_write``'s
+    default launch is ``paged_decode_launch``'s: at 2 rows (the engine's batch 1) 32 splits
+    capped at the 8 blocks of 128 keys a 1,024-key table holds, and 3 stages; at 64 rows x
+    8 kv heads 4 splits and one stage."""
+    import re
+
+    from jax import export
+
+    hq, hkv, d, pages, page_size = 32, 8, 128, 4 * b * 16, 16
+    spec = jax.ShapeDtypeStruct
+    dt = jnp.bfloat16
+    args = [spec((b, hq, d), dt), spec((b, hkv, d), dt), spec((b, hkv, d), dt),
+            spec((hkv, pages, page_size, d), dt), spec((hkv, pages, page_size, d), dt),
+            spec((b, 64), jnp.int32), spec((b,), jnp.int32), spec((b,), jnp.int32),
+            spec((b,), jnp.int32)]
+    no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(jax.jit(paged_attention_write), platforms=["cuda"],
+                         disabled_checks=no_check)(*args).mlir_module()
+    launch = re.search(r'grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32,'
+                       r'.*?name = "jaxinfer_paged_decode", num_stages = (\d+)', text, re.S)
+    assert launch is not None
+    assert tuple(int(g) for g in launch.groups()) == (b, hkv, splits, stages)
 
 
 @pytest.mark.slow
 def test_paged_attention_write_default_launch_for_a_full_batch():
     """The launch a batch of 64 sequences over 8 kv heads gets by default (4 splits of
     64-key steps, as the engine's decode steps run it at 64 slots) gives the reference's
-    results on lengths from 0 to 253 keys."""
+    results on lengths from 0 to 256 keys."""
+    assert paged_decode_launch(64, 8, 16) == (4, 4, 1)
     _check_paged_write("gpu", jnp.float32, None, 64, 8, 8, 64, 16, 16, None,
                        pages_per_block=None)
 
