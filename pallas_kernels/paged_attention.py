@@ -70,7 +70,8 @@ _BLOCK_KEYS = 128
 # (the block loop is a few steps long; each stage holds a block in shared memory, which
 # caps the programs per SM). One H200, batch 64, 8 kv heads, so 4 splits (bench/NOTES.md
 # r202-r203): engine-like lengths (mean 310, max 1,108 keys) 57.0 -> 41.9 us per call; the
-# 8B engine at 64 slots 4,608 -> 4,832 output tok/s.
+# 8B engine at 64 slots 4,608 -> 4,832 output tok/s (r203's variant, which launched the
+# 64-row calls this way).
 _MANY_PROGRAMS = 512
 _MANY_TARGET_PROGRAMS = 2048
 _BLOCK_KEYS_MANY = 64
