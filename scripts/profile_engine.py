@@ -77,18 +77,16 @@ def profile_batch1(engine: jaxinfer.Engine, model: Model, new_tokens: int, out: 
                 step_ms.append(1e3 * (time.perf_counter() - t0))
         events = device_events(Path(tmp), "/device:GPU:0" if model.mesh is not None else
                                "/device:")
-        marks = host_marks(Path(tmp))
+        per_step = step_kernels(host_marks(Path(tmp)), events)
         if timeline and events:
-            write_timeline(Path(timeline), step_kernels(marks, events),
-                           host_lines(Path(tmp)))
+            write_timeline(Path(timeline), per_step, host_lines(Path(tmp)))
     if not events:
         raise SystemExit("profile_engine: the trace holds no accelerator kernels (a CPU run?)")
     kernel_ms = sum(d for _, _, d in events) / 1e6 / tokens
     span_ms = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e6 / tokens
     top = top_kernels(events, 40)
     # Gaps inside each engine step: the host's round trip between steps is not a launch gap.
-    idle = idle_before([g for _, ks in step_kernels(marks, events) for g in kernel_gaps(ks)],
-                       12)
+    idle = idle_before([g for _, ks in per_step for g in kernel_gaps(ks)], 12)
     record = {
         "model": model.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "tp": 1 if model.mesh is None else model.mesh.size,
@@ -177,19 +175,19 @@ def step_kernels(marks: list[tuple[str, float, float]],
             for m in sorted(marks, key=lambda m: m[1])]
 
 
-def step_timelines(marks: list[tuple[str, float, float]],
-                   kernels: list[tuple[str, float, float]]) -> list[dict]:
+def step_timelines(per_step: list[tuple[tuple[str, float, float],
+                                         list[tuple[str, float, float]]]]) -> list[dict]:
     """Where a step's wall time goes on the device, one dict per host mark (by start time).
 
-    ``marks`` are the host annotations ``(name, start_ns, duration_ns)`` around each step,
-    ``kernels`` the device events, assigned to steps by ``step_kernels``. Per step: kernel
+    ``per_step`` is ``step_kernels``' output: each host annotation ``(name, start_ns,
+    duration_ns)`` around a step with the device events that start in it. Per step: kernel
     count and summed time; ``lead`` from the step's start to its first kernel (planning,
     input transfers, dispatch); ``span`` from first kernel start to last kernel end; ``idle``
     the time inside the span with no kernel running (launch gaps); ``tail`` from the last
     kernel to the step's end (results to the host, output processing); the largest gap and
     the kernel after it. Milliseconds."""
     out = []
-    for (_, m0, mdur), ks in step_kernels(marks, kernels):
+    for (_, m0, mdur), ks in per_step:
         if not ks:
             out.append(dict(kernels=0, kernel_ms=0.0, lead_ms=mdur / 1e6, span_ms=0.0,
                             idle_ms=0.0, tail_ms=0.0, max_gap_ms=0.0, max_gap_before=""))
@@ -324,11 +322,12 @@ def main() -> None:
                               "computed_tokens": s.computed_tokens - before.computed_tokens})
         events = device_events(Path(tmp))
         marks = host_marks(Path(tmp))
-    for s, t in zip(steps, step_timelines(marks, events), strict=True):
+    per_step = step_kernels(marks, events)
+    for s, t in zip(steps, step_timelines(per_step), strict=True):
         s.update(t)
     total_ms = sum(d for _, _, d in events) / 1e6
     top = top_kernels(events, 25)
-    by_kind = kernels_by_kind(steps, step_kernels(marks, events))
+    by_kind = kernels_by_kind(steps, per_step)
     record = {
         "model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "score": args.score,

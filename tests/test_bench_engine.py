@@ -304,13 +304,13 @@ def test_profile_engine_step_timelines_split_a_step_into_lead_span_idle_tail():
     marks = [("s1", 100 * ms, 50 * ms), ("s0", 0, 100 * ms)]  # out of order on purpose
     kernels = [("a", 10 * ms, 20 * ms), ("b", 35 * ms, 10 * ms), ("c", 40 * ms, 30 * ms),
                ("d", 120 * ms, 5 * ms)]
-    t0, t1 = prof.step_timelines(marks, kernels)
+    t0, t1 = prof.step_timelines(prof.step_kernels(marks, kernels))
     assert (t0["kernels"], t0["kernel_ms"], t0["lead_ms"]) == (3, 60.0, 10.0)
     # busy 10-30, idle 30-35, busy 35-70 (b and c overlap); tail 70-100.
     assert (t0["span_ms"], t0["idle_ms"], t0["tail_ms"]) == (60.0, 5.0, 30.0)
     assert (t0["max_gap_ms"], t0["max_gap_before"]) == (5.0, "b")
     assert (t1["kernels"], t1["lead_ms"], t1["span_ms"], t1["tail_ms"]) == (1, 20.0, 5.0, 25.0)
-    assert prof.step_timelines([("s", 0, ms)], [])[0]["lead_ms"] == 1.0
+    assert prof.step_timelines(prof.step_kernels([("s", 0, ms)], []))[0]["lead_ms"] == 1.0
 
 
 def test_profile_engine_kernels_by_kind_splits_decode_from_mixed_steps():
