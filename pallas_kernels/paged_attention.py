@@ -77,18 +77,35 @@ _MANY_TARGET_PROGRAMS = 2048
 _BLOCK_KEYS_MANY = 64
 
 
-def paged_decode_launch(batch: int, kv_heads: int, page_size: int) -> tuple[int, int, int]:
-    """``(pages_per_block, num_splits, num_stages)`` of the GPU kernel where the caller gives
-    none. Below 512 (sequence, kv head) pairs: 128 keys per step, splits for at least 132
-    programs (about one per H100 SM), 3 stages. From 512 pairs on: 64 keys per step, splits
-    for at least 2,048 programs (4 at 512 pairs, 1 from 2,048), one stage. Splits are powers
-    of two; the kernel then caps them at the blocks a row of the block table can hold (and
-    rounds pages per block to a power of two of at least 16 keys)."""
+def paged_decode_launch(batch: int, kv_heads: int, page_size: int, pages_per_seq: int,
+                        pages_per_block: int | None = None, num_splits: int | None = None,
+                        num_stages: int | None = None) -> tuple[int, int, int]:
+    """``(pages_per_block, num_splits, num_stages)`` as the GPU kernel runs them over block
+    tables of ``pages_per_seq`` pages, from the caller's values where given.
+
+    Defaults: below 512 (sequence, kv head) pairs, 128 keys per step, splits for at least 132
+    programs (about one per H100 SM), 3 stages; from 512 pairs on, 64 keys per step, splits
+    for at least 2,048 programs (4 at 512 pairs, 1 from 2,048), one stage. Pages per block
+    are rounded to a power of two of at least 16 keys and at most the table's pages; default
+    splits are capped at the blocks a table row holds; splits are powers of two."""
     pairs = batch * kv_heads
-    if pairs >= _MANY_PROGRAMS:
-        return (max(1, _BLOCK_KEYS_MANY // page_size),
-                next_pow2(cdiv(_MANY_TARGET_PROGRAMS, pairs)), 1)
-    return max(1, _BLOCK_KEYS // page_size), next_pow2(cdiv(_TARGET_PROGRAMS, pairs)), 3
+    many = pairs >= _MANY_PROGRAMS
+    if pages_per_block is None:
+        pages_per_block = max(1, (_BLOCK_KEYS_MANY if many else _BLOCK_KEYS) // page_size)
+    # At least MIN_DOT keys per step (Triton dot) and no more pages than a sequence has.
+    pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
+    pages_per_block = min(pages_per_block, max(next_pow2(pages_per_seq),
+                                               cdiv(MIN_DOT, page_size)))
+    pages_per_block = next_pow2(pages_per_block)
+    if num_splits is None:
+        target = _MANY_TARGET_PROGRAMS if many else _TARGET_PROGRAMS
+        num_splits = min(next_pow2(cdiv(target, pairs)), cdiv(pages_per_seq, pages_per_block))
+    # combine_splits holds every split in one block: a power of two (Triton); the extra
+    # splits get no keys and drop out of the combine.
+    num_splits = next_pow2(max(1, num_splits))
+    if num_stages is None:
+        num_stages = 1 if many else 3
+    return pages_per_block, num_splits, num_stages
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales) -> bool:
@@ -293,21 +310,9 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
     pps = block_tables.shape[1]
-    default_ppb, default_splits, default_stages = paged_decode_launch(b, hkv, page_size)
-    if pages_per_block is None:
-        pages_per_block = default_ppb
-    if num_stages is None:
-        num_stages = default_stages
-    # At least MIN_DOT keys per step (Triton dot) and no more pages than a sequence has.
-    pages_per_block = max(pages_per_block, cdiv(MIN_DOT, page_size))
-    pages_per_block = min(pages_per_block, max(next_pow2(pps), cdiv(MIN_DOT, page_size)))
-    pages_per_block = next_pow2(pages_per_block)
+    pages_per_block, num_splits, num_stages = paged_decode_launch(
+        b, hkv, page_size, pps, pages_per_block, num_splits, num_stages)
     n_blocks_max = cdiv(pps, pages_per_block)
-    if num_splits is None:
-        num_splits = max(1, min(default_splits, n_blocks_max))
-    # combine_splits holds every split in one block: a power of two (Triton); the extra
-    # splits get no keys and drop out of the combine.
-    num_splits = next_pow2(num_splits)
     # Pad the table so every block's slice of it is in bounds (padding is masked by length).
     bt = jnp.pad(
         block_tables.astype(jnp.int32), ((0, 0), (0, n_blocks_max * pages_per_block - pps))

@@ -430,7 +430,7 @@ def bench_splits(quick: bool) -> None:
             sets = _paged_sets(jax.random.fold_in(key, b * 7 + ctx), b, hq, hkv, width, ps, d)
             kv_bytes = 2 * b * hkv * ctx * d * 2
             lengths = jnp.full((b,), ctx, jnp.int32)
-            n_blocks = max(1, width // (paged_decode_launch(b, hkv, ps)[0] * ps))
+            n_blocks = max(1, width // (paged_decode_launch(b, hkv, ps, width // ps)[0] * ps))
             for splits in [None] + [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= n_blocks]:
                 name = "default" if splits is None else f"splits {splits}"
                 try:
@@ -523,9 +523,8 @@ def bench_configs(quick: bool) -> None:
                     log(f"configs hkv={hkv} ctx={ctx} {setting} FAILED: "
                         f"{type(e).__name__}: {str(e)[:200]}")
                     continue
-                if setting is None:  # what the kernel ran: the cap and rounding applied
-                    ppb, s, ns = paged_decode_launch(b, hkv, ps)
-                    s = min(s, max(1, width // (ppb * ps)))
+                if setting is None:  # what the kernel ran
+                    ppb, s, ns = paged_decode_launch(b, hkv, ps, width // ps)
                 rows.append(_paged_row("configs", t, 2 * hkv * int(lens.sum()) * d * 2, {
                     "batch": b, "q_heads": hq, "kv_heads": hkv, "ctx": ctx,
                     "mean_keys": float(lens.mean()), "default": setting is None,

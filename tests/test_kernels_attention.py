@@ -436,16 +436,21 @@ def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_siz
 def test_paged_decode_launch_splits_a_batch_that_fills_the_gpu():
     """Below 512 (sequence, kv head) pairs: 128 keys per step, splits (a power of two) for at
     least 132 programs, 3 stages; from 512 pairs on (batch 64 x 8 kv heads): 64 keys, splits
-    for at least 2,048 programs, 1 stage."""
-    assert paged_decode_launch(1, 8, 16) == (8, 32, 3)
-    assert paged_decode_launch(32, 8, 16) == (8, 1, 3)
-    assert paged_decode_launch(511, 1, 16) == (8, 1, 3)
-    assert paged_decode_launch(512, 1, 16) == (4, 4, 1)
-    assert paged_decode_launch(64, 8, 16) == (4, 4, 1)
-    assert paged_decode_launch(65, 8, 16) == (4, 4, 1)  # 3.9 rounds up
-    assert paged_decode_launch(128, 8, 16) == (4, 2, 1)
-    assert paged_decode_launch(512, 8, 16) == (4, 1, 1)
-    assert paged_decode_launch(64, 8, 128) == (1, 4, 1)
+    for at least 2,048 programs, 1 stage (tables of 512 pages: no cap)."""
+    assert paged_decode_launch(1, 8, 16, 512) == (8, 32, 3)
+    assert paged_decode_launch(32, 8, 16, 512) == (8, 1, 3)
+    assert paged_decode_launch(511, 1, 16, 512) == (8, 1, 3)
+    assert paged_decode_launch(512, 1, 16, 512) == (4, 4, 1)
+    assert paged_decode_launch(64, 8, 16, 512) == (4, 4, 1)
+    assert paged_decode_launch(65, 8, 16, 512) == (4, 4, 1)  # 3.9 rounds up
+    assert paged_decode_launch(128, 8, 16, 512) == (4, 2, 1)
+    assert paged_decode_launch(512, 8, 16, 512) == (4, 1, 1)
+    assert paged_decode_launch(64, 8, 128, 512) == (1, 4, 1)
+    # A 16-page table holds two 8-page blocks: the default splits stop there; given values
+    # are rounded up to powers of two (pages per block to at least 16 keys), not capped.
+    assert paged_decode_launch(1, 8, 16, 16) == (8, 2, 3)
+    assert paged_decode_launch(1, 8, 4, 512, pages_per_block=3, num_splits=3,
+                               num_stages=2) == (4, 4, 2)
 
 
 @pytest.mark.parametrize("b,splits,stages", [(2, 8, 3), (64, 4, 1)])
@@ -479,7 +484,7 @@ def test_paged_attention_write_default_launch_for_a_full_batch():
     """The launch a batch of 64 sequences over 8 kv heads gets by default (4 splits of
     64-key steps, as the engine's decode steps run it at 64 slots) gives the reference's
     results on lengths from 0 to 256 keys."""
-    assert paged_decode_launch(64, 8, 16) == (4, 4, 1)
+    assert paged_decode_launch(64, 8, 16, 16) == (4, 4, 1)
     _check_paged_write("gpu", jnp.float32, None, 64, 8, 8, 64, 16, 16, None,
                        pages_per_block=None)
 
