@@ -278,8 +278,11 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
         # checkpoint (stacked layers are preallocated).
         return np.empty(shape, stored if target is None else target)
 
+    def mapped(name: str) -> np.ndarray:  # a read-only view of the file, checked
+        return _read(where, name, hf_tensor_shape(name, config), copy=False)
+
     def whole(name: str) -> np.ndarray:
-        a = _read(where, name, hf_tensor_shape(name, config), copy=False)
+        a = mapped(name)
         out = buffer(a.shape, a.dtype)
         out[...] = a
         return out
@@ -295,7 +298,7 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
             layers[key] = packed
             continue
         for i, name in enumerate(names):
-            a = _read(where, name, hf_tensor_shape(name, config), copy=False)
+            a = mapped(name)
             if key not in layers:
                 layers[key] = buffer((config.num_layers, *(a.shape[::-1] if transposed
                                                             else a.shape)), a.dtype)
@@ -309,8 +312,7 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig
     if not config.tie_word_embeddings:
         head = _packed(where, ["lm_head.weight"], config, fmt)
         if head is None:
-            a = _read(where, "lm_head.weight", hf_tensor_shape("lm_head.weight", config),
-                      copy=False)
+            a = mapped("lm_head.weight")
             head = transpose_copy(a, buffer(a.shape[::-1], a.dtype))
         else:
             head = jax.tree.map(lambda a: a[0], head)
