@@ -123,10 +123,9 @@ def check_loaded(folder: Path, params: dict[str, Any], packed: str | None,
     """Raise AssertionError unless the loaded layer-0 ``wq`` is the file's q_proj (its
     weight transposed; with ``packed``, its scales) and the final norm is the file's (floats
     of numpy ``dtype``)."""
-    path = folder / "model.safetensors"
-    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
-    header = json.loads(path.read_bytes()[8:8 + header_len])
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = np.memmap(folder / "model.safetensors", dtype=np.uint8, mode="r")
+    header_len = struct.unpack("<Q", raw[:8].tobytes())[0]
+    header = json.loads(raw[8:8 + header_len].tobytes())
 
     def stored(name: str, as_dtype: Any) -> np.ndarray:
         start, stop = header[name]["data_offsets"]
