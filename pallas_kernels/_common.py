@@ -253,9 +253,9 @@ def combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array, group: int,
     """Flash-Decoding's combine (``combine_splits_reference`` over axis 2) as one Pallas
     (Triton) kernel, in ``out_dtype``.
 
-    ``acc [b, kv_heads, splits, gp, d]``, ``m``/``l_sum [b, kv_heads, splits, gp]`` as the
-    GPU decode kernels write them, ``gp >= group`` query rows of which the first ``group``
-    are real; returns ``[b, kv_heads, group, d]``. One program per sequence, kv head and
+    ``acc [b, kv_heads, splits, rows, d]``, ``m``/``l_sum [b, kv_heads, splits, gp]`` as the
+    GPU decode kernels write them, ``rows`` and ``gp >= group`` query rows of which the first
+    ``group`` are real; returns ``[b, kv_heads, group, d]``. One program per sequence, kv head and
     query row: XLA's version of the same arithmetic is five or six small kernels per layer,
     about 0.25 ms of an 8B batch-1 token on an H100 (bench/NOTES.md r37).
     """

@@ -195,7 +195,8 @@ def _paged_gpu_kernel(
     """One (sequence, kv head, split) of Flash-Decoding; refs after ``v_ref``, in order:
     quantized pages' ``ks_ref, vs_ref``; with ``writes``, the new token's ``page_ref,
     offset_ref [1]``, ``nk_ref, nv_ref`` (and ``nks_ref, nvs_ref [1]`` when quantized);
-    the partials ``acc_ref [gp, d]``, ``m_ref, l_ref [gp]``, or with one split the output
+    the partials ``acc_ref`` (a whole ``[batch * kv_heads * splits * group, d]`` array:
+    this program stores its ``group`` rows), ``m_ref, l_ref [gp]``, or with one split the output
     ``o_ref`` itself (a whole ``[batch * q_heads, d]`` array: this program writes rows ``b *
     q_heads + h * group`` onward, ``group`` of them); with
     ``writes``, the pools again (outputs aliased to the inputs) that the new token's K/V are
@@ -296,7 +297,10 @@ def _paged_gpu_kernel(
         plgpu.store(o_ref.at[pl.ds(bi * q_heads + h * group, rows), :], out,
                     mask=row < group)
         return
-    acc_ref[...] = acc
+    # Only the group's rows of the partial go out (gp >= 16 rows are computed for the dot):
+    # at 64 rows x 8 kv heads x 4 splits the [16, 128] float32 tiles were 16 MB per layer.
+    first_row = ((bi * pl.num_programs(1) + h) * num_splits + split) * group
+    plgpu.store(acc_ref.at[pl.ds(first_row, rows), :], acc, mask=row < group)
     m_ref[...] = m
     l_ref[...] = l_sum
 
@@ -353,6 +357,9 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         out_shape = [jax.ShapeDtypeStruct((b * hq, d), q.dtype)]
     else:
         out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
+        # acc as one [b * hkv * splits * group, d] array the kernel stores its rows into.
+        out_specs[0] = pl.BlockSpec((b * hkv * num_splits * group, d), lambda bi, h, s: (0, 0))
+        out_shape[0] = jax.ShapeDtypeStruct((b * hkv * num_splits * group, d), jnp.float32)
     results = len(out_specs)
     operands = [lengths, bt, operands_qkv[0], k_pages, v_pages, *scales]
     aliases = {}
@@ -383,7 +390,8 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     if num_splits == 1:
         out = outs[0].reshape(b, hq, d)
     else:  # [b, hkv, group, d] from the splits' partials
-        out = combine_splits(*outs[:3], group, q.dtype, interpret).reshape(b, hq, d)
+        acc = outs[0].reshape(b, hkv, num_splits, group, d)
+        out = combine_splits(acc, *outs[1:3], group, q.dtype, interpret).reshape(b, hq, d)
     return (out, *written) if writes else out
 
 
