@@ -70,9 +70,10 @@ _BLOCK_KEYS = 128
 # (the block loop is a few steps long; each stage holds a block in shared memory, which
 # caps the programs per SM). One H200, batch 64, 8 kv heads, so 4 splits (bench/NOTES.md
 # r202-r203): engine-like lengths (mean 310, max 1,108 keys) 57.0 -> 41.9 us per call; the
-# 8B engine at 64 slots 4,608 -> 4,832 output tok/s (r203's variant, which launched the
-# 64-row calls this way).
-_MANY_PROGRAMS = 512
+# 8B engine at 64 slots 4,608 -> 4,841 output tok/s (r207). From 128 pairs on as well
+# (r209: 4 kv heads at 64 rows, engine-like lengths 102 -> ~49 us; 2 kv heads 59 -> ~45):
+# the 8B engine at 32 slots (256 pairs, as 8B tp=2 at 64 rows per GPU) 3,400 -> 3,614 (r211).
+_MANY_PROGRAMS = 128
 _MANY_TARGET_PROGRAMS = 2048
 _BLOCK_KEYS_MANY = 64
 
@@ -83,11 +84,12 @@ def paged_decode_launch(batch: int, kv_heads: int, page_size: int, pages_per_seq
     """``(pages_per_block, num_splits, num_stages)`` as the GPU kernel runs them over block
     tables of ``pages_per_seq`` pages, from the caller's values where given.
 
-    Defaults: below 512 (sequence, kv head) pairs, 128 keys per step, splits for at least 132
-    programs (about one per H100 SM), 3 stages; from 512 pairs on, 64 keys per step, splits
-    for at least 2,048 programs (4 at 512 pairs, 1 from 2,048), one stage. Pages per block
-    are rounded to a power of two of at least 16 keys and at most the table's pages; default
-    splits are capped at the blocks a table row holds; splits are powers of two."""
+    Defaults: below 128 (sequence, kv head) pairs, 128 keys per step, splits for at least 132
+    programs (about one per H100 SM), 3 stages; from 128 pairs on, 64 keys per step, splits
+    for at least 2,048 programs (16 at 128 pairs, 4 at 512, 1 from 2,048), one stage. Pages
+    per block are rounded to a power of two of at least 16 keys and at most the table's
+    pages; default splits are capped at the blocks a table row holds; splits are powers of
+    two."""
     pairs = batch * kv_heads
     many = pairs >= _MANY_PROGRAMS
     if pages_per_block is None:

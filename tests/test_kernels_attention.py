@@ -434,13 +434,16 @@ def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_siz
 
 
 def test_paged_decode_launch_splits_a_batch_that_fills_the_gpu():
-    """Below 512 (sequence, kv head) pairs: 128 keys per step, splits (a power of two) for at
-    least 132 programs, 3 stages; from 512 pairs on (batch 64 x 8 kv heads): 64 keys, splits
-    for at least 2,048 programs, 1 stage (tables of 512 pages: no cap)."""
+    """Below 128 (sequence, kv head) pairs: 128 keys per step, splits (a power of two) for at
+    least 132 programs, 3 stages; from 128 pairs on (batch 16 x 8 kv heads, batch 64 x 2):
+    64 keys, splits for at least 2,048 programs, 1 stage (tables of 512 pages: no cap)."""
     assert paged_decode_launch(1, 8, 16, 512) == (8, 32, 3)
-    assert paged_decode_launch(32, 8, 16, 512) == (8, 1, 3)
-    assert paged_decode_launch(511, 1, 16, 512) == (8, 1, 3)
-    assert paged_decode_launch(512, 1, 16, 512) == (4, 4, 1)
+    assert paged_decode_launch(15, 8, 16, 512) == (8, 2, 3)
+    assert paged_decode_launch(127, 1, 16, 512) == (8, 2, 3)
+    assert paged_decode_launch(128, 1, 16, 512) == (4, 16, 1)
+    assert paged_decode_launch(64, 2, 16, 512) == (4, 16, 1)
+    assert paged_decode_launch(32, 8, 16, 512) == (4, 8, 1)
+    assert paged_decode_launch(64, 4, 16, 512) == (4, 8, 1)
     assert paged_decode_launch(64, 8, 16, 512) == (4, 4, 1)
     assert paged_decode_launch(65, 8, 16, 512) == (4, 4, 1)  # 3.9 rounds up
     assert paged_decode_launch(128, 8, 16, 512) == (4, 2, 1)
