@@ -261,10 +261,17 @@ def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: in
         return [call(xi, *weights[i % copies]) for i, xi in enumerate(xs)]
 
     jax.block_until_ready(run(xs, weights))
+    return traced_kernels(lambda: run(xs, weights), repeats)
+
+
+def traced_kernels(program: Callable[[], Any], repeats: int) -> list[tuple[str, float, float]]:
+    """The device kernels ``(name, start_ns, duration_ns)`` of ``repeats`` runs of
+    ``program()`` under the profiler (``device_events``), host-to-device copies left out.
+    Compile and warm ``program`` first: the trace should hold only its steady state."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             for _ in range(repeats):
-                jax.block_until_ready(run(xs, weights))
+                jax.block_until_ready(program())
         events = device_events(Path(tmp))
     return [e for e in events if not e[0].startswith("Memcpy")]
 

@@ -22,8 +22,9 @@ masked cache slots / unused pages filled with NaN), then timings:
 
 Timing: flash: jit, warm up, `reps` back-to-back calls, one `block_until_ready`, median
 over `trials` batches. Decode/paged (microsecond kernels): 16 calls inside one jitted
-program rotating over several input sets (so small caches do not sit in L2), median over
-trials, divided by 16. Ragged (hundreds of microseconds and up, and one input set, which
+program rotating over several input sets (so small caches do not sit in L2), timed as the
+device kernels' own time from a profiler trace (not wall time, which adds the program's
+dispatch), divided by 16. Ragged (hundreds of microseconds and up, and one input set, which
 16 identical calls in one program would risk XLA merging): like flash. Results go to JSON
 (`--out`) and a table on stdout.
 
@@ -46,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.benchmark import traced_kernels
 from pallas_kernels import (
     decode_attention,
     decode_attention_reference,
@@ -87,23 +89,22 @@ def time_fn(fn: Callable[..., Any], arg_sets: list[tuple], reps: int = 10,
 
 
 def time_in_jit(fn: Callable[..., Any], arg_sets: list[tuple], calls: int = 16,
-                trials: int = 7) -> float:
-    """Median seconds per call with `calls` launches inside one jitted program.
+                trials: int = 5) -> float:
+    """Seconds of device kernels per call, over ``trials`` traced runs of one jitted program
+    of ``calls`` launches of ``fn`` (``jaxinfer.benchmark.traced_kernels``).
 
-    Host dispatch (tens of microseconds per jitted call here) would otherwise swamp
-    kernels of a few microseconds; inside one program the launches run back to back.
-    Inputs rotate over `arg_sets` so small caches are not served from L2.
-    """
+    Inputs rotate over ``arg_sets`` so small caches are not served from L2. Kernel time, not
+    wall time: a program of microsecond kernels spends tens of microseconds in its dispatch,
+    which made the same paged launch read 86.4 us as the sweep's first row and 68.7 us later
+    (r209)."""
     seq = [arg_sets[i % len(arg_sets)] for i in range(calls)]
     multi = jax.jit(lambda sets: [fn(*a) for a in sets])
     jax.block_until_ready(multi(seq))
     jax.block_until_ready(multi(seq))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(multi(seq))
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    events = traced_kernels(lambda: multi(seq), trials)
+    if not events:
+        raise RuntimeError("the profiler recorded no device kernels")
+    return sum(d for _, _, d in events) / 1e9 / (trials * calls)
 
 
 def max_err(a: jax.Array, b: jax.Array) -> float:
@@ -411,7 +412,7 @@ def bench_splits(quick: bool) -> None:
     """Paged decode attention (with its combine) against the split count, per batch and
     head layout, at short and long contexts, with the block table as wide as the context
     or as wide as an 8k-token engine table: the data behind the split-count rule. The keys
-    per step and the stages are the default launch's (``paged_decode_launch``: from 512
+    per step and the stages are the default launch's (``paged_decode_launch``: from 128
     (sequence, kv head) pairs, 64 keys and one stage; before r203, 128 keys and 3 stages
     everywhere). Each row gives the K/V bytes read per second and their share of the copy
     test's rate. Outside a CUDA graph a batch-1 call is launch-bound (~25-40 us whatever the

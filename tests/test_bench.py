@@ -308,6 +308,32 @@ def test_bench_kernels_split_sweep_covers_each_split_on_real_tables(checked_benc
     assert all(r["ctx"] == 192 and r["frac_of_copy_bw"] == r["TBps"] for r in rows)
 
 
+def test_bench_kernels_times_kernels_not_wall_time(monkeypatch):
+    """``time_in_jit`` divides the traced kernels' summed duration by the calls it traced;
+    the program it traces runs ``fn`` on every input set in turn, and a trace without
+    device kernels (a CPU) is an error, never a time of zero."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_kernels
+
+    seen = []
+
+    def fake_traced(program, repeats):
+        seen.append([np.asarray(o).item() for o in program()])
+        return [("k", 0.0, 3_000.0)] * (repeats * 4) + [("combine", 0.0, 1_000.0)] * repeats
+
+    monkeypatch.setattr(bench_kernels, "traced_kernels", fake_traced)
+    sets = [(jnp.float32(i),) for i in range(3)]
+    t = bench_kernels.time_in_jit(lambda x: x * 10, sets, calls=4, trials=5)
+    # per trial 4 x 3 us + 1 us over 4 calls
+    assert t == pytest.approx(13e-6 / 4)
+    assert seen == [[0.0, 10.0, 20.0, 0.0]]
+    monkeypatch.setattr(bench_kernels, "traced_kernels", lambda program, repeats: [])
+    with pytest.raises(RuntimeError, match="no device kernels"):
+        bench_kernels.time_in_jit(lambda x: x, sets)
+
+
 @pytest.mark.slow  # 3 interpreted kernel calls of up to 256 programs
 def test_bench_kernels_config_sweep_records_each_launch_setting(checked_bench_kernels):
     """The launch-settings sweep (quick) on CPU, on the engine's mix of lengths: the default
