@@ -492,8 +492,21 @@ def test_paged_attention_write_default_launch_for_a_full_batch():
                        pages_per_block=None)
 
 
+@pytest.mark.parametrize("num_stages", [1, 3])
+@pytest.mark.parametrize("kv_dtype", [None, jnp.int8], ids=["f32", "int8"])
+def test_paged_gpu_kernel_loads_page_numbers_ahead_or_per_step(kv_dtype, num_stages):
+    """Under the one-stage launch the GPU kernel loads each block's page numbers a step ahead
+    (carried through its loop; past the table's last block it repeats that block's); under
+    3 stages each step loads its own. Both give the reference's results and stores over
+    splits of several blocks (tables of 26 pages of 4 keys in blocks of 16 keys: the last
+    row's 100 keys are 2 splits of up to 4 blocks; the table padded to 28 pages, read ahead past
+    its last block)."""
+    _check_paged_write("gpu", jnp.float32, kv_dtype, 3, 8, 2, 64, 4, 26, 2,
+                       pages_per_block=4, num_stages=num_stages)
+
+
 def _check_paged_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps, num_splits,
-                       pages_per_block):
+                       pages_per_block, num_stages=None):
     """``test_paged_attention_write``'s check for one configuration."""
     rng = _rng(10, b, hq, hkv, page_size, pps)
     q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
@@ -523,8 +536,8 @@ def _check_paged_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps, 
             jnp.asarray(offsets, jnp.int32))
     out, *written = paged_attention_write(q, *args, **kw_pools, **kw_news,
                                           pages_per_block=pages_per_block,
-                                          num_splits=num_splits, interpret=True,
-                                          backend=backend)
+                                          num_splits=num_splits, num_stages=num_stages,
+                                          interpret=True, backend=backend)
     wide = _f32(*news, *pools) if kv_dtype is None else [*news, *pools]  # reference: float32
     ref, *ref_written = paged_attention_write_reference(q.astype(jnp.float32), *wide,
                                                         *args[4:], **kw_pools, **kw_news)
