@@ -243,7 +243,7 @@ def layer_gemms(c: LlamaConfig) -> dict[str, tuple[int, list[int]]]:
 
 def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: int,
                  repeats: int, *, cold_bytes: int) -> list[tuple[str, float, float]]:
-    """The device kernels (``device_events``, host-to-device copies left out) of ``repeats``
+    """The device kernels (``traced_kernels``: ``Memcpy`` events left out) of ``repeats``
     traced runs of one program of ``calls`` calls ``call(x, *weights)``, after a warm-up run.
 
     ``ops`` is ``(x, *weights)``. The calls are unrolled, each on its own ``x`` (so none is
@@ -266,7 +266,8 @@ def call_kernels(call: Callable[..., Any], ops: tuple[jax.Array, ...], calls: in
 
 def traced_kernels(program: Callable[[], Any], repeats: int) -> list[tuple[str, float, float]]:
     """The device kernels ``(name, start_ns, duration_ns)`` of ``repeats`` runs of
-    ``program()`` under the profiler (``device_events``), host-to-device copies left out.
+    ``program()`` under the profiler (``device_events``), the runtime's ``Memcpy`` events
+    (copies between host and device or between buffers) left out.
     Compile and warm ``program`` first: the trace should hold only its steady state."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):

@@ -203,22 +203,24 @@ def online_softmax_finish(acc: jax.Array, l_sum: jax.Array) -> jax.Array:
     return acc / safe
 
 
-def split_partials(b: int, hkv: int, num_splits: int, gp: int, d: int
-                   ) -> tuple[list[Any], list[jax.ShapeDtypeStruct]]:
+def split_partials(b: int, hkv: int, num_splits: int, gp: int, d: int,
+                   acc_rows: int | None = None) -> tuple[list[Any], list[jax.ShapeDtypeStruct]]:
     """Out specs and shapes of a split-K decode kernel on grid ``(b, hkv, num_splits)``: the
-    float32 partials ``acc [b, hkv, splits, gp, d]``, ``m`` and ``l_sum [b, hkv, splits, gp]``
-    that ``combine_splits`` merges."""
-    specs = [
-        pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-        pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0)),
-    ]
-    shapes = [
-        jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
-        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-        jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-    ]
-    return specs, shapes
+    float32 partials ``acc``, ``m`` and ``l_sum [b, hkv, splits, gp]`` that
+    ``combine_splits`` merges. ``acc`` is ``[b, hkv, splits, gp, d]``, one block per
+    program; with ``acc_rows`` it is one whole ``[b * hkv * splits * acc_rows, d]`` array
+    into which each program stores its ``acc_rows`` real query rows (a masked store: the
+    padding rows up to ``gp`` are never written)."""
+    if acc_rows is None:
+        acc_spec = pl.BlockSpec((None, None, None, gp, d), lambda bi, h, s: (bi, h, s, 0, 0))
+        acc_shape = (b, hkv, num_splits, gp, d)
+    else:
+        acc_shape = (b * hkv * num_splits * acc_rows, d)
+        acc_spec = pl.BlockSpec(acc_shape, lambda bi, h, s: (0, 0))
+    row_spec = pl.BlockSpec((None, None, None, gp), lambda bi, h, s: (bi, h, s, 0))
+    row_shape = jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32)
+    return ([acc_spec, row_spec, row_spec],
+            [jax.ShapeDtypeStruct(acc_shape, jnp.float32), row_shape, row_shape])
 
 
 def combine_splits_reference(
@@ -253,9 +255,10 @@ def combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array, group: int,
     """Flash-Decoding's combine (``combine_splits_reference`` over axis 2) as one Pallas
     (Triton) kernel, in ``out_dtype``.
 
-    ``acc [b, kv_heads, splits, rows, d]``, ``m``/``l_sum [b, kv_heads, splits, gp]`` as the
-    GPU decode kernels write them, ``rows`` and ``gp >= group`` query rows of which the first
-    ``group`` are real; returns ``[b, kv_heads, group, d]``. One program per sequence, kv head and
+    ``acc [b, kv_heads, splits, rows, d]`` and ``m``/``l_sum [b, kv_heads, splits, gp]`` as
+    the GPU decode kernels write them (``rows`` is ``gp`` for the contiguous kernel and
+    ``group`` for the paged one; ``gp >= group``), of which the first ``group`` query rows
+    are real; returns ``[b, kv_heads, group, d]``. One program per sequence, kv head and
     query row: XLA's version of the same arithmetic is five or six small kernels per layer,
     about 0.25 ms of an 8B batch-1 token on an H100 (bench/NOTES.md r37).
     """

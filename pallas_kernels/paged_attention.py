@@ -71,7 +71,8 @@ _BLOCK_KEYS = 128
 # caps the programs per SM). One H200, batch 64, 8 kv heads, so 4 splits (bench/NOTES.md
 # r202-r203): engine-like lengths (mean 310, max 1,108 keys) 57.0 -> 41.9 us per call; the
 # 8B engine at 64 slots 4,608 -> 4,841 output tok/s (r207). From 128 pairs on as well
-# (r209: 4 kv heads at 64 rows, engine-like lengths 102 -> ~49 us; 2 kv heads 59 -> ~45):
+# (r209: 4 kv heads at 64 rows, engine-like lengths ~84 -> ~49 us with 8 splits; 2 kv
+# heads ~54 -> ~50 with 8, the default's 16 not measured):
 # the 8B engine at 32 slots (256 pairs, as 8B tp=2 at 64 rows per GPU) 3,400 -> 3,614 (r211).
 _MANY_PROGRAMS = 128
 _MANY_TARGET_PROGRAMS = 2048
@@ -207,7 +208,9 @@ def _paged_gpu_kernel(
 
     ``q_ref``, ``nk_ref`` and ``nv_ref`` are whole ``[rows, d]`` arrays (possibly one array
     passed three times): ``rows_of`` gives each one's ``(rows per sequence, first row)``,
-    and head ``h`` of sequence ``b`` is row ``b * stride + first + h``."""
+    and head ``h`` of sequence ``b`` is row ``b * stride + first + h``. With
+    ``prefetch_pages`` (the one-stage launch) the block loop carries the next block's page
+    numbers, loaded before this block's K/V gather; otherwise each step loads its own."""
     refs = list(refs)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
     if writes:
@@ -375,10 +378,7 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
         out_specs = [pl.BlockSpec((b * hq, d), lambda bi, h, s: (0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b * hq, d), q.dtype)]
     else:
-        out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d)
-        # acc as one [b * hkv * splits * group, d] array the kernel stores its rows into.
-        out_specs[0] = pl.BlockSpec((b * hkv * num_splits * group, d), lambda bi, h, s: (0, 0))
-        out_shape[0] = jax.ShapeDtypeStruct((b * hkv * num_splits * group, d), jnp.float32)
+        out_specs, out_shape = split_partials(b, hkv, num_splits, gp, d, acc_rows=group)
     results = len(out_specs)
     operands = [lengths, bt, operands_qkv[0], k_pages, v_pages, *scales]
     aliases = {}
@@ -549,7 +549,9 @@ def paged_attention(
       num_splits: split-K factor (GPU); default ``paged_decode_launch``'s, capped at the
         blocks a row of ``block_tables`` holds.
       num_warps: Triton launch parameter (GPU only), default 4.
-      num_stages: Triton pipeline stages (GPU only); default ``paged_decode_launch``'s.
+      num_stages: Triton pipeline stages (GPU only); default ``paged_decode_launch``'s. With
+        one stage the kernel loads each block's page numbers a step ahead of its gather
+        instead (``_paged_gpu_kernel``'s ``prefetch_pages``).
       interpret: run under the Pallas (GPU) or TPU interpreter on CPU.
       backend: "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic TPU).
 

@@ -96,7 +96,8 @@ def time_in_jit(fn: Callable[..., Any], arg_sets: list[tuple], calls: int = 16,
     Inputs rotate over ``arg_sets`` so small caches are not served from L2. Kernel time, not
     wall time: a program of microsecond kernels spends tens of microseconds in its dispatch,
     which made the same paged launch read 86.4 us as the sweep's first row and 68.7 us later
-    (r209)."""
+    (r209). The mean over the traced runs (no median: kernel time has no dispatch
+    outliers to drop)."""
     seq = [arg_sets[i % len(arg_sets)] for i in range(calls)]
     multi = jax.jit(lambda sets: [fn(*a) for a in sets])
     jax.block_until_ready(multi(seq))
@@ -415,8 +416,8 @@ def bench_splits(quick: bool) -> None:
     per step and the stages are the default launch's (``paged_decode_launch``: from 128
     (sequence, kv head) pairs, 64 keys and one stage; before r203, 128 keys and 3 stages
     everywhere). Each row gives the K/V bytes read per second and their share of the copy
-    test's rate. Outside a CUDA graph a batch-1 call is launch-bound (~25-40 us whatever the
-    split, r178): judge short contexts by the engine's profile instead."""
+    test's rate. Times are the kernels' own (``time_in_jit``): the launch gaps that made a
+    batch-1 call read ~25-40 us of wall time whatever the split (r178) are not in them."""
     rows = RESULTS.setdefault("splits", [])
     d, ps = 128, 16
     key = jax.random.PRNGKey(3)

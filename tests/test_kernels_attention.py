@@ -505,6 +505,19 @@ def test_paged_gpu_kernel_loads_page_numbers_ahead_or_per_step(kv_dtype, num_sta
                        pages_per_block=4, num_stages=num_stages)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_attention_one_stage_reads_pages_ahead_without_a_write(num_splits):
+    """``paged_attention`` (no write) under the one-stage launch, with one split (the kernel
+    writes the output) and two (partials and the combine), over tables of several blocks
+    per split."""
+    rng = _rng(11, num_splits)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    k, v, table, lengths = _make_paged(rng, 3, 2, 64, 4, 26, jnp.float32)
+    out = paged_attention(q, k, v, table, lengths, pages_per_block=4, num_splits=num_splits,
+                          num_stages=1, interpret=True)
+    _assert_close(out, paged_attention_reference(q, k, v, table, lengths), jnp.float32)
+
+
 def _check_paged_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_size, pps, num_splits,
                        pages_per_block, num_stages=None):
     """``test_paged_attention_write``'s check for one configuration."""
