@@ -25,7 +25,7 @@ lint: install-test
 	$(BIN)/ruff check .
 
 test: install-test lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15 tests
+	$(BIN)/python scripts/run_tests.py -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15 tests
 
 clean:
 	rm -rf $(VENV)
