@@ -15,7 +15,6 @@ that take the most time. A record for bench/NOTES.md, not a test.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.benchmark import decode_case, run_decode
+from jaxinfer.benchmark import decode_case, run_decode, top_kernels
 from jaxinfer.model import init_params, prepare_params
 from jaxinfer.presets import resolve_config
 
@@ -76,10 +75,7 @@ def main() -> None:
         events, lines_seen = _device_events(Path(tmp))
 
     total_ns = sum(d for _, _, d in events)
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for name, _, d in events:
-        by_name[name].append(d)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
+    top = top_kernels(events, 15)
     span_ns = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) if events else 0
     per_step = {
         "wall_ms_untraced": 1e3 * untraced / args.steps,

@@ -203,6 +203,15 @@ def step_timelines(per_step: list[tuple[tuple[str, float, float],
     return out
 
 
+def kernel_rows(top: list[tuple[str, list[float]]], tokens: int | None = None) -> list[dict]:
+    """``top_kernels``' output as records: name, count, summed ms and mean us, and with
+    ``tokens`` the us per token."""
+    return [{"name": name[:100], "count": len(ds), "ms": sum(ds) / 1e6,
+             "mean_us": sum(ds) / len(ds) / 1e3,
+             **({} if tokens is None else {"us_per_token": sum(ds) / 1e3 / tokens})}
+            for name, ds in top]
+
+
 def kernels_by_kind(steps: list[dict], kernels: list[tuple[tuple[str, float, float],
                                                             list[tuple[str, float, float]]]],
                     n: int = 15) -> dict[str, list[dict]]:
@@ -215,10 +224,7 @@ def kernels_by_kind(steps: list[dict], kernels: list[tuple[tuple[str, float, flo
     for kind in sorted({s["kind"] for s in steps}):
         chosen = [ks for s, (_, ks) in zip(steps, kernels, strict=True) if s["kind"] == kind]
         tokens = max(1, sum(s["computed_tokens"] for s in steps if s["kind"] == kind))
-        top = top_kernels([k for ks in chosen for k in ks], n)
-        out[kind] = [{"name": name[:100], "count": len(ds), "ms": sum(ds) / 1e6,
-                      "mean_us": sum(ds) / len(ds) / 1e3, "us_per_token": sum(ds) / 1e3 / tokens}
-                     for name, ds in top]
+        out[kind] = kernel_rows(top_kernels([k for ks in chosen for k in ks], n), tokens)
     return out
 
 
@@ -326,15 +332,13 @@ def main() -> None:
     for s, t in zip(steps, step_timelines(per_step), strict=True):
         s.update(t)
     total_ms = sum(d for _, _, d in events) / 1e6
-    top = top_kernels(events, 25)
     by_kind = kernels_by_kind(steps, per_step)
     record = {
         "model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "score": args.score,
         "slots": engine.max_batch, "token_buckets": engine.token_buckets,
         "steps": steps, "kernel_ms_total": total_ms,
-        "top_kernels": [{"name": n[:100], "count": len(ds), "ms": sum(ds) / 1e6,
-                         "mean_us": sum(ds) / len(ds) / 1e3} for n, ds in top],
+        "top_kernels": kernel_rows(top_kernels(events, 25)),
         "top_kernels_by_kind": by_kind,
     }
     for s in steps:
