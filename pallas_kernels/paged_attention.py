@@ -58,7 +58,10 @@ from pallas_kernels.kv_quant import dequantize_kv
 # sequence has is still a program to schedule: at 528, 8B batch 1 (2 rows x 8 kv heads) ran
 # 1,024 programs in 9.15 us for a ~640-key context, at 132 (256 programs) 6.90 us, and the
 # combine fell from 3.32 to 2.03 us (bench/NOTES.md r78-r79). A program's pipelined K/V
-# blocks take much of an SM's shared memory, which would explain the waves.
+# blocks take much of an SM's shared memory, which would explain the waves. One H200, the
+# engine's batch 1 (r219): within ~1 us of the best split count at 192-1,000 keys, the best
+# at 4,000; one split costs ~4.5 us plus ~2.3 us per 128-key block, so even a 192-key row
+# gains nothing from skipping the combine.
 _TARGET_PROGRAMS = 132
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
@@ -74,6 +77,8 @@ _BLOCK_KEYS = 128
 # (r209: 4 kv heads at 64 rows, engine-like lengths ~84 -> ~49 us with 8 splits; 2 kv
 # heads ~54 -> ~50 with 8, the default's 16 not measured):
 # the 8B engine at 32 slots (256 pairs, as 8B tp=2 at 64 rows per GPU) 3,400 -> 3,614 (r211).
+# Where every row is short and equal there is no tail to even out: 8B tp=2 at 64 rows of
+# 192 keys ran 19.0 us per layer before, 18.0 + 2.6 (combine) after, the same tok/s (r214).
 _MANY_PROGRAMS = 128
 _MANY_TARGET_PROGRAMS = 2048
 _BLOCK_KEYS_MANY = 64
