@@ -61,12 +61,16 @@ class Int4Tiles:
     # ahead, 61.8 us against 63.8 at 1,024 without (r126; 8B batch 1 350.1 against 340.4
     # tok/s, r127). Without loads ahead 1,024 had beaten 512 (68.3 / 65.0 against 80.9 /
     # 75.0 us, r101 / r102). Weights that make 256-512 programs of one group at 512 columns
-    # (8B qkv, o; 1B gate|up, down) take 4 byte rows per load there (32 float16 products per
+    # (8B qkv, o; 1B gate|up, down) took 4 byte rows per load there (32 float16 products per
     # sum), and weight loads are evict-first: 8B 59.5 against 61.9 us per layer at one row,
     # 85.0 / 85.3 at two, 120.6 / 123.0 at four (r133), 8B batch 1 356.6 against 348.4 tok/s
-    # (r132); 70B 182.9 against 191.1 us per layer (r137, evict-first only).
+    # (r132); 70B 182.9 against 191.1 us per layer (r137, evict-first only). H200 (r223-r227):
+    # that wide tile for every weight it divides that makes 256 programs, at ~2,048 programs
+    # with no loads ahead: 70B gate|up 71.3 against 85.8 us; 70B batch 1 71.2 against 66.7
+    # tok/s, 8B 393.9 against 382.0 (the narrow tile, loads ahead at ~512, keeps the LM head
+    # and 1B qkv and o).
     word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True,
-                                half2_products=32, evict_first=True, one_step_tile=(512, 4))
+                                half2_products=32, evict_first=True, wide_tile=(512, 4))
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,

@@ -102,10 +102,14 @@ class WordTiles:
     evict_first: bool = False  # the float16-pair kernel's weight loads hint the L2 to
     # evict their lines first (each weight byte is read once; ``Int4Tiles`` and
     # ``Int8Tiles`` turn it on)
-    one_step_tile: tuple[int, int] = (0, 0)  # (block_n, sub_rows) for a float16-pair weight
-    # whose loop steps times column blocks at this tile make half to all of the program
-    # target: one step per program, all of its loads issued at once ((0, 0): off; fewer
-    # programs than half leave SMs idle: 1B qkv and o, r137)
+    wide_tile: tuple[int, int] = (0, 0)  # (block_n, sub_rows) for a float16-pair weight
+    # whose columns it divides (a padded weight would be copied on every call: the LM head,
+    # r226) and that makes at least ``wide_min_programs`` programs at it ((0, 0): off; fewer
+    # programs leave SMs idle: 1B qkv and o, r137). It runs ``wide_programs`` programs and no
+    # loads ahead (H200, 70B gate|up: 71.3 us against 85.8 for the narrow tile with loads
+    # ahead; loads ahead at this tile, 110-119 us; r224-r225)
+    wide_min_programs: int = 256
+    wide_programs: int = 2048
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -443,12 +447,13 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
-    if half2 and tiles.one_step_tile != (0, 0):
-        wide_n, wide_sub = tiles.one_step_tile
+    prefetch = tiles.prefetch
+    if half2 and tiles.wide_tile != (0, 0):
+        wide_n, wide_sub = tiles.wide_tile
         wide_n = min(wide_n, next_pow2(max(n, 4)))
-        if (group <= products * wide_sub and byte_rows % wide_sub == 0
-                and programs // 2 <= steps * cdiv(n, wide_n) <= programs):
-            block_n, sub = wide_n, wide_sub
+        if (group <= products * wide_sub and byte_rows % wide_sub == 0 and n % wide_n == 0
+                and steps * (n // wide_n) >= tiles.wide_min_programs):
+            block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
@@ -472,7 +477,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
-            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=tiles.prefetch,
+            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=prefetch,
             evict_first=tiles.evict_first, emulate=interpret)
     else:
         kernel = functools.partial(

@@ -147,32 +147,35 @@ def _kernel_eqns(jaxpr) -> list:
     return out
 
 
-def test_one_step_tile_takes_weights_that_fill_the_program_target():
-    """``WordTiles.one_step_tile`` (the int4 default: 512 columns, 4 byte rows per load): a
-    float16-pair weight whose groups times column blocks at that tile make half to all of
-    the program target (512) runs one group per program (8B qkv and o, 1B gate|up and down);
-    larger weights (8B gate|up, down), smaller ones (1B qkv, o: too few programs) and the
-    float32 kernel (g32) keep the default tile; the tile needs ``half2_products`` of 128 / 4
-    = 32. The wide tile's result is within float16 rounding of the reference at every row
-    count."""
+def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
+    """``WordTiles.wide_tile`` (the int4 default: 512 columns, 4 byte rows per load): a
+    float16-pair weight whose columns it divides and whose groups times column blocks at that
+    tile make at least ``wide_min_programs`` (256) runs it, at ``wide_programs`` (2,048) and
+    with no loads ahead (70B and 8B layers); smaller weights (1B qkv, o: too few programs),
+    columns it does not divide (the LM head: padding would copy the weight on every call)
+    and the float32 kernel (g32) keep the default tile; the tile needs ``half2_products`` of
+    128 / 4 = 32. The wide tile's result is within float16 rounding of the reference at every
+    row count, in one step per program and in several."""
     word = Int4Tiles().word
-    assert word.one_step_tile == (512, 4) and word.half2_products == 32
-    assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 384 programs
-    assert _grid(4, 4096, 4096, 128, word) == (8, 32)  # 256
-    assert _grid(1, 2048, 16384, 128, word) == (32, 16)  # 1B gate|up: 512
-    assert _grid(1, 4096, 28672, 128, word) == (224, 2)  # 56 x 32 > 512: blocks of 128
-    assert _grid(1, 14336, 4096, 128, word) == (32, 16)  # 8 x 112 > 512
-    assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 4 x 16 < 256: blocks of 128
-    narrow = dataclasses.replace(word, one_step_tile=(0, 0))
+    assert word.wide_tile == (512, 4) and word.half2_products == 32
+    assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 8B qkv: 384 programs
+    assert _grid(4, 4096, 4096, 128, word) == (8, 32)  # 8B o: 256
+    assert _grid(1, 4096, 28672, 128, word) == (56, 32)  # 8B gate|up: 56 x 32 <= 2,048
+    assert _grid(1, 14336, 4096, 128, word) == (8, 112)  # 8B down
+    assert _grid(1, 8192, 57344, 128, word) == (112, 16)  # 70B gate|up: 16 <= 2,048 / 112
+    assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 1B o: 4 x 16 < 256: blocks of 128
+    assert _grid(1, 4096, 128256, 128, word) == (1002, 1)  # the head: 512 does not divide
+    narrow = dataclasses.replace(word, wide_tile=(0, 0))
     assert _grid(1, 4096, 6144, 128, narrow) == (48, 8)
     assert _grid(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == (48, 8)
     assert not _runs_half2(1, 4096, 6144, 32, word)
     assert _grid(1, 4096, 6144, 32, word) == (24, 32)  # the float32 kernel's own tiling
-    small = dataclasses.replace(word, half2_programs=16)  # 8 programs of one group: wide
-    for m in (1, 2, WORD_ROWS):
-        x, q, scale, zero = _int4(m, 1024, 200, 128, seed=20 + m)
+    for m, k, programs, splits in ((1, 1024, 16, 8), (2, 2048, 8, 4), (WORD_ROWS, 2048, 8, 4)):
+        # 2 blocks of 512 columns; one group per program, then four
+        small = dataclasses.replace(word, wide_min_programs=4, wide_programs=programs)
+        x, q, scale, zero = _int4(m, k, 1024, 128, seed=20 + m)
         want = word_gemv_reference(x, q, scale, zero, **INT4)
-        assert _grid(m, 1024, 200, 128, small) == (1, 8)  # one block of 256 columns
+        assert _grid(m, k, 1024, 128, small) == (2, splits)
         got = word_gemv(x, q, scale, zero, interpret=True, tiles=small, **INT4)
         err = float(jnp.max(jnp.abs(got - want)))
         assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
