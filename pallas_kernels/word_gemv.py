@@ -110,6 +110,10 @@ class WordTiles:
     # ahead; loads ahead at this tile, 110-119 us; r224-r225)
     wide_min_programs: int = 256
     wide_programs: int = 2048
+    wide_max_splits: int = 0  # most splits of K for the wide tile (0: as many as
+    # ``wide_programs`` asks): each split writes a float32 partial that XLA sums after the
+    # kernel, inside the consumer's fusion when it can (r228, 70B qkv: 64 partials summed in
+    # the RoPE concatenate took 6.7 us against 1.6 for the 4 of the narrow tile)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -454,6 +458,8 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         if (group <= products * wide_sub and byte_rows % wide_sub == 0 and n % wide_n == 0
                 and steps * (n // wide_n) >= tiles.wide_min_programs):
             block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
+            if tiles.wide_max_splits:
+                programs = min(programs, tiles.wide_max_splits * (n // wide_n))
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below

@@ -15,7 +15,8 @@ warmed up; ``time_call``). By default it
 compares the candidates below on every shape, group sizes 32, 64 and 128 and each of
 ``--rows``. ``--sweep`` times the float16-pair kernel's tiles instead (column block, rows
 per load and warps at 16 bytes per thread per load; with 4 warps also the weight loads'
-evict-first hint) at one row and g128 on every shape.
+evict-first hint) at one row and g128 on every shape. ``--sweep-wide`` times the wide tile
+(``WordTiles.wide_tile``) at each of ``--programs`` and ``--max-splits``.
 ``--probe`` times two stripped kernels that read the packed weight exactly as ``word_gemv``
 does: one only xors the words (the read rate Pallas/Triton reaches with that access
 pattern), one also makes every nibble a float (the cost of the unpacking). Their results
@@ -245,8 +246,15 @@ def main() -> None:
                         help="time the float16-pair kernel's tilings, loads a step ahead or "
                              "not and each of --programs (int4 g128 at each of --rows; with "
                              "--int8 the int8 g64 kernel at one row instead) (slow)")
+    sweeps.add_argument("--sweep-wide", action="store_true",
+                        help="time the wide tile's tilings: each of --programs as its "
+                             "program target at each of --max-splits (int4 g128 at each of "
+                             "--rows; with --int8 the int8 g64 kernel at one row at 256 x 8 "
+                             "and 512 x 8) beside the default")
     ap.add_argument("--programs", default="512,1024,2048",
-                    help="--sweep-pairs: the program targets to time")
+                    help="--sweep-pairs, --sweep-wide: the program targets to time")
+    ap.add_argument("--max-splits", default="0,8,16",
+                    help="--sweep-wide: the caps on splits of K to time (0: none)")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="8b",
                     help="whose layer shapes to time (the layer's fraction of its floor)")
     ap.add_argument("--probe", action="store_true",
@@ -268,11 +276,12 @@ def main() -> None:
     try:
         programs = [int(p) for p in args.programs.split(",")]
         row_counts = [int(m) for m in args.rows.split(",")]
+        max_splits = [int(c) for c in args.max_splits.split(",")]
     except ValueError:
-        ap.error(f"--programs {args.programs!r} and --rows {args.rows!r} must be "
-                 "comma-separated whole numbers, e.g. 512,1024")
-    if min(programs + row_counts) < 1:
-        ap.error("--programs and --rows must be positive")
+        ap.error(f"--programs {args.programs!r}, --rows {args.rows!r} and --max-splits "
+                 f"{args.max_splits!r} must be comma-separated whole numbers, e.g. 512,1024")
+    if min(programs + row_counts) < 1 or min(max_splits) < 0:
+        ap.error("--programs and --rows must be positive, --max-splits 0 or more")
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
@@ -301,8 +310,8 @@ def main() -> None:
     if args.once:
         run_once(SHAPES[args.shapes])
         return
-    if args.int8 and not args.sweep_pairs:  # one row count at a time, both kernels, the
-        # JSON rewritten after each
+    if args.int8 and not (args.sweep_pairs or args.sweep_wide):  # one row count at a
+        # time, both kernels, the JSON rewritten after each
         candidates = []
         for m in row_counts:
             for label, tiles in (("int8 float16 pairs", Int8Tiles(word_rows=WORD_ROWS)),
@@ -316,7 +325,7 @@ def main() -> None:
                      Candidate("probe(read)", functools.partial(stream_probe, unpack=False),
                                probe=True)):
             trace_call(cand, operands(1, 4096, 4096, 128), args.calls)
-    candidates = [] if args.only_probe or args.sweep_pairs or args.sweep else [
+    candidates = [] if args.only_probe or args.sweep_pairs or args.sweep or args.sweep_wide else [
         layer(c, m) for m in row_counts
         for c in (for_tiles(Int4Tiles()),
                   for_tiles(FLOAT32_WORDS),
@@ -344,6 +353,23 @@ def main() -> None:
                                        target_programs=target)
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
+    if args.sweep_wide:  # the wide tile (r224-r228): its program target and split cap; the
+        # time includes the XLA sum of the partials (alone here: in a model XLA may fuse it
+        # into the consumer, so an engine A/B decides)
+        if args.int8:
+            for tile, target in itertools.product(((256, 8), (512, 8)), programs):
+                word = dataclasses.replace(Int8Tiles().word, wide_tile=tile,
+                                           wide_programs=target)
+                sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
+                write(candidates, sweep)
+        else:
+            for m in row_counts:
+                sweep.append(layer(for_tiles(Int4Tiles()), m, groups=(128,)))
+                for target, cap in itertools.product(programs, max_splits):
+                    word = dataclasses.replace(Int4Tiles().word, wide_programs=target,
+                                               wide_max_splits=cap)
+                    sweep.append(layer(for_tiles(Int4Tiles(word=word)), m, groups=(128,)))
+                    write(candidates, sweep)
     if args.sweep:  # the float16-pair kernel's tile at one row, g128, around the default
         for block_n, sub_rows, warps, evict in itertools.product(
                 (64, 128, 256, 512), (4, 8, 16, 32, 64), (2, 4, 8), (False, True)):

@@ -154,8 +154,9 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     with no loads ahead (70B and 8B layers); smaller weights (1B qkv, o: too few programs),
     columns it does not divide (the LM head: padding would copy the weight on every call)
     and the float32 kernel (g32) keep the default tile; the tile needs ``half2_products`` of
-    128 / 4 = 32. The wide tile's result is within float16 rounding of the reference at every
-    row count, in one step per program and in several."""
+    128 / 4 = 32; ``wide_max_splits`` caps its splits of K. The wide tile's result is within
+    float16 rounding of the reference at every row count, in one step per program and in
+    several."""
     word = Int4Tiles().word
     assert word.wide_tile == (512, 4) and word.half2_products == 32
     assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 8B qkv: 384 programs
@@ -165,6 +166,11 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     assert _grid(1, 8192, 57344, 128, word) == (112, 16)  # 70B gate|up: 16 <= 2,048 / 112
     assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 1B o: 4 x 16 < 256: blocks of 128
     assert _grid(1, 4096, 128256, 128, word) == (1002, 1)  # the head: 512 does not divide
+    assert _grid(1, 8192, 10240, 128, word) == (20, 64)  # 70B qkv: 64 groups, 64 splits
+    capped = dataclasses.replace(word, wide_max_splits=16)  # at most 16 partials to sum
+    assert _grid(1, 8192, 10240, 128, capped) == (20, 16)
+    assert _grid(1, 8192, 57344, 128, capped) == (112, 16)  # 70B gate|up: already 16
+    assert _grid(1, 2048, 2048, 128, capped) == (16, 16)  # the narrow tile: not capped
     narrow = dataclasses.replace(word, wide_tile=(0, 0))
     assert _grid(1, 4096, 6144, 128, narrow) == (48, 8)
     assert _grid(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == (48, 8)
@@ -291,6 +297,8 @@ def _f16_pair_bound(x: jax.Array, q: jax.Array, scale: jax.Array, products: int)
     (3, 256, 64, WordTiles(sub_rows=8, block_n=64)),  # HALF2_PRODUCTS (8) products per sum
     (WORD_ROWS, 2048, 36, WordTiles(step_rows=256, num_warps=8)),  # 4 groups per loop step
     (2, 2048, 100, WordTiles(target_programs=1, prefetch=True)),  # 16 steps, loaded ahead
+    # the wide tile (``bench_int4.py --sweep-wide --int8``): 256 columns x 8 rows, 8 products
+    (2, 1024, 512, WordTiles(wide_tile=(256, 8), wide_min_programs=4, wide_programs=8)),
 ])
 def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles):
     """int8_matmul up to WORD_ROWS rows: word_gemv's float16-pair kernel (each int8 value
@@ -306,7 +314,8 @@ def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles)
     np.testing.assert_allclose(int8_matmul_reference(x, q, scale, out_dtype=jnp.float32),
                                want, rtol=1e-5, atol=2e-4)
     err = jnp.abs(got - want)
-    products = 64 // min(tiles.sub_rows, 64)
+    sub = tiles.wide_tile[1] or tiles.sub_rows  # every case's weight takes its wide tile
+    products = 64 // min(sub, 64)
     assert bool(jnp.all(err <= _f16_pair_bound(x, q, scale, products)))
     assert 0 < float(jnp.max(err)) <= 2e-3 * float(jnp.max(jnp.abs(want)))
 
