@@ -110,6 +110,9 @@ class WordTiles:
     # ahead; loads ahead at this tile, 110-119 us; r224-r225)
     wide_min_programs: int = 256
     wide_programs: int = 2048
+    wide_max_rows: int = 2  # calls of more rows keep the narrow tile (H200, 70B gate|up: the
+    # wide tile 73.1 / 112.3 / 216.0 us at 1 / 2 / 4 rows, the narrow one 85.8 / 138.0 at 1
+    # / 2 and not timed at 4, where the wide one's 3x suggests register pressure; r224-r225)
     wide_max_splits: int = 0  # most splits of K for the wide tile (0: as many as
     # ``wide_programs`` asks): each split writes a float32 partial that XLA sums after the
     # kernel, inside the consumer's fusion when it can (r228, 70B qkv: 64 partials summed in
@@ -455,7 +458,8 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if half2 and tiles.wide_tile != (0, 0):
         wide_n, wide_sub = tiles.wide_tile
         wide_n = min(wide_n, next_pow2(max(n, 4)))
-        if (group <= products * wide_sub and byte_rows % wide_sub == 0 and n % wide_n == 0
+        if (m <= tiles.wide_max_rows and group <= products * wide_sub
+                and byte_rows % wide_sub == 0 and n % wide_n == 0
                 and steps * (n // wide_n) >= tiles.wide_min_programs):
             block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
             if tiles.wide_max_splits:

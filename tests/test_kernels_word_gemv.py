@@ -153,14 +153,16 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     tile make at least ``wide_min_programs`` (256) runs it, at ``wide_programs`` (2,048) and
     with no loads ahead (70B and 8B layers); smaller weights (1B qkv, o: too few programs),
     columns it does not divide (the LM head: padding would copy the weight on every call)
-    and the float32 kernel (g32) keep the default tile; the tile needs ``half2_products`` of
-    128 / 4 = 32; ``wide_max_splits`` caps its splits of K. The wide tile's result is within
+    and the float32 kernel (g32) keep the default tile, and so do calls of more than
+    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32;
+    ``wide_max_splits`` caps its splits of K. The wide tile's result is within
     float16 rounding of the reference at every row count, in one step per program and in
     several."""
     word = Int4Tiles().word
     assert word.wide_tile == (512, 4) and word.half2_products == 32
     assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 8B qkv: 384 programs
-    assert _grid(4, 4096, 4096, 128, word) == (8, 32)  # 8B o: 256
+    assert _grid(2, 4096, 4096, 128, word) == (8, 32)  # 8B o: 256
+    assert _grid(4, 4096, 4096, 128, word) == (32, 16)  # 4 rows: the narrow tile
     assert _grid(1, 4096, 28672, 128, word) == (56, 32)  # 8B gate|up: 56 x 32 <= 2,048
     assert _grid(1, 14336, 4096, 128, word) == (8, 112)  # 8B down
     assert _grid(1, 8192, 57344, 128, word) == (112, 16)  # 70B gate|up: 16 <= 2,048 / 112
@@ -178,7 +180,8 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     assert _grid(1, 4096, 6144, 32, word) == (24, 32)  # the float32 kernel's own tiling
     for m, k, programs, splits in ((1, 1024, 16, 8), (2, 2048, 8, 4), (WORD_ROWS, 2048, 8, 4)):
         # 2 blocks of 512 columns; one group per program, then four
-        small = dataclasses.replace(word, wide_min_programs=4, wide_programs=programs)
+        small = dataclasses.replace(word, wide_min_programs=4, wide_programs=programs,
+                                    wide_max_rows=WORD_ROWS)
         x, q, scale, zero = _int4(m, k, 1024, 128, seed=20 + m)
         want = word_gemv_reference(x, q, scale, zero, **INT4)
         assert _grid(m, k, 1024, 128, small) == (2, splits)
