@@ -65,10 +65,10 @@ class Int4Tiles:
     # sum), and weight loads are evict-first: 8B 59.5 against 61.9 us per layer at one row,
     # 85.0 / 85.3 at two, 120.6 / 123.0 at four (r133), 8B batch 1 356.6 against 348.4 tok/s
     # (r132); 70B 182.9 against 191.1 us per layer (r137, evict-first only). H200 (r223-r227):
-    # that wide tile for every weight it divides that makes 256 programs, at ~2,048 programs
-    # with no loads ahead: 70B gate|up 71.3 against 85.8 us; 70B batch 1 71.2 against 66.7
-    # tok/s, 8B 393.9 against 382.0 (the narrow tile, loads ahead at ~512, keeps the LM head
-    # and 1B qkv and o).
+    # that wide tile for every weight it divides that makes 256 programs, in calls of up to 2
+    # rows, at ~2,048 programs with no loads ahead: 70B gate|up 71.3 against 85.8 us; 70B
+    # batch 1 71.2 against 66.7 tok/s, 8B 393.9 against 382.0 (the narrow tile, loads ahead
+    # at ~512, keeps the LM head, 1B qkv and o, and 4-row calls).
     word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True,
                                 half2_products=32, evict_first=True, wide_tile=(512, 4))
 
