@@ -226,7 +226,7 @@ _HALF2_X_SCALE = 2.0**-8
 float16, and the sums divided by it after. A float16 sum of ``p`` products (at most
 ``WordTiles.half2_products``, default ``HALF2_PRODUCTS``) of a field ``|v|`` and ``|x| * 2^-8``
 stays below 65504 while ``|x| < 65504 * 256 / (|v| * p)``: int4 (``u <= 15``) 140k at ``p = 8``,
-35k at the 32 products of ``Int4Tiles``' one-step tile (4 byte rows per load); int8 (``|q| <=
+35k at the 32 products of ``Int4Tiles``' wide tile (4 byte rows per load); int8 (``|q| <=
 128``) 32k at the default ``p = G / sub_rows = 64 / 16 = 4``, 16k at ``p = 8`` (``sub_rows`` 8),
 and a lone product overflows only past 131k. int8 keeps this scale (at least 16k at any tiling,
 32k at the default): a smaller one would raise the bounds but push the float16 normal range up

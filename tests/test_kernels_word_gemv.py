@@ -248,13 +248,19 @@ def test_half2_kernel_reads_float16_scales_as_column_pairs():
 
 
 @pytest.mark.parametrize("tiles", [  # 8 / 32 products per float16 sum
-    WordTiles(), dataclasses.replace(Int4Tiles().word, half2_programs=8)])
+    WordTiles(), dataclasses.replace(Int4Tiles().word, wide_min_programs=1, wide_programs=8)])
 def test_half2_kernel_scales_activations_so_nothing_overflows(tiles):
     """Activations whose float16 products would overflow unscaled (3e4 and 1e5, x 15 per
     product) and an all-zero row: the kernel scales activations by 2^-8 before rounding to
     float16, so the result stays finite and close, and zeros give zeros (also in the int4
-    default's one-step tile, 32 products per float16 sum: 8 programs of one group)."""
+    default's wide tile, 32 products per float16 sum: 8 programs of one group)."""
     x, q, scale, zero = _int4(2, 1024, 128, 128, seed=5)
+    if tiles.wide_tile != (0, 0):  # 4 byte rows of 32 words per load: the wide tile
+        jaxpr = jax.make_jaxpr(lambda x: word_gemv(x, q, scale, zero, interpret=True,
+                                                   tiles=tiles, **INT4))(x)
+        assert {e.outvars[0].aval.shape for e in _kernel_eqns(jaxpr)
+                if e.primitive.name in ("masked_load", "get")
+                and e.outvars[0].aval.dtype == jnp.uint32} == {(4, 32)}
     x = x.at[0, 3].set(3e4).at[0, 700].set(-1e5).at[1].set(0.0)
     got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **INT4)
     want = word_gemv_reference(x, q, scale, zero, **INT4)
