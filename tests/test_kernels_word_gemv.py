@@ -190,11 +190,16 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
         assert 0 < err <= 2e-3 * float(jnp.max(jnp.abs(want))), err
 
 
+def _loads(jaxpr) -> list:
+    """The load equations of the first pallas_call's kernel in ``jaxpr``."""
+    return [e for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")]
+
+
 def _load_hints(jaxpr) -> list[tuple[str, str | None]]:
     """Each load of the first pallas_call's kernel in ``jaxpr``: (loaded dtype, its L2
     eviction hint or None)."""
     return [(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
-            for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")]
+            for e in _loads(jaxpr)]
 
 
 def test_evict_first_marks_only_the_weight_loads():
@@ -258,9 +263,8 @@ def test_half2_kernel_scales_activations_so_nothing_overflows(tiles):
     if tiles.wide_tile != (0, 0):  # 4 byte rows of 32 words per load: the wide tile
         jaxpr = jax.make_jaxpr(lambda x: word_gemv(x, q, scale, zero, interpret=True,
                                                    tiles=tiles, **INT4))(x)
-        assert {e.outvars[0].aval.shape for e in _kernel_eqns(jaxpr)
-                if e.primitive.name in ("masked_load", "get")
-                and e.outvars[0].aval.dtype == jnp.uint32} == {(4, 32)}
+        assert {e.outvars[0].aval.shape for e in _loads(jaxpr)
+                if e.outvars[0].aval.dtype == jnp.uint32} == {(4, 32)}
     x = x.at[0, 3].set(3e4).at[0, 700].set(-1e5).at[1].set(0.0)
     got = word_gemv(x, q, scale, zero, interpret=True, tiles=tiles, **INT4)
     want = word_gemv_reference(x, q, scale, zero, **INT4)
@@ -323,7 +327,7 @@ def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles)
     np.testing.assert_allclose(int8_matmul_reference(x, q, scale, out_dtype=jnp.float32),
                                want, rtol=1e-5, atol=2e-4)
     err = jnp.abs(got - want)
-    sub = tiles.wide_tile[1] or tiles.sub_rows  # every case's weight takes its wide tile
+    sub = tiles.wide_tile[1] or tiles.sub_rows  # a case with a wide tile has a weight it takes
     products = 64 // min(sub, 64)
     assert bool(jnp.all(err <= _f16_pair_bound(x, q, scale, products)))
     assert 0 < float(jnp.max(err)) <= 2e-3 * float(jnp.max(jnp.abs(want)))
