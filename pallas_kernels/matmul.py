@@ -174,8 +174,13 @@ class Int8Tiles:
     # defaults (H100, r101; r126, with the last step after the loop: 113.0 against 108.1
     # without, inside that run's ~5% spread per shape: not changed on one sample); weight
     # loads evict-first: 109.8 against 113.3 us (r144, two samples each; qkv 1.2 us slower,
-    # gate|up and down 2.5 and 1.9 faster), 8B batch 1 215.1 against 210.9 tok/s (r145)
-    word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True)
+    # gate|up and down 2.5 and 1.9 faster), 8B batch 1 215.1 against 210.9 tok/s (r145).
+    # H200: the wide tile (512 columns x 8 byte rows per load, ~1,024 programs, no loads
+    # ahead; 8 float16 products per sum, so no float16 sum overflows below |x| of 16k,
+    # ``word_gemv._HALF2_X_SCALE``) for the weights it divides: 8B layer 80.6 us at one row
+    # (r235; 256 x 8: 88.6), 8B batch 1 280.6 against 248.9 tok/s (r236)
+    word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True,
+                                wide_tile=(512, 8), wide_programs=1024)
 
 
 def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:

@@ -111,12 +111,10 @@ class WordTiles:
     wide_min_programs: int = 256
     wide_programs: int = 2048
     wide_max_rows: int = 2  # calls of more rows keep the narrow tile (H200, 70B gate|up: the
-    # wide tile 73.1 / 112.3 / 216.0 us at 1 / 2 / 4 rows, the narrow one 85.8 / 138.0 at 1
-    # / 2 and not timed at 4, where the wide one's 3x suggests register pressure; r224-r225)
-    wide_max_splits: int = 0  # most splits of K for the wide tile (0: as many as
-    # ``wide_programs`` asks): each split writes a float32 partial that XLA sums after the
-    # kernel, inside the consumer's fusion when it can (r228, 70B qkv: 64 partials summed in
-    # the RoPE concatenate took 6.7 us against 1.6 for the 4 of the narrow tile)
+    # wide tile 73.1 / 112.3 / 217.6 us at 1 / 2 / 4 rows, the narrow one 85.8 / 138.0 /
+    # 202.9; down at 4 rows 114.3 against 93.4; r224-r225, r229). Its splits of K are not
+    # capped: 8, 16 or 32 partials at most made 70B layers slower (r230: 198.5 / 155.8 /
+    # 154.0 against 148.4 us; 70B batch 1 at 16, 69.4 against 71.6 tok/s)
 
 
 def word_gemv_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None,
@@ -462,8 +460,6 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
                 and byte_rows % wide_sub == 0 and n % wide_n == 0
                 and steps * (n // wide_n) >= tiles.wide_min_programs):
             block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
-            if tiles.wide_max_splits:
-                programs = min(programs, tiles.wide_max_splits * (n // wide_n))
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below

@@ -16,7 +16,7 @@ compares the candidates below on every shape, group sizes 32, 64 and 128 and eac
 ``--rows``. ``--sweep`` times the float16-pair kernel's tiles instead (column block, rows
 per load and warps at 16 bytes per thread per load; with 4 warps also the weight loads'
 evict-first hint) at one row and g128 on every shape. ``--sweep-wide`` times the wide tile
-(``WordTiles.wide_tile``) at each of ``--programs`` and ``--max-splits``.
+(``WordTiles.wide_tile``) at each of ``--programs``, beside the default.
 ``--probe`` times two stripped kernels that read the packed weight exactly as ``word_gemv``
 does: one only xors the words (the read rate Pallas/Triton reaches with that access
 pattern), one also makes every nibble a float (the cost of the unpacking). Their results
@@ -247,14 +247,11 @@ def main() -> None:
                              "not and each of --programs (int4 g128 at each of --rows; with "
                              "--int8 the int8 g64 kernel at one row instead) (slow)")
     sweeps.add_argument("--sweep-wide", action="store_true",
-                        help="time the wide tile's tilings: each of --programs as its "
-                             "program target at each of --max-splits (int4 g128 at each of "
-                             "--rows; with --int8 the int8 g64 kernel at one row at 256 x 8 "
-                             "and 512 x 8) beside the default")
+                        help="time the wide tile at each of --programs as its program "
+                             "target (int4 g128 at each of --rows; with --int8 the int8 g64 "
+                             "kernel at one row at 256 x 8 and 512 x 8) beside the default")
     ap.add_argument("--programs", default="512,1024,2048",
                     help="--sweep-pairs, --sweep-wide: the program targets to time")
-    ap.add_argument("--max-splits", default="0,8,16",
-                    help="--sweep-wide: the caps on splits of K to time (0: none)")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="8b",
                     help="whose layer shapes to time (the layer's fraction of its floor)")
     ap.add_argument("--probe", action="store_true",
@@ -276,12 +273,11 @@ def main() -> None:
     try:
         programs = [int(p) for p in args.programs.split(",")]
         row_counts = [int(m) for m in args.rows.split(",")]
-        max_splits = [int(c) for c in args.max_splits.split(",")]
     except ValueError:
-        ap.error(f"--programs {args.programs!r}, --rows {args.rows!r} and --max-splits "
-                 f"{args.max_splits!r} must be comma-separated whole numbers, e.g. 512,1024")
-    if min(programs + row_counts) < 1 or min(max_splits) < 0:
-        ap.error("--programs and --rows must be positive, --max-splits 0 or more")
+        ap.error(f"--programs {args.programs!r} and --rows {args.rows!r} must be "
+                 "comma-separated whole numbers, e.g. 512,1024")
+    if min(programs + row_counts) < 1:
+        ap.error("--programs and --rows must be positive")
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("bench_int4: the kernel under test runs on a GPU; none is visible")
 
@@ -353,10 +349,11 @@ def main() -> None:
                                        target_programs=target)
             sweep.append(layer(for_tiles(Int8Tiles(word=word)), 1, groups=(64,)))
             write(candidates, sweep)
-    if args.sweep_wide:  # the wide tile (r224-r228): its program target and split cap; the
-        # time includes the XLA sum of the partials (alone here: in a model XLA may fuse it
-        # into the consumer, so an engine A/B decides)
+    if args.sweep_wide:  # the wide tile (r224-r235): its program target; the time includes
+        # the XLA sum of the partials (alone here: in a model XLA may fuse it into the
+        # consumer, so an engine A/B decides)
         if args.int8:
+            sweep.append(layer(for_tiles(Int8Tiles()), 1, groups=(64,)))
             for tile, target in itertools.product(((256, 8), (512, 8)), programs):
                 word = dataclasses.replace(Int8Tiles().word, wide_tile=tile,
                                            wide_programs=target)
@@ -365,9 +362,8 @@ def main() -> None:
         else:
             for m in row_counts:
                 sweep.append(layer(for_tiles(Int4Tiles()), m, groups=(128,)))
-                for target, cap in itertools.product(programs, max_splits):
-                    word = dataclasses.replace(Int4Tiles().word, wide_programs=target,
-                                               wide_max_splits=cap)
+                for target in programs:
+                    word = dataclasses.replace(Int4Tiles().word, wide_programs=target)
                     sweep.append(layer(for_tiles(Int4Tiles(word=word)), m, groups=(128,)))
                     write(candidates, sweep)
     if args.sweep:  # the float16-pair kernel's tile at one row, g128, around the default

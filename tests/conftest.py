@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF Llama checkpoints (the oracle) and the default GGUF."""
+"""Shared fixtures: tiny random HF Llama checkpoints (the oracle) and the default GGUF; a
+jaxpr walk for tests that inspect traced programs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,26 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+
+def nested_jaxprs(eqn):
+    """The jaxprs in a jaxpr equation's params (a jit's, a loop's, a pallas_call's kernel)."""
+    for v in eqn.params.values():
+        for item in v if isinstance(v, tuple) else (v,):  # a cond's branches: a tuple
+            inner = getattr(item, "jaxpr", item)
+            inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def all_eqns(jaxpr) -> list:
+    """Every equation of ``jaxpr`` (a Jaxpr or ClosedJaxpr) and of the jaxprs nested in it."""
+    todo, out = [getattr(jaxpr, "jaxpr", jaxpr)], []
+    while todo:
+        jx = todo.pop()
+        out += jx.eqns
+        todo += [inner for eqn in jx.eqns for inner in nested_jaxprs(eqn)]
+    return out
+
 
 TINY_CONFIGS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),

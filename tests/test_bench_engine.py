@@ -531,7 +531,7 @@ def test_bench_int4_layer_shapes_follow_the_presets():
 @pytest.mark.parametrize("script, argv, says", [
     ("bench_int4", ["--programs", "512,x"], "comma-separated whole numbers"),
     ("bench_int4", ["--rows", "0"], "must be positive"),
-    ("bench_int4", ["--max-splits", "-1"], "0 or more"),
+    ("bench_int4", ["--programs", "0"], "must be positive"),
     ("bench_int4", ["--shapes", "13b"], "invalid choice"),
     ("profile_engine", ["--max-batch", "0"], "must be positive")])
 def test_gpu_profilers_refuse_bad_arguments_in_one_line(script, argv, says, monkeypatch,

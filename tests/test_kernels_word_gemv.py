@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import all_eqns
 
 from pallas_kernels.int4_matmul import Int4Tiles, int4_matmul, int4_matmul_reference
 from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
@@ -95,24 +96,11 @@ def test_half2_kernel_is_within_float16_rounding_of_the_reference(m, k, n, group
         np.testing.assert_allclose(ahead, got, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(got))))
 
 
-def _nested(eqn):
-    """The jaxprs in ``eqn``'s params (a jit's, a loop's, a pallas_call's kernel)."""
-    for v in eqn.params.values():
-        inner = getattr(v, "jaxpr", v)
-        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
-        if hasattr(inner, "eqns"):
-            yield inner
-
-
 def _pallas_eqn(jaxpr):
-    """The first pallas_call equation in ``jaxpr`` or the jaxprs nested in it."""
-    todo = list(jaxpr.jaxpr.eqns)
-    while todo:
-        e = todo.pop()
-        if e.primitive.name == "pallas_call":
-            return e
-        todo += [eqn for inner in _nested(e) for eqn in inner.eqns]
-    raise AssertionError("no pallas_call")
+    """The (one) pallas_call equation in ``jaxpr`` or the jaxprs nested in it."""
+    calls = [e for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1, calls
+    return calls[0]
 
 
 def _grid(m: int, k: int, n: int, group: int, tiles: WordTiles) -> tuple[int, ...]:
@@ -138,13 +126,8 @@ def test_half2_programs_sets_only_the_pair_kernels_split():
 
 
 def _kernel_eqns(jaxpr) -> list:
-    """The equations of the first pallas_call's kernel in ``jaxpr`` and its nested jaxprs."""
-    body, out = [_pallas_eqn(jaxpr).params["jaxpr"]], []
-    while body:
-        jx = body.pop()
-        out += jx.eqns
-        body += [inner for eqn in jx.eqns for inner in _nested(eqn)]
-    return out
+    """The equations of the pallas_call's kernel in ``jaxpr`` and its nested jaxprs."""
+    return all_eqns(_pallas_eqn(jaxpr).params["jaxpr"])
 
 
 def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
@@ -154,8 +137,8 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     with no loads ahead (70B and 8B layers); smaller weights (1B qkv, o: too few programs),
     columns it does not divide (the LM head: padding would copy the weight on every call)
     and the float32 kernel (g32) keep the default tile, and so do calls of more than
-    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32;
-    ``wide_max_splits`` caps its splits of K. The wide tile's result is within
+    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32. The wide
+    tile's result is within
     float16 rounding of the reference at every row count, in one step per program and in
     several."""
     word = Int4Tiles().word
@@ -169,10 +152,6 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 1B o: 4 x 16 < 256: blocks of 128
     assert _grid(1, 4096, 128256, 128, word) == (1002, 1)  # the head: 512 does not divide
     assert _grid(1, 8192, 10240, 128, word) == (20, 64)  # 70B qkv: 64 groups, 64 splits
-    capped = dataclasses.replace(word, wide_max_splits=16)  # at most 16 partials to sum
-    assert _grid(1, 8192, 10240, 128, capped) == (20, 16)
-    assert _grid(1, 8192, 57344, 128, capped) == (112, 16)  # 70B gate|up: already 16
-    assert _grid(1, 2048, 2048, 128, capped) == (16, 16)  # the narrow tile: not capped
     narrow = dataclasses.replace(word, wide_tile=(0, 0))
     assert _grid(1, 4096, 6144, 128, narrow) == (48, 8)
     assert _grid(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == (48, 8)
@@ -191,12 +170,12 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
 
 
 def _loads(jaxpr) -> list:
-    """The load equations of the first pallas_call's kernel in ``jaxpr``."""
+    """The load equations of the pallas_call's kernel in ``jaxpr``."""
     return [e for e in _kernel_eqns(jaxpr) if e.primitive.name in ("masked_load", "get")]
 
 
 def _load_hints(jaxpr) -> list[tuple[str, str | None]]:
-    """Each load of the first pallas_call's kernel in ``jaxpr``: (loaded dtype, its L2
+    """Each load of the pallas_call's kernel in ``jaxpr``: (loaded dtype, its L2
     eviction hint or None)."""
     return [(str(e.outvars[0].aval.dtype), e.params.get("eviction_policy"))
             for e in _loads(jaxpr)]
@@ -310,7 +289,8 @@ def _f16_pair_bound(x: jax.Array, q: jax.Array, scale: jax.Array, products: int)
     (3, 256, 64, WordTiles(sub_rows=8, block_n=64)),  # HALF2_PRODUCTS (8) products per sum
     (WORD_ROWS, 2048, 36, WordTiles(step_rows=256, num_warps=8)),  # 4 groups per loop step
     (2, 2048, 100, WordTiles(target_programs=1, prefetch=True)),  # 16 steps, loaded ahead
-    # the wide tile (``bench_int4.py --sweep-wide --int8``): 256 columns x 8 rows, 8 products
+    # ``Int8Tiles``' wide tile: 512 columns x 8 rows, 8 products; and 256 x 8
+    (1, 1024, 512, dataclasses.replace(Int8Tiles().word, wide_min_programs=4, wide_programs=8)),
     (2, 1024, 512, WordTiles(wide_tile=(256, 8), wide_min_programs=4, wide_programs=8)),
 ])
 def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles):
@@ -336,20 +316,49 @@ def test_int8_pairs_are_within_float16_rounding_of_the_reference(m, k, n, tiles)
 PAIRS = Int8Tiles(word_rows=WORD_ROWS)  # the float16-pair kernel up to WORD_ROWS rows
 
 
-def test_int8_pairs_overflow_only_past_the_documented_bound():
-    """``_HALF2_X_SCALE``: four products of ``|q| = 128`` and ``|x| * 2^-8`` per float16 sum
-    (64-row groups, 16 rows per load) stay finite below ``|x| = 65504 * 256 / 512`` (32752).
-    Column 0 gets ``q = -128`` on the four rows one float16 sum takes (group rows 5, 21, 37,
-    53) and every other column random values; row 0 puts 32000 on those rows (a sum of -64000:
-    finite, and as accurate as anywhere), row 1 33000 (-66000: float16 infinity, so the bound
-    is the real one), row 2 an activation of 3e4 elsewhere in the group."""
-    x, q, scale = _int8(3, 256, 64, seed=11)
-    hot = jnp.asarray([5, 21, 37, 53]) + 64
+def _int8_grid(m: int, k: int, n: int, tiles: Int8Tiles) -> tuple[int, ...]:
+    """``int8_matmul``'s few-row grid (column blocks, K splits) for these shapes."""
+    xs = jax.ShapeDtypeStruct((m, k), jnp.float32)
+    q = jax.ShapeDtypeStruct((k, n), jnp.int8)
+    s = jax.ShapeDtypeStruct((k // 64, n), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, q, s: int8_matmul(x, q, s, interpret=True,
+                                                       tiles=tiles))(xs, q, s)
+    return tuple(_pallas_eqn(jaxpr).params["grid_mapping"].grid)
+
+
+def test_int8_default_takes_the_wide_tile_on_8b_layers():
+    """``Int8Tiles``' default runs the wide tile (512 columns, 8 byte rows per load, ~1,024
+    programs, r235-r236) on every 8B layer weight at one row; a weight of too few programs
+    at it (1B o) keeps the narrow tile (256 columns for 64-row groups, ~512 programs)."""
+    tiles = Int8Tiles()
+    assert tiles.word.wide_tile == (512, 8) and tiles.word.wide_programs == 1024
+    assert _int8_grid(1, 4096, 6144, tiles) == (12, 64)  # 8B qkv: 64 groups, 1024 // 12
+    assert _int8_grid(1, 4096, 28672, tiles) == (56, 16)  # 8B gate|up
+    assert _int8_grid(1, 14336, 4096, tiles) == (8, 112)  # 8B down: 224 groups
+    assert _int8_grid(1, 2048, 2048, tiles) == (8, 32)  # 1B o: 4 x 32 < 256 at 512
+
+
+@pytest.mark.parametrize("tiles, rows, bound", [
+    # the narrow tile (16 rows per load: 4 products per float16 sum), below 65504 * 256 / 512
+    (PAIRS, (5, 21, 37, 53), 32752.0),
+    # the wide tile (8 rows per load: 8 products), below 65504 * 256 / 1024
+    (Int8Tiles(word_rows=WORD_ROWS, word=dataclasses.replace(
+        Int8Tiles().word, wide_min_programs=1, wide_max_rows=WORD_ROWS)),
+     (5, 13, 21, 29, 37, 45, 53, 61), 16376.0)])
+def test_int8_pairs_overflow_only_past_the_documented_bound(tiles, rows, bound):
+    """``_HALF2_X_SCALE``: the products of ``|q| = 128`` and ``|x| * 2^-8`` that one float16
+    sum takes (a 64-row group's rows ``5 + sub_rows * t``) stay finite below ``|x| = 65504 *
+    256 / (128 * products)``. Column 0 gets ``q = -128`` on those rows and every other column
+    random values; row 0 puts 0.98 of the bound on them (finite, and as accurate as
+    anywhere), row 1 1.02 of it (float16 infinity, so the bound is the real one), row 2 an
+    activation of 3e4 elsewhere in the group."""
+    x, q, scale = _int8(3, 256, 512, seed=11)
+    hot = jnp.asarray(rows) + 64
     q = q.at[hot, 0].set(-128)
-    x = x.at[0, hot].set(32000.0).at[1, hot].set(33000.0).at[2, 70].set(3e4)
-    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True, tiles=PAIRS)
+    x = x.at[0, hot].set(0.98 * bound).at[1, hot].set(1.02 * bound).at[2, 70].set(3e4)
+    got = int8_matmul(x, q, scale, out_dtype=jnp.float32, interpret=True, tiles=tiles)
     want = word_gemv_reference(x, q, scale, None, **INT8)
-    bound = _f16_pair_bound(x, q, scale, 4)
+    bound = _f16_pair_bound(x, q, scale, len(rows))
     assert bool(jnp.all(jnp.isfinite(got[0]))) and bool(jnp.all(jnp.isfinite(got[2])))
     assert bool(jnp.all(jnp.abs(got - want)[jnp.asarray([0, 2])] <= bound[jnp.asarray([0, 2])]))
     assert float(got[1, 0]) == -np.inf and bool(jnp.all(jnp.isfinite(got[1, 1:])))
