@@ -21,6 +21,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
+
 def nested_jaxprs(eqn):
     """The jaxprs in a jaxpr equation's params (a jit's, a loop's, a pallas_call's kernel)."""
     for v in eqn.params.values():

@@ -138,9 +138,8 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     columns it does not divide (the LM head: padding would copy the weight on every call)
     and the float32 kernel (g32) keep the default tile, and so do calls of more than
     ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32. The wide
-    tile's result is within
-    float16 rounding of the reference at every row count, in one step per program and in
-    several."""
+    tile's result is within float16 rounding of the reference at every row count, in one step
+    per program and in several."""
     word = Int4Tiles().word
     assert word.wide_tile == (512, 4) and word.half2_products == 32
     assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 8B qkv: 384 programs
