@@ -103,14 +103,19 @@ def _pallas_eqn(jaxpr):
     return calls[0]
 
 
+def _launch_grid(f, *shapes: tuple[tuple[int, ...], jnp.dtype]) -> tuple[int, ...]:
+    """The grid (column blocks, K splits) of the pallas_call in ``f`` traced on operands of
+    these (shape, dtype) pairs: nothing runs."""
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    return tuple(_pallas_eqn(jax.make_jaxpr(f)(*structs)).params["grid_mapping"].grid)
+
+
 def _grid(m: int, k: int, n: int, group: int, tiles: WordTiles) -> tuple[int, ...]:
-    """word_gemv's grid (column blocks, K splits) for these shapes."""
-    xs = jax.ShapeDtypeStruct((m, k), jnp.float32)
-    q = jax.ShapeDtypeStruct((k // 2, n), jnp.uint8)
-    s = jax.ShapeDtypeStruct((k // group, n), jnp.float16)
-    jaxpr = jax.make_jaxpr(lambda x, q, s, z: word_gemv(x, q, s, z, interpret=True,
-                                                        tiles=tiles, **INT4))(xs, q, s, s)
-    return tuple(_pallas_eqn(jaxpr).params["grid_mapping"].grid)
+    """word_gemv's int4 grid for these shapes."""
+    s = ((k // group, n), jnp.float16)
+    return _launch_grid(lambda x, q, s, z: word_gemv(x, q, s, z, interpret=True, tiles=tiles,
+                                                     **INT4),
+                        ((m, k), jnp.float32), ((k // 2, n), jnp.uint8), s, s)
 
 
 def test_half2_programs_sets_only_the_pair_kernels_split():
@@ -316,13 +321,9 @@ PAIRS = Int8Tiles(word_rows=WORD_ROWS)  # the float16-pair kernel up to WORD_ROW
 
 
 def _int8_grid(m: int, k: int, n: int, tiles: Int8Tiles) -> tuple[int, ...]:
-    """``int8_matmul``'s few-row grid (column blocks, K splits) for these shapes."""
-    xs = jax.ShapeDtypeStruct((m, k), jnp.float32)
-    q = jax.ShapeDtypeStruct((k, n), jnp.int8)
-    s = jax.ShapeDtypeStruct((k // 64, n), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda x, q, s: int8_matmul(x, q, s, interpret=True,
-                                                       tiles=tiles))(xs, q, s)
-    return tuple(_pallas_eqn(jaxpr).params["grid_mapping"].grid)
+    """``int8_matmul``'s few-row grid for these shapes."""
+    return _launch_grid(lambda x, q, s: int8_matmul(x, q, s, interpret=True, tiles=tiles),
+                        ((m, k), jnp.float32), ((k, n), jnp.int8), ((k // 64, n), jnp.float32))
 
 
 def test_int8_default_takes_the_wide_tile_on_8b_layers():
