@@ -48,7 +48,11 @@ issue slots busy at 18% achieved occupancy, most stalls waiting on global loads.
 four products per float16 sum at the default 16 rows per load; ``scripts/bench_int4.py
 --int8``): 104.1 us per 8B layer at one row (r103; r91: 113.9, against ``int8_matmul``'s
 tensor-core kernel's 121.6, but 142.3 against 122.1 at two); its float32 kernel was slower
-still (r64: 174 / 255 us at one / two rows).
+still (r64: 174 / 255 us at one / two rows). On an H200 the kernel at the wide tile is still
+bound by issued instructions (r234-r237: memory-bound up to ~4.5 per weight byte; it issues
+~6.4), so for large weights XLA makes the activation pairs (and int4's group sums) once per
+call and the loop only unpacks and multiplies (``WordTiles.x_pairs``: ~4.0 per byte; 70B int4
+batch 1 81.0 against 72.2 tok/s, r243).
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero; a byte row per input row, so a word holds one input row of
@@ -110,6 +114,20 @@ class WordTiles:
     # ahead; loads ahead at this tile, 110-119 us; r224-r225)
     wide_min_programs: int = 256
     wide_programs: int = 2048
+    x_pairs: bool = False  # the wide tile's activations reach the kernel as float16 pairs
+    # ``(x, x)`` (int32 words, scaled by ``_HALF2_X_SCALE``) and, with zeros, each group's
+    # activation sum, both made by XLA once per call, instead of being converted and packed
+    # per load and field in the loop (offline SASS, 70B gate|up: 1,028 loop instructions per
+    # group against 1,543, 48 registers against 113; r238). The kernel is bound by issued
+    # instructions (r234-r237), so this saves time per weight byte, while XLA's pairs and
+    # sums cost a few microseconds per call: hence ``x_pairs_min_bytes``
+    x_pairs_min_bytes: int = 0  # x_pairs only for weights of at least this many bytes
+    # (``Int4Tiles`` / ``Int8Tiles``: 32 MiB; H200, 8B int4 batch 1 with x_pairs on every
+    # wide-tile weight 373.7 against 406.5 tok/s, r244; one row, 8B qkv 11.0 against 8.1 us,
+    # o 10.2 against 7.2, r242)
+    x_pairs_step_rows: int = 256  # input rows per loop iteration with x_pairs (H200, 70B
+    # at one row, 2 groups of 128 against 1: gate|up 68.4 against 83.8 us, down 36.3 against
+    # 39.3, qkv 16.5 against 17.5; without x_pairs 73.2, 42.5, 17.6; r242)
     wide_max_rows: int = 2  # calls of more rows keep the narrow tile (H200, 70B gate|up: the
     # wide tile 73.1 / 112.3 / 217.6 us at 1 / 2 / 4 rows, the narrow one 85.8 / 138.0 /
     # 202.9; down at 4 rows 114.3 against 93.4; r224-r225, r229). Its splits of K are not
@@ -314,16 +332,16 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def _half_pair(x: jax.Array, words: int) -> jax.Array:
-    """``x [sub, 1]`` float32 as the float16 pair ``(x, x)`` per word: int32 ``[sub, words]``."""
+def half_pairs(x: jax.Array) -> jax.Array:
+    """Each value of ``x`` (float32) rounded to float16 and doubled into the pair ``(x, x)``:
+    int32 of ``x``'s shape."""
     u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
-    pair = lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
-    return jnp.broadcast_to(pair, (x.shape[0], words))
+    return lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
 
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: bool, evict_first: bool, emulate: bool) -> None:
+                  prefetch: bool, evict_first: bool, x_pairs: bool, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -338,8 +356,14 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     follows the loop (H100, r101-r103, when the last step still reloaded itself: 2-4% faster
     for int8 at one group per step, slower for int4 g128; r126, as now: int4 g128 at ~512
     programs 61.8 against 63.8 us per 8B layer, ``Int4Tiles``' default; int8 113.0 against
-    108.1 without, within that run's ~5% spread per shape, so int8 keeps it)."""
-    z_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    108.1 without, within that run's ~5% spread per shape, so int8 keeps it).
+
+    ``x_pairs`` (``WordTiles.x_pairs``): x_ref holds the activations as float16 pairs
+    (``half_pairs`` of ``x * _HALF2_X_SCALE``, int32 ``[rows, K]``) and, with zeros, a ref
+    after z_ref holds each group's sum of ``x * _HALF2_X_SCALE / sub`` (float32 ``[rows, K /
+    G]``): added to each of an accumulator's ``sub`` rows, it sums to the group's term."""
+    *z_refs, o_ref = refs
+    z_ref, xsum_ref = (z_refs + [None, None])[:2]
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
     loads = byte_rows // sub
@@ -363,27 +387,31 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
 
     def load(step):
         """What ``step`` reads, per group: words ``[loads] [sub, words]`` int32; activations
-        ``[rows][loads][fields] [sub, 1]`` float32, scaled by ``_HALF2_X_SCALE`` (exact);
-        scales and zeros (or None) as ``lane_values``."""
+        ``[rows][loads][fields] [sub, 1]`` float32, scaled by ``_HALF2_X_SCALE`` (exact; with
+        ``x_pairs`` int32 pairs); scales and zeros (or None) as ``lane_values``; with
+        ``x_pairs`` and zeros, the activation sums ``[rows] [1, 1]`` (else None)."""
         first = (split * steps_per_split + step) * groups_per_step
         out = []
         for j in range(groups_per_step):
             g = first + j
             w = [lax.bitcast_convert_type(load_words(pl.ds(g * byte_rows + t * sub, sub)),
                                           jnp.int32) for t in range(loads)]
-            xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)]
-                    .astype(f32)[:, None] * _HALF2_X_SCALE for i in range(fields)]
-                   for t in range(loads)] for r in range(rows)]
+            xs = [[[x_ref[r, pl.ds(g * group + i * byte_rows + t * sub, sub)][:, None]
+                    for i in range(fields)] for t in range(loads)] for r in range(rows)]
+            if not x_pairs:
+                xs = [[[v.astype(f32) * _HALF2_X_SCALE for v in f] for f in t] for t in xs]
+            sums = (None if xsum_ref is None else
+                    [xsum_ref[r, pl.ds(g, 1)][None, :] for r in range(rows)])
             z = None if z_ref is None else lane_values(z_ref, g)
-            out.append((w, xs, lane_values(s_ref, g), z))
+            out.append((w, xs, lane_values(s_ref, g), z, sums))
         return out
 
     def compute(data, acc):  # acc[r][c]: [sub, words] float32
         acc = [list(a) for a in acc]
-        for w, xs, s, z in data:
+        for w, xs, s, z, sums in data:
             a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
             a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
-            x_sum = [None] * rows  # [sub, 1] float32 (for the zeros)
+            x_sum = sums or [None] * rows  # [sub, 1] (or [1, 1]) float32, for the zeros
             for t in range(loads):
                 # Lanes 0 and 2 are at bits 0 and 16 of a word, lanes 1 and 3 8 bits up;
                 # field 1 (int4's high nibble) 4 bits above field 0.
@@ -393,9 +421,10 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 for r in range(rows):
                     for i in range(fields):
                         xi = xs[r][t][i]
-                        if z is not None:
+                        if z is not None and not x_pairs:
                             x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
-                        xp = _half_pair(xi, words)
+                        xp = jnp.broadcast_to(xi if x_pairs else half_pairs(xi),
+                                              (sub, words))
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
                         a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
             for r in range(rows):
@@ -452,7 +481,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
     steps = groups // groups_per_step
-    prefetch = tiles.prefetch
+    prefetch, x_pairs = tiles.prefetch, False
     if half2 and tiles.wide_tile != (0, 0):
         wide_n, wide_sub = tiles.wide_tile
         wide_n = min(wide_n, next_pow2(max(n, 4)))
@@ -460,6 +489,10 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
                 and byte_rows % wide_sub == 0 and n % wide_n == 0
                 and steps * (n // wide_n) >= tiles.wide_min_programs):
             block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
+            x_pairs = tiles.x_pairs and q.nbytes >= tiles.x_pairs_min_bytes
+            if x_pairs:
+                groups_per_step = largest_divisor(groups, tiles.x_pairs_step_rows // group)
+                steps = groups // groups_per_step
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
@@ -480,11 +513,17 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
+    if x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
+        xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
+        operands[0] = half_pairs(xs)
+        if zero is not None:
+            specs.append(pl.BlockSpec((m, groups), lambda j, t: (0, 0)))
+            operands.append(jnp.sum(xs.reshape(m, groups, group), axis=-1) / sub)
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=prefetch,
-            evict_first=tiles.evict_first, emulate=interpret)
+            evict_first=tiles.evict_first, x_pairs=x_pairs, emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,

@@ -142,7 +142,8 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     with no loads ahead (70B and 8B layers); smaller weights (1B qkv, o: too few programs),
     columns it does not divide (the LM head: padding would copy the weight on every call)
     and the float32 kernel (g32) keep the default tile, and so do calls of more than
-    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32. The wide
+    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32. Weights of
+    32 MiB and up (``x_pairs``) step 2 groups at a time, so they split K half as finely. The wide
     tile's result is within float16 rounding of the reference at every row count, in one step
     per program and in several."""
     word = Int4Tiles().word
@@ -150,12 +151,15 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 8B qkv: 384 programs
     assert _grid(2, 4096, 4096, 128, word) == (8, 32)  # 8B o: 256
     assert _grid(4, 4096, 4096, 128, word) == (32, 16)  # 4 rows: the narrow tile
-    assert _grid(1, 4096, 28672, 128, word) == (56, 32)  # 8B gate|up: 56 x 32 <= 2,048
+    assert _grid(1, 4096, 28672, 128, word) == (56, 16)  # 8B gate|up (x_pairs: 16 steps of
+    # 2 groups): 56 x 16 <= 2,048
     assert _grid(1, 14336, 4096, 128, word) == (8, 112)  # 8B down
     assert _grid(1, 8192, 57344, 128, word) == (112, 16)  # 70B gate|up: 16 <= 2,048 / 112
     assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 1B o: 4 x 16 < 256: blocks of 128
     assert _grid(1, 4096, 128256, 128, word) == (1002, 1)  # the head: 512 does not divide
-    assert _grid(1, 8192, 10240, 128, word) == (20, 64)  # 70B qkv: 64 groups, 64 splits
+    assert _grid(1, 8192, 10240, 128, word) == (20, 32)  # 70B qkv: 64 groups, x_pairs' 32
+    # steps, 32 splits
+    assert _grid(1, 8192, 10240, 128, dataclasses.replace(word, x_pairs=False)) == (20, 64)
     narrow = dataclasses.replace(word, wide_tile=(0, 0))
     assert _grid(1, 4096, 6144, 128, narrow) == (48, 8)
     assert _grid(1, 4096, 6144, 128, dataclasses.replace(word, half2_products=0)) == (48, 8)
@@ -343,7 +347,11 @@ def test_int8_default_takes_the_wide_tile_on_8b_layers():
     (PAIRS, (5, 21, 37, 53), 32752.0),
     # the wide tile (8 rows per load: 8 products), below 65504 * 256 / 1024
     (Int8Tiles(word_rows=WORD_ROWS, word=dataclasses.replace(
-        Int8Tiles().word, wide_min_programs=1, wide_max_rows=WORD_ROWS)),
+        Int8Tiles().word, wide_min_programs=1, wide_max_rows=WORD_ROWS, x_pairs=False)),
+     (5, 13, 21, 29, 37, 45, 53, 61), 16376.0),
+    # the same with the activations as pairs made by XLA (``x_pairs``)
+    (Int8Tiles(word_rows=WORD_ROWS, word=dataclasses.replace(
+        Int8Tiles().word, wide_min_programs=1, wide_max_rows=WORD_ROWS, x_pairs_min_bytes=0)),
      (5, 13, 21, 29, 37, 45, 53, 61), 16376.0)])
 def test_int8_pairs_overflow_only_past_the_documented_bound(tiles, rows, bound):
     """``_HALF2_X_SCALE``: the products of ``|q| = 128`` and ``|x| * 2^-8`` that one float16
@@ -504,3 +512,72 @@ def test_word_kernel_lowers_to_triton_for_cuda_at_8b_shapes():
                          disabled_checks=no_check)(x1, q8, s8).mlir_module()
     assert "jaxinfer_word_gemv_8bit_half2" in text
     assert "0x64806480" in text and "fma.rn.f16x2" in text
+
+
+def _kernel_x_dtype(f, *args) -> str:
+    """The dtype of the activations operand of the pallas_call in ``f``'s jaxpr."""
+    return str(_pallas_eqn(jax.make_jaxpr(f)(*args)).invars[0].aval.dtype)
+
+
+@pytest.mark.parametrize("m, step_rows", [(1, 256), (2, 256), (1, 128)])
+def test_x_pairs_give_the_wide_tiles_result(m, step_rows):
+    """``WordTiles.x_pairs``: the wide tile's activations reach the kernel as int32 float16
+    pairs made by XLA (and, for int4, group sums), where they were converted in the loop; the
+    products are the same float16 arithmetic, so the result differs from the kernel's without
+    them only in the float32 order of its sums (``x_pairs_step_rows``: 1 or 2 groups per loop
+    step, so other K splits; int4 at 2: 2 steps per split). The narrow tile and weights under
+    ``x_pairs_min_bytes`` ignore the flag."""
+    wide = dataclasses.replace(Int4Tiles().word, wide_min_programs=4, wide_programs=8,
+                               x_pairs=False)
+    pairs = dataclasses.replace(wide, x_pairs=True, x_pairs_min_bytes=0,
+                                x_pairs_step_rows=step_rows)
+    x, q, scale, zero = _int4(m, 2048, 1024, 128, seed=30 + m)  # 2 x 16 groups, 4 per program
+    got, plain = (word_gemv(x, q, scale, zero, interpret=True, tiles=t, **INT4)
+                  for t in (pairs, wide))
+    want = word_gemv_reference(x, q, scale, zero, **INT4)
+    np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    assert float(jnp.max(jnp.abs(got - want))) <= 2e-3 * float(jnp.max(jnp.abs(want)))
+
+    def x_dtype(tiles):
+        return _kernel_x_dtype(lambda x: word_gemv(x, q, scale, zero, interpret=True,
+                                                   tiles=tiles, **INT4), x)
+    assert x_dtype(pairs) == "int32"
+    assert x_dtype(dataclasses.replace(pairs, wide_min_programs=10_000)) == "float32"  # narrow
+    assert x_dtype(dataclasses.replace(pairs, x_pairs_min_bytes=q.nbytes)) == "int32"
+    assert x_dtype(dataclasses.replace(pairs, x_pairs_min_bytes=q.nbytes + 1)) == "float32"
+    x8, q8, s8 = _int8(m, 1024, 512, seed=40 + m)
+    i8 = dataclasses.replace(Int8Tiles().word, wide_min_programs=4, wide_programs=8,
+                             x_pairs_min_bytes=0, x_pairs_step_rows=step_rows // 2)
+    t8 = [Int8Tiles(word_rows=WORD_ROWS, word=dataclasses.replace(i8, x_pairs=on))
+          for on in (True, False)]
+    assert _kernel_x_dtype(lambda x: int8_matmul(x, q8, s8, interpret=True, tiles=t8[0]),
+                           x8) == "int32"
+    got8, plain8 = (int8_matmul(x8, q8, s8, out_dtype=jnp.float32, interpret=True, tiles=t)
+                    for t in t8)
+    np.testing.assert_allclose(got8, plain8, rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(plain8))))
+
+
+def test_default_x_pairs_take_the_weights_of_32_mib_and_up():
+    """``Int4Tiles`` and ``Int8Tiles`` give ``x_pairs`` to wide-tile weights of 32 MiB and up
+    (r242-r244: XLA's pairs and sums cost a few microseconds per call, more than small weights
+    save): at int4 every 70B layer weight and 8B gate|up, not 8B qkv, o or down; at int8 8B
+    gate|up and down, not qkv or o. Traced only: nothing runs."""
+    f16, f32 = jnp.float16, jnp.float32
+
+    def int4_x(k, n):
+        s = jax.ShapeDtypeStruct((k // 128, n), f16)
+        return _kernel_x_dtype(lambda x, q, s, z: int4_matmul(x, q, s, z, interpret=True),
+                               jax.ShapeDtypeStruct((1, k), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((k // 2, n), jnp.uint8), s, s)
+
+    def int8_x(k, n):
+        return _kernel_x_dtype(lambda x, q, s: int8_matmul(x, q, s, interpret=True),
+                               jax.ShapeDtypeStruct((1, k), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((k, n), jnp.int8),
+                               jax.ShapeDtypeStruct((k // 64, n), f32))
+    seventy_b = [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
+    assert [int4_x(k, n) for k, n in seventy_b] == ["int32"] * 4
+    eight_b = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate|up, down
+    assert [int4_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "bfloat16"]
+    assert [int8_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "int32"]
