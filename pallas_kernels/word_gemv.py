@@ -332,7 +332,7 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def half_pairs(x: jax.Array) -> jax.Array:
+def _half_pairs(x: jax.Array) -> jax.Array:
     """Each value of ``x`` (float32) rounded to float16 and doubled into the pair ``(x, x)``:
     int32 of ``x``'s shape."""
     u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
@@ -359,7 +359,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     108.1 without, within that run's ~5% spread per shape, so int8 keeps it).
 
     ``x_pairs`` (``WordTiles.x_pairs``): x_ref holds the activations as float16 pairs
-    (``half_pairs`` of ``x * _HALF2_X_SCALE``, int32 ``[rows, K]``) and, with zeros, a ref
+    (``_half_pairs`` of ``x * _HALF2_X_SCALE``, int32 ``[rows, K]``) and, with zeros, a ref
     after z_ref holds each group's sum of ``x * _HALF2_X_SCALE / sub`` (float32 ``[rows, K /
     G]``): added to each of an accumulator's ``sub`` rows, it sums to the group's term."""
     *z_refs, o_ref = refs
@@ -423,7 +423,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                         xi = xs[r][t][i]
                         if z is not None and not x_pairs:
                             x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
-                        xp = jnp.broadcast_to(xi if x_pairs else half_pairs(xi),
+                        xp = jnp.broadcast_to(xi if x_pairs else _half_pairs(xi),
                                               (sub, words))
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
                         a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
@@ -515,7 +515,7 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
     if x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
         xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
-        operands[0] = half_pairs(xs)
+        operands[0] = _half_pairs(xs)
         if zero is not None:
             specs.append(pl.BlockSpec((m, groups), lambda j, t: (0, 0)))
             operands.append(jnp.sum(xs.reshape(m, groups, group), axis=-1) / sub)
