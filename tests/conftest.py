@@ -22,6 +22,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Append each finished test's node id to the file ``$JAXINFER_TEST_RESULTS`` names, in
+    the controlling process only (xdist forwards its workers' reports there), so that
+    ``scripts/run_tests.py`` can re-run the tests a crashed worker left without a result."""
+    path = os.environ.get("JAXINFER_TEST_RESULTS")
+    if path and report.when == "teardown" and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(report.nodeid + "\n")
+
+
 def nested_jaxprs(eqn):
     """The jaxprs in a jaxpr equation's params (a jit's, a loop's, a pallas_call's kernel)."""
     for v in eqn.params.values():
