@@ -22,6 +22,53 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 
+def map_count() -> int:
+    """Memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def map_limit() -> int:
+    """The kernel's cap on one process's memory mappings (``vm.max_map_count``; Linux's
+    default 65,530 where it cannot be read)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65_530
+
+
+def release_programs_over(budget: int) -> bool:
+    """Drop JAX's caches of compiled programs if this process holds more than ``budget``
+    memory mappings; returns whether it did."""
+    if map_count() <= budget:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test file, release compiled programs once the process holds over half the
+    kernel's mapping cap. Each CPU executable JAX keeps holds memory mappings of its own,
+    and an xdist worker that runs many files (the Pallas interpreter's large programs
+    especially) reached 65,046 of the 65,530 allowed (2026-11-29, a passing run). Past the
+    cap an mmap fails; most likely that is how three clean-clone CI runs that day lost a
+    worker, in the same test, as jaxlib read a program from the compilation cache. Programs
+    that live objects (session fixtures' engines) hold stay; later files recompile, mostly
+    from the persistent cache (the peak fell to ~34k mappings at no cost in run time)."""
+    yield
+    release_programs_over(map_limit() // 2)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Append each finished test's node id to the file ``$JAXINFER_TEST_RESULTS`` names, in
     the controlling process only (xdist forwards its workers' reports there), so that

@@ -140,3 +140,18 @@ def test_a_crashed_worker_leaves_no_test_unrun(tmp_path, capsys):
     assert "crashed while running" in out and "re-running every test" in out, out
     assert status == 0, out
     assert sorted(log.read_text().split()) == sorted(names + ["test_crash"])
+
+
+def test_release_programs_over_a_mapping_budget():
+    """``conftest.release_programs_over``: over the budget it drops JAX's caches (a jitted
+    function's compiled program goes), under it nothing changes."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import map_count, map_limit, release_programs_over
+
+    f = jax.jit(lambda x: x * 3 + 1)
+    f(jnp.ones(4))
+    assert f._cache_size() == 1
+    assert 0 < map_count() < map_limit()
+    assert release_programs_over(map_limit()) is False and f._cache_size() == 1
+    assert release_programs_over(0) is True and f._cache_size() == 0
