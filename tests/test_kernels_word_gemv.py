@@ -103,19 +103,36 @@ def _pallas_eqn(jaxpr):
     return calls[0]
 
 
-def _launch_grid(f, *shapes: tuple[tuple[int, ...], jnp.dtype]) -> tuple[int, ...]:
-    """The grid (column blocks, K splits) of the pallas_call in ``f`` traced on operands of
-    these (shape, dtype) pairs: nothing runs."""
+Shapes = tuple[tuple[tuple[int, ...], jnp.dtype], ...]
+
+
+def _int4_shapes(m: int, k: int, n: int, group: int, x_dtype=jnp.float32) -> Shapes:
+    """(shape, dtype) of int4 operands ``x, q, scale, zero`` (float16 scales and zeros)."""
+    s = ((k // group, n), jnp.float16)
+    return ((m, k), x_dtype), ((k // 2, n), jnp.uint8), s, s
+
+
+def _int8_shapes(m: int, k: int, n: int, x_dtype=jnp.float32) -> Shapes:
+    """(shape, dtype) of int8 operands ``x, q, scale`` (float32 scales per 64 rows)."""
+    return ((m, k), x_dtype), ((k, n), jnp.int8), ((k // 64, n), jnp.float32)
+
+
+def _traced_pallas_eqn(f, shapes: Shapes):
+    """The pallas_call equation of ``f`` traced on operands of these (shape, dtype) pairs:
+    nothing runs."""
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    return tuple(_pallas_eqn(jax.make_jaxpr(f)(*structs)).params["grid_mapping"].grid)
+    return _pallas_eqn(jax.make_jaxpr(f)(*structs))
+
+
+def _launch_grid(f, shapes: Shapes) -> tuple[int, ...]:
+    """The grid (column blocks, K splits) of the pallas_call in ``f`` traced on ``shapes``."""
+    return tuple(_traced_pallas_eqn(f, shapes).params["grid_mapping"].grid)
 
 
 def _grid(m: int, k: int, n: int, group: int, tiles: WordTiles) -> tuple[int, ...]:
     """word_gemv's int4 grid for these shapes."""
-    s = ((k // group, n), jnp.float16)
     return _launch_grid(lambda x, q, s, z: word_gemv(x, q, s, z, interpret=True, tiles=tiles,
-                                                     **INT4),
-                        ((m, k), jnp.float32), ((k // 2, n), jnp.uint8), s, s)
+                                                     **INT4), _int4_shapes(m, k, n, group))
 
 
 def test_half2_programs_sets_only_the_pair_kernels_split():
@@ -327,7 +344,7 @@ PAIRS = Int8Tiles(word_rows=WORD_ROWS)  # the float16-pair kernel up to WORD_ROW
 def _int8_grid(m: int, k: int, n: int, tiles: Int8Tiles) -> tuple[int, ...]:
     """``int8_matmul``'s few-row grid for these shapes."""
     return _launch_grid(lambda x, q, s: int8_matmul(x, q, s, interpret=True, tiles=tiles),
-                        ((m, k), jnp.float32), ((k, n), jnp.int8), ((k // 64, n), jnp.float32))
+                        _int8_shapes(m, k, n))
 
 
 def test_int8_default_takes_the_wide_tile_on_8b_layers():
@@ -563,19 +580,15 @@ def test_default_x_pairs_take_the_weights_of_32_mib_and_up():
     (r242-r244: XLA's pairs and sums cost a few microseconds per call, more than small weights
     save): at int4 every 70B layer weight and 8B gate|up, not 8B qkv, o or down; at int8 8B
     gate|up and down, not qkv or o. Traced only: nothing runs."""
-    f16, f32 = jnp.float16, jnp.float32
-
     def int4_x(k, n):
-        s = jax.ShapeDtypeStruct((k // 128, n), f16)
-        return _kernel_x_dtype(lambda x, q, s, z: int4_matmul(x, q, s, z, interpret=True),
-                               jax.ShapeDtypeStruct((1, k), jnp.bfloat16),
-                               jax.ShapeDtypeStruct((k // 2, n), jnp.uint8), s, s)
+        eqn = _traced_pallas_eqn(lambda x, q, s, z: int4_matmul(x, q, s, z, interpret=True),
+                                 _int4_shapes(1, k, n, 128, jnp.bfloat16))
+        return str(eqn.invars[0].aval.dtype)
 
     def int8_x(k, n):
-        return _kernel_x_dtype(lambda x, q, s: int8_matmul(x, q, s, interpret=True),
-                               jax.ShapeDtypeStruct((1, k), jnp.bfloat16),
-                               jax.ShapeDtypeStruct((k, n), jnp.int8),
-                               jax.ShapeDtypeStruct((k // 64, n), f32))
+        eqn = _traced_pallas_eqn(lambda x, q, s: int8_matmul(x, q, s, interpret=True),
+                                 _int8_shapes(1, k, n, jnp.bfloat16))
+        return str(eqn.invars[0].aval.dtype)
     seventy_b = [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
     assert [int4_x(k, n) for k, n in seventy_b] == ["int32"] * 4
     eight_b = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate|up, down
