@@ -125,6 +125,11 @@ class WordTiles:
     # (``Int4Tiles`` / ``Int8Tiles``: 32 MiB; H200, 8B int4 batch 1 with x_pairs on every
     # wide-tile weight 373.7 against 406.5 tok/s, r244; one row, 8B qkv 11.0 against 8.1 us,
     # o 10.2 against 7.2, r242)
+    x_pair_sums: bool = False  # with x_pairs and zeros, each program sums its groups'
+    # activations itself (the pairs' float16 values widened and summed in float32 across
+    # the program's threads, once per group), where XLA's group sums are a reduction kernel
+    # of their own that cannot fuse into the RMSNorm making x; XLA then only makes the
+    # pairs, elementwise
     x_pairs_step_rows: int = 256  # input rows per loop iteration with x_pairs (H200, 70B
     # at one row, 2 groups of 128 against 1: gate|up 68.4 against 83.8 us, down 36.3 against
     # 39.3, qkv 16.5 against 17.5; without x_pairs 73.2, 42.5, 17.6; r242)
@@ -341,7 +346,8 @@ def _half_pairs(x: jax.Array) -> jax.Array:
 
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
-                  prefetch: bool, evict_first: bool, x_pairs: bool, emulate: bool) -> None:
+                  prefetch: bool, evict_first: bool, x_pairs: bool, x_pair_sums: bool,
+                  emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -361,7 +367,9 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     ``x_pairs`` (``WordTiles.x_pairs``): x_ref holds the activations as float16 pairs
     (``_half_pairs`` of ``x * _HALF2_X_SCALE``, int32 ``[rows, K]``) and, with zeros, a ref
     after z_ref holds each group's sum of ``x * _HALF2_X_SCALE / sub`` (float32 ``[rows, K /
-    G]``): added to each of an accumulator's ``sub`` rows, it sums to the group's term."""
+    G]``): added to each of an accumulator's ``sub`` rows, it sums to the group's term.
+    With ``x_pair_sums`` (``WordTiles.x_pair_sums``) there is no such ref: each group's sum
+    is made from its pairs (low halves widened, summed in float32) as the group is loaded."""
     *z_refs, o_ref = refs
     z_ref, xsum_ref = (z_refs + [None, None])[:2]
     rows, words = x_ref.shape[0], q_ref.shape[1]
@@ -402,6 +410,9 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 xs = [[[v.astype(f32) * _HALF2_X_SCALE for v in f] for f in t] for t in xs]
             sums = (None if xsum_ref is None else
                     [xsum_ref[r, pl.ds(g, 1)][None, :] for r in range(rows)])
+            if x_pair_sums and z_ref is not None:
+                sums = [(jnp.sum(_widen(x_ref[r, pl.ds(g * group, group)], 0, emulate))
+                         / sub).reshape(1, 1) for r in range(rows)]
             z = None if z_ref is None else lane_values(z_ref, g)
             out.append((w, xs, lane_values(s_ref, g), z, sums))
         return out
@@ -516,14 +527,15 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     if x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
         xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
         operands[0] = _half_pairs(xs)
-        if zero is not None:
+        if zero is not None and not tiles.x_pair_sums:
             specs.append(pl.BlockSpec((m, groups), lambda j, t: (0, 0)))
             operands.append(jnp.sum(xs.reshape(m, groups, group), axis=-1) / sub)
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=prefetch,
-            evict_first=tiles.evict_first, x_pairs=x_pairs, emulate=interpret)
+            evict_first=tiles.evict_first, x_pairs=x_pairs,
+            x_pair_sums=x_pairs and tiles.x_pair_sums, emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,

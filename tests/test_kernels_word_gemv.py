@@ -594,3 +594,27 @@ def test_default_x_pairs_take_the_weights_of_32_mib_and_up():
     eight_b = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate|up, down
     assert [int4_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "bfloat16"]
     assert [int8_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "int32"]
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_x_pair_sums_make_the_group_sums_in_the_kernel(m):
+    """``WordTiles.x_pair_sums``: with x_pairs, each program sums its groups' activations
+    from the pairs (float32 sums of their float16 values) instead of reading XLA's sums, so
+    the pallas_call takes no sums operand; the result is within float16 rounding of the
+    reference and close to the kernel with XLA's sums (they sum the unrounded activations)."""
+    base = dataclasses.replace(Int4Tiles().word, wide_min_programs=4, wide_programs=8,
+                               x_pairs_min_bytes=0)
+    x, q, scale, zero = _int4(m, 2048, 1024, 128, seed=50 + m)
+    got, xla = (word_gemv(x, q, scale, zero, interpret=True, tiles=dataclasses.replace(
+        base, x_pair_sums=on), **INT4) for on in (True, False))
+    want = word_gemv_reference(x, q, scale, zero, **INT4)
+    peak = float(jnp.max(jnp.abs(want)))
+    assert float(jnp.max(jnp.abs(got - want))) <= 2e-3 * peak
+    assert float(jnp.max(jnp.abs(got - xla))) <= 1e-3 * peak
+
+    def inputs(tiles):
+        jaxpr = jax.make_jaxpr(lambda x: word_gemv(x, q, scale, zero, interpret=True,
+                                                   tiles=tiles, **INT4))(x)
+        return len(_pallas_eqn(jaxpr).invars)
+    assert inputs(dataclasses.replace(base, x_pair_sums=True)) == 4  # pairs, q, scale, zero
+    assert inputs(base) == 5  # and XLA's sums
