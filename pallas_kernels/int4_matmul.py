@@ -69,11 +69,13 @@ class Int4Tiles:
     # rows, at ~2,048 programs with no loads ahead: 70B gate|up 71.3 against 85.8 us; 70B
     # batch 1 71.2 against 66.7 tok/s, 8B 393.9 against 382.0 (the narrow tile, loads ahead
     # at ~512, keeps the LM head, 1B qkv and o, and 4-row calls). Weights of 32 MiB and up
-    # take ``WordTiles.x_pairs`` at 2 groups per loop step: 70B batch 1 81.0 against 72.2
-    # tok/s, 8B 409.0 against 397.8 (H200, r243).
+    # took ``WordTiles.x_pairs`` at 2 groups per loop step: 70B batch 1 81.0 against 72.2
+    # tok/s, 8B 409.0 against 397.8 (H200, r243). With ``x_pair_sums`` (XLA makes only the
+    # pairs, elementwise) every wide-tile weight takes them: 70B 81.8 against 81.0, 8B 416.6
+    # against 408.8 (H200, r247).
     word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True,
                                 half2_products=32, evict_first=True, wide_tile=(512, 4),
-                                x_pairs=True, x_pairs_min_bytes=32 << 20)
+                                x_pairs=True, x_pair_sums=True)
 
 
 def int4_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,

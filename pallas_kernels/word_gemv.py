@@ -50,9 +50,9 @@ four products per float16 sum at the default 16 rows per load; ``scripts/bench_i
 tensor-core kernel's 121.6, but 142.3 against 122.1 at two); its float32 kernel was slower
 still (r64: 174 / 255 us at one / two rows). On an H200 the kernel at the wide tile is still
 bound by issued instructions (r234-r237: memory-bound up to ~4.5 per weight byte; it issues
-~6.4), so for large weights XLA makes the activation pairs (and int4's group sums) once per
-call and the loop only unpacks and multiplies (``WordTiles.x_pairs``: ~4.0 per byte; 70B int4
-batch 1 81.0 against 72.2 tok/s, r243).
+~6.4), so XLA makes the activation pairs once per call, each program makes int4's group
+sums from them, and the loop only unpacks and multiplies (``WordTiles.x_pairs``: ~4.0 per
+byte; 70B int4 batch 1 81.0 against 72.2 tok/s, r243; ``x_pair_sums``: 81.8, r247).
 
 Formats (``jaxinfer.quantize``): int8 ``q [K, N]`` int8 read with ``flip = 0x80`` (``u = q +
 128``, ``offset = -128``, no zero; a byte row per input row, so a word holds one input row of
@@ -122,14 +122,16 @@ class WordTiles:
     # instructions (r234-r237), so this saves time per weight byte, while XLA's pairs and
     # sums cost a few microseconds per call: hence ``x_pairs_min_bytes``
     x_pairs_min_bytes: int = 0  # x_pairs only for weights of at least this many bytes
-    # (``Int4Tiles`` / ``Int8Tiles``: 32 MiB; H200, 8B int4 batch 1 with x_pairs on every
-    # wide-tile weight 373.7 against 406.5 tok/s, r244; one row, 8B qkv 11.0 against 8.1 us,
-    # o 10.2 against 7.2, r242)
+    # (``Int8Tiles``: 32 MiB; with XLA's group sums, int4 had it too: H200, 8B int4 batch 1
+    # with x_pairs on every wide-tile weight 373.7 against 406.5 tok/s, r244; one row, 8B
+    # qkv 11.0 against 8.1 us, o 10.2 against 7.2, r242; int8 down to 20 MiB, 8B qkv: 292.0
+    # against 291.3, r248)
     x_pair_sums: bool = False  # with x_pairs and zeros, each program sums its groups'
     # activations itself (the pairs' float16 values widened and summed in float32 across
     # the program's threads, once per group), where XLA's group sums are a reduction kernel
     # of their own that cannot fuse into the RMSNorm making x; XLA then only makes the
-    # pairs, elementwise
+    # pairs, elementwise (``Int4Tiles``, with x_pairs on every wide-tile weight: H200, 70B
+    # batch 1 81.8 against 81.0 tok/s, 8B 416.6 against 408.8, r247)
     x_pairs_step_rows: int = 256  # input rows per loop iteration with x_pairs (H200, 70B
     # at one row, 2 groups of 128 against 1: gate|up 68.4 against 83.8 us, down 36.3 against
     # 39.3, qkv 16.5 against 17.5; without x_pairs 73.2, 42.5, 17.6; r242)

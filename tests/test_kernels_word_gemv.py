@@ -159,18 +159,19 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     with no loads ahead (70B and 8B layers); smaller weights (1B qkv, o: too few programs),
     columns it does not divide (the LM head: padding would copy the weight on every call)
     and the float32 kernel (g32) keep the default tile, and so do calls of more than
-    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32. Weights of
-    32 MiB and up (``x_pairs``) step 2 groups at a time, so they split K half as finely. The wide
-    tile's result is within float16 rounding of the reference at every row count, in one step
-    per program and in several."""
+    ``wide_max_rows`` (2) rows; the tile needs ``half2_products`` of 128 / 4 = 32. With
+    ``x_pairs`` (every wide-tile weight) they step 2 groups at a time, so they split K half as
+    finely. The wide tile's result is within float16 rounding of the reference at every row
+    count, in one step per program and in several."""
     word = Int4Tiles().word
     assert word.wide_tile == (512, 4) and word.half2_products == 32
-    assert _grid(1, 4096, 6144, 128, word) == (12, 32)  # 8B qkv: 384 programs
-    assert _grid(2, 4096, 4096, 128, word) == (8, 32)  # 8B o: 256
+    assert _grid(1, 4096, 6144, 128, word) == (12, 16)  # 8B qkv: 192 programs (x_pairs: 16
+    # steps of 2 groups)
+    assert _grid(1, 4096, 6144, 128, dataclasses.replace(word, x_pairs=False)) == (12, 32)
+    assert _grid(2, 4096, 4096, 128, word) == (8, 16)  # 8B o: 128
     assert _grid(4, 4096, 4096, 128, word) == (32, 16)  # 4 rows: the narrow tile
-    assert _grid(1, 4096, 28672, 128, word) == (56, 16)  # 8B gate|up (x_pairs: 16 steps of
-    # 2 groups): 56 x 16 <= 2,048
-    assert _grid(1, 14336, 4096, 128, word) == (8, 112)  # 8B down
+    assert _grid(1, 4096, 28672, 128, word) == (56, 16)  # 8B gate|up: 56 x 16 <= 2,048
+    assert _grid(1, 14336, 4096, 128, word) == (8, 56)  # 8B down
     assert _grid(1, 8192, 57344, 128, word) == (112, 16)  # 70B gate|up: 16 <= 2,048 / 112
     assert _grid(1, 2048, 2048, 128, word) == (16, 16)  # 1B o: 4 x 16 < 256: blocks of 128
     assert _grid(1, 4096, 128256, 128, word) == (1002, 1)  # the head: 512 does not divide
@@ -185,7 +186,7 @@ def test_wide_tile_takes_weights_it_divides_that_make_enough_programs():
     for m, k, programs, splits in ((1, 1024, 16, 8), (2, 2048, 8, 4), (WORD_ROWS, 2048, 8, 4)):
         # 2 blocks of 512 columns; one group per program, then four
         small = dataclasses.replace(word, wide_min_programs=4, wide_programs=programs,
-                                    wide_max_rows=WORD_ROWS)
+                                    wide_max_rows=WORD_ROWS, x_pairs=False)
         x, q, scale, zero = _int4(m, k, 1024, 128, seed=20 + m)
         want = word_gemv_reference(x, q, scale, zero, **INT4)
         assert _grid(m, k, 1024, 128, small) == (2, splits)
@@ -545,7 +546,7 @@ def test_x_pairs_give_the_wide_tiles_result(m, step_rows):
     step, so other K splits; int4 at 2: 2 steps per split). The narrow tile and weights under
     ``x_pairs_min_bytes`` ignore the flag."""
     wide = dataclasses.replace(Int4Tiles().word, wide_min_programs=4, wide_programs=8,
-                               x_pairs=False)
+                               x_pairs=False, x_pair_sums=False)
     pairs = dataclasses.replace(wide, x_pairs=True, x_pairs_min_bytes=0,
                                 x_pairs_step_rows=step_rows)
     x, q, scale, zero = _int4(m, 2048, 1024, 128, seed=30 + m)  # 2 x 16 groups, 4 per program
@@ -575,14 +576,16 @@ def test_x_pairs_give_the_wide_tiles_result(m, step_rows):
                                atol=1e-5 * float(jnp.max(jnp.abs(plain8))))
 
 
-def test_default_x_pairs_take_the_weights_of_32_mib_and_up():
-    """``Int4Tiles`` and ``Int8Tiles`` give ``x_pairs`` to wide-tile weights of 32 MiB and up
-    (r242-r244: XLA's pairs and sums cost a few microseconds per call, more than small weights
-    save): at int4 every 70B layer weight and 8B gate|up, not 8B qkv, o or down; at int8 8B
-    gate|up and down, not qkv or o. Traced only: nothing runs."""
+def test_default_x_pairs_take_the_weights_the_defaults_name():
+    """``Int4Tiles`` gives ``x_pairs`` with ``x_pair_sums`` to every wide-tile weight (every
+    70B and 8B layer weight: XLA only makes the pairs, elementwise; r247), with no group-sum
+    operand; ``Int8Tiles`` gives ``x_pairs`` to wide-tile weights of 32 MiB and up (r242-r244:
+    XLA's pairs cost a few microseconds per call, more than small weights save): 8B gate|up
+    and down, not qkv or o. Traced only: nothing runs."""
     def int4_x(k, n):
         eqn = _traced_pallas_eqn(lambda x, q, s, z: int4_matmul(x, q, s, z, interpret=True),
                                  _int4_shapes(1, k, n, 128, jnp.bfloat16))
+        assert len(eqn.invars) == 4  # pairs, q, scale, zero: no group sums from XLA
         return str(eqn.invars[0].aval.dtype)
 
     def int8_x(k, n):
@@ -592,7 +595,7 @@ def test_default_x_pairs_take_the_weights_of_32_mib_and_up():
     seventy_b = [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
     assert [int4_x(k, n) for k, n in seventy_b] == ["int32"] * 4
     eight_b = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate|up, down
-    assert [int4_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "bfloat16"]
+    assert [int4_x(k, n) for k, n in eight_b] == ["int32"] * 4
     assert [int8_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "int32"]
 
 
@@ -617,4 +620,4 @@ def test_x_pair_sums_make_the_group_sums_in_the_kernel(m):
                                                    tiles=tiles, **INT4))(x)
         return len(_pallas_eqn(jaxpr).invars)
     assert inputs(dataclasses.replace(base, x_pair_sums=True)) == 4  # pairs, q, scale, zero
-    assert inputs(base) == 5  # and XLA's sums
+    assert inputs(dataclasses.replace(base, x_pair_sums=False)) == 5  # and XLA's sums
