@@ -526,7 +526,8 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
-    if x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
+    if x_pairs:  # XLA makes the pairs (and, without x_pair_sums, the group sums), fused into
+        # x's producer where it can
         xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
         operands[0] = _half_pairs(xs)
         if zero is not None and not tiles.x_pair_sums:
