@@ -1,0 +1,176 @@
+"""``pallas_kernels.norm_pairs``: the junction kernel (residual add, RMSNorm statistics,
+block-scaled float16 pairs) against its reference and the model's ``rms_norm``, and
+``word_gemv`` reading its ``NormPairs`` (int4 and int8, Pallas interpreter) against RMSNorm
+followed by the matmul."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import all_eqns
+
+from jaxinfer.model import rms_norm
+from pallas_kernels.int4_matmul import Int4Tiles
+from pallas_kernels.matmul import Int8Tiles
+from pallas_kernels.norm_pairs import NormPairs, add_norm_pairs, add_norm_pairs_reference
+from pallas_kernels.word_gemv import word_gemv, word_gemv_reference
+
+INT4 = dict(bits=4, offset=0, flip=0)
+INT8 = dict(bits=8, offset=-128, flip=0x80)
+EPS = 1e-5
+
+
+def _junction(splits, rows, n, seed, *, spread=3.0):
+    """Split partials ``[splits, rows, n]``, a bfloat16 residual and norm weight."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    p = None if splits == 0 else jax.random.normal(k[0], (splits, rows, n), jnp.float32)
+    res = (spread * jax.random.normal(k[1], (rows, n))).astype(jnp.bfloat16)
+    w = (1 + 0.2 * jax.random.normal(k[2], (n,))).astype(jnp.bfloat16)
+    return p, res, w
+
+
+@pytest.mark.parametrize("splits, rows", [(24, 1), (112, 2), (7, 1), (0, 2)])
+def test_add_norm_pairs_equals_its_reference_and_rms_norm(splits, rows):
+    """The kernel gives the reference's residual, pairs and statistics (chunks of 16, 8 or 7
+    partials, or none); ``normalized()`` is the model's ``rms_norm`` of that residual within
+    its bfloat16 rounding; every pair's two halves are equal and at most 1."""
+    p, res, w = _junction(splits, rows, 512, seed=splits)
+    h, got = add_norm_pairs(p, res, w, group=128, eps=EPS, interpret=True)
+    h_ref, want = add_norm_pairs_reference(p, res, w, group=128, eps=EPS)
+    np.testing.assert_array_equal(h, h_ref)
+    if p is None:
+        np.testing.assert_array_equal(h, res)
+    else:
+        o, r32 = jnp.sum(p, 0), res.astype(jnp.float32)
+        err = jnp.abs(h.astype(jnp.float32) - (r32 + o))
+        assert bool(jnp.all(err <= 2**-8 * (jnp.abs(o) + jnp.abs(r32 + o))))  # two roundings
+    np.testing.assert_array_equal(got.pairs, want.pairs)
+    np.testing.assert_allclose(got.scales, want.scales, rtol=1e-6)
+    np.testing.assert_allclose(got.sumsq, want.sumsq, rtol=1e-5)
+    normed = rms_norm(h, w, EPS).astype(jnp.float32)
+    np.testing.assert_allclose(got.normalized(), normed, rtol=0,
+                               atol=8e-3 * float(jnp.max(jnp.abs(normed))))
+    u = jax.lax.bitcast_convert_type(got.pairs, jnp.uint32)
+    np.testing.assert_array_equal(u >> 16, u & 0xFFFF)
+    assert float(jnp.max(jnp.abs(got.normalized() / got.inv_rms()))) <= float(
+        jnp.max(got.scales)) * (1 + 2**-10)
+
+
+def test_norm_pairs_hold_activations_float16_cannot():
+    """A residual row with a 1e6 outlier: x * 2^-8 pairs overflow float16 past ~35k (the wide
+    tile's bound), block-scaled ones do not; a group of zeros gets scale 1 and zero pairs."""
+    _, res, w = _junction(0, 1, 256, seed=3)
+    res = res.at[0, 5].set(1e6).at[0, 128:].set(0)
+    _, np_ = add_norm_pairs(None, res, w, group=128, eps=EPS, interpret=True)
+    assert bool(jnp.all(jnp.isfinite(np_.normalized())))
+    assert float(np_.scales[0, 1]) == 1.0 and not bool(jnp.any(np_.pairs[0, 128:]))
+    normed = rms_norm(res, w, EPS).astype(jnp.float32)
+    np.testing.assert_allclose(np_.normalized(), normed, atol=8e-3 * float(
+        jnp.max(jnp.abs(normed))))
+
+
+def _wide(tiles, **kw):
+    """``tiles`` with the wide tile and x_pairs at test sizes."""
+    return dataclasses.replace(tiles, wide_min_programs=4, wide_programs=8, x_pairs=True,
+                               x_pairs_min_bytes=0, **kw)
+
+
+@pytest.mark.parametrize("rows, group", [(1, 128), (2, 128), (1, 64)])
+def test_word_gemv_reads_norm_pairs_as_rms_norm_then_matmul(rows, group):
+    """int4 at the wide tile with x_pairs and x_pair_sums: ``word_gemv(NormPairs)`` is RMSNorm
+    (float32) then the reference matmul, to float16 rounding; the pallas_call takes the pairs
+    (int32) with the group scales and sums of squares, and no XLA sums. With a group that
+    differs from the weight's (64 against 128) or at the narrow tile, the activations are
+    rebuilt first and the result is the same."""
+    k, n = 1024, 1024
+    p, res, w = _junction(16, rows, k, seed=10 + rows)
+    h, pairs = add_norm_pairs(p, res, w, group=group, eps=EPS, interpret=True)
+    rng = np.random.default_rng(rows)
+    q = jnp.asarray(rng.integers(0, 256, size=(k // 2, n)), jnp.uint8)
+    scale = jnp.asarray(rng.random((k // 128, n)) * 0.02, jnp.float16)
+    zero = jnp.asarray(-rng.random((k // 128, n)) * 0.15, jnp.float16)
+    x32 = rms_norm(h.astype(jnp.float32), w.astype(jnp.float32), EPS)
+    want = word_gemv_reference(x32, q, scale, zero, **INT4)
+    peak = float(jnp.max(jnp.abs(want)))
+    tiles = _wide(Int4Tiles().word, x_pair_sums=True)
+    for t in (tiles, dataclasses.replace(tiles, wide_tile=(0, 0))):
+        got = word_gemv(pairs, q, scale, zero, interpret=True, tiles=t, **INT4)
+        assert float(jnp.max(jnp.abs(got - want))) <= 3e-3 * peak
+    eqn = _pallas_eqn(lambda a: word_gemv(a, q, scale, zero, interpret=True, tiles=tiles,
+                                          **INT4), pairs)
+    dtypes = [str(v.aval.dtype) for v in eqn.invars]
+    if group == 128:
+        assert dtypes == ["int32", "uint32", "int32", "int32", "float32", "float32"]
+    else:
+        assert dtypes[0] == "int32" and len(dtypes) == 4  # XLA's pairs of the rebuilt x
+
+
+def test_word_gemv_norm_pairs_int8_and_partials():
+    """int8 (no zeros) reads ``NormPairs`` the same way; ``partials=True`` returns the float32
+    split-K partials, whose sum is the result (the junction after an o or down GEMV takes
+    them)."""
+    k, n = 1024, 512
+    _, res, w = _junction(0, 1, k, seed=20)
+    _, pairs = add_norm_pairs(None, res, w, group=64, eps=EPS, interpret=True)
+    rng = np.random.default_rng(20)
+    q = jnp.asarray(rng.integers(-128, 128, size=(k, n)), jnp.int8)
+    scale = jnp.asarray(rng.random((k // 64, n)) * 0.02, jnp.float32)
+    tiles = _wide(Int8Tiles().word, x_pairs_step_rows=64)
+    x32 = rms_norm(res.astype(jnp.float32), w.astype(jnp.float32), EPS)
+    want = word_gemv_reference(x32, q, scale, None, **INT8)
+    got = word_gemv(pairs, q, scale, None, interpret=True, tiles=tiles, **INT8)
+    assert float(jnp.max(jnp.abs(got - want))) <= 3e-3 * float(jnp.max(jnp.abs(want)))
+    parts = word_gemv(pairs, q, scale, None, interpret=True, tiles=tiles, partials=True, **INT8)
+    assert parts.dtype == jnp.float32 and parts.ndim == 3 and parts.shape[0] > 1
+    np.testing.assert_allclose(jnp.sum(parts, 0), got, rtol=1e-6, atol=1e-6)
+
+
+def test_gemv_partials_into_the_junction_into_the_next_gemv():
+    """Two GEMVs joined by the junction: ``h + x @ W1`` (int4, partials unsummed), RMSNorm, then
+    ``@ W2``, against the same in float32 jnp."""
+    k = n = 1024
+    rng = np.random.default_rng(30)
+    x = jnp.asarray(rng.normal(size=(1, k)), jnp.float32)
+    ws = [(jnp.asarray(rng.integers(0, 256, size=(k // 2, n)), jnp.uint8),
+           jnp.asarray(rng.random((k // 128, n)) * 0.02, jnp.float16),
+           jnp.asarray(-rng.random((k // 128, n)) * 0.15, jnp.float16)) for _ in range(2)]
+    _, res, w = _junction(0, 1, n, seed=31)
+    tiles = _wide(Int4Tiles().word, x_pair_sums=True)
+    parts = word_gemv(x, *ws[0], interpret=True, tiles=tiles, partials=True, **INT4)
+    h, pairs = add_norm_pairs(parts, res, w, group=128, eps=EPS, interpret=True)
+    got = word_gemv(pairs, *ws[1], interpret=True, tiles=tiles, **INT4)
+    h_want = res.astype(jnp.float32) + word_gemv_reference(x, *ws[0], **INT4)
+    np.testing.assert_allclose(h.astype(jnp.float32), h_want, rtol=1e-2, atol=0.05)
+    want = word_gemv_reference(rms_norm(h_want, w.astype(jnp.float32), EPS), *ws[1], **INT4)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-2 * float(jnp.max(jnp.abs(want)))
+
+
+def test_add_norm_pairs_rejects_bad_shapes():
+    """One line on what is wrong, before any device work."""
+    p, res, w = _junction(4, 1, 256, seed=40)
+    with pytest.raises(ValueError, match="power of two dividing"):
+        add_norm_pairs(p, res, w, group=96, eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match="weight"):
+        add_norm_pairs(p, res, w[:128], group=128, eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match="partials"):
+        add_norm_pairs(p[:, :, :128], res, w, group=128, eps=EPS, interpret=True)
+
+
+def _pallas_eqn(fn, *args):
+    """The one pallas_call equation ``fn(*args)`` traces to."""
+    calls = [e for e in all_eqns(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+def test_norm_pairs_is_a_pytree_with_a_static_eps():
+    """``NormPairs`` passes through jit: its arrays are leaves, eps is static."""
+    _, res, w = _junction(0, 1, 256, seed=50)
+    _, a = add_norm_pairs_reference(None, res, w, group=128, eps=EPS)
+    assert len(jax.tree.leaves(a)) == 3
+    b = jax.jit(lambda t: t)(a)
+    assert isinstance(b, NormPairs) and b.eps == EPS and b.group == 128
