@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,18 +40,20 @@ def half_pairs(x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pairs", "scales", "sumsq"],
-                   meta_fields=["eps"])
+                   meta_fields=["eps", "dtype"])
 @dataclasses.dataclass(frozen=True)
 class NormPairs:
     """``rms_norm(h, weight, eps)`` for ``R`` rows of ``N`` values in ``G``-value groups, as a
     GEMV reads it: ``pairs`` int32 ``[R, N]`` (``half_pairs`` of ``y / scales``, ``y = h *
     weight`` in float32), ``scales`` float32 ``[R, N / G]`` (each group's largest ``|y|``, 1
-    where all are 0), ``sumsq`` float32 ``[R, N / G]`` (each group's sum of ``h ** 2``)."""
+    where all are 0), ``sumsq`` float32 ``[R, N / G]`` (each group's sum of ``h ** 2``);
+    ``dtype``: ``h``'s, which a matmul of them returns by default."""
 
     pairs: jax.Array
     scales: jax.Array
     sumsq: jax.Array
     eps: float
+    dtype: Any
 
     @property
     def group(self) -> int:
@@ -98,7 +101,7 @@ def add_norm_pairs_reference(partials: jax.Array | None, residual: jax.Array,
     wg = jnp.tile(weight.reshape(n // group, group), (r, 1))
     pairs, scales, sumsq = jax.vmap(lambda a, b: _stats_and_pairs(a[None], b))(hg, wg)
     return h, NormPairs(pairs.reshape(r, n), scales.reshape(r, n // group),
-                        sumsq.reshape(r, n // group), eps)
+                        sumsq.reshape(r, n // group), eps, jnp.dtype(h.dtype))
 
 
 def _kernel(*refs, rows: int, chunk: int, chunks: int, has_partials: bool) -> None:
@@ -161,4 +164,4 @@ def add_norm_pairs(partials: jax.Array | None, residual: jax.Array, weight: jax.
         interpret=interpret,
         name="jaxinfer_add_norm_pairs",
     )(*operands)
-    return h, NormPairs(pairs, scales, sumsq, eps)
+    return h, NormPairs(pairs, scales, sumsq, eps, jnp.dtype(residual.dtype))

@@ -481,6 +481,67 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     _store_column_sums(run, rows, sub, o_ref, scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """How ``word_gemv`` runs one call (``_launch``)."""
+
+    half2: bool  # the float16-pair kernel (else the float32 one)
+    block_n: int
+    sub: int
+    programs: int
+    groups_per_step: int
+    prefetch: bool
+    x_pairs: bool
+    reads_norm_pairs: bool  # takes ``NormPairs`` as they are
+
+
+def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: int,
+            has_zero: bool, q_bytes: int, tiles: WordTiles) -> _Launch:
+    """The kernel, tile and step ``word_gemv`` runs ``[m, k] @ [k, n]`` (``groups`` groups of
+    rows) with, from the format and ``tiles`` (their docstrings say why)."""
+    group = k // groups
+    byte_rows = group * bits // 8
+    sub = min(tiles.sub_rows, byte_rows)
+    check(byte_rows % sub == 0, f"WordTiles.sub_rows {tiles.sub_rows} must divide a group's "
+          f"{byte_rows} byte rows")
+    block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
+    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and has_zero
+                  and 0 < tiles.half2_min_group <= group)
+    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and not has_zero and tiles.int8_half2
+    products = tiles.half2_products or HALF2_PRODUCTS
+    half2 = (int4_pairs or int8_pairs) and group <= products * sub
+    programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
+    groups_per_step = largest_divisor(groups, tiles.step_rows // group)
+    steps = groups // groups_per_step
+    prefetch, x_pairs = tiles.prefetch, False
+    if half2 and tiles.wide_tile != (0, 0):
+        wide_n, wide_sub = tiles.wide_tile
+        wide_n = min(wide_n, next_pow2(max(n, 4)))
+        if (m <= tiles.wide_max_rows and group <= products * wide_sub
+                and byte_rows % wide_sub == 0 and n % wide_n == 0
+                and steps * (n // wide_n) >= tiles.wide_min_programs):
+            block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
+            x_pairs = tiles.x_pairs and q_bytes >= tiles.x_pairs_min_bytes
+            if x_pairs:
+                groups_per_step = largest_divisor(groups, tiles.x_pairs_step_rows // group)
+    reads = (x_pairs and (not has_zero or tiles.x_pair_sums)
+             and groups & (groups - 1) == 0)  # the kernel loads all groups' sums of squares
+    return _Launch(half2, block_n, sub, programs, groups_per_step, prefetch, x_pairs, reads)
+
+
+def reads_norm_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
+                     bits: int, offset: int, flip: int, tiles: WordTiles) -> bool:
+    """Whether ``word_gemv`` of ``m`` rows by this weight (``q``, ``scale``, ``zero`` as
+    there; shapes suffice) reads ``NormPairs`` as they are (``add_norm_pairs`` with groups of
+    ``K / scale.shape[0]`` rows): the wide tile with ``x_pairs``, and ``x_pair_sums`` for
+    int4. Elsewhere it would rebuild the activations, and the junction kernel gains
+    nothing."""
+    groups, n = scale.shape
+    k = q.shape[0] * 8 // bits
+    return _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.size,
+                   tiles).reads_norm_pairs
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
                                              "out_dtype", "partials"))
 def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
@@ -504,34 +565,11 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
     m, k = (x.pairs if norm is not None else x).shape
     groups, n = scale.shape
     group = k // groups
-    byte_rows = group * bits // 8
-    sub = min(tiles.sub_rows, byte_rows)
-    check(byte_rows % sub == 0, f"WordTiles.sub_rows {tiles.sub_rows} must divide a group's "
-          f"{byte_rows} byte rows")
-    block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
-    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and zero is not None
-                  and 0 < tiles.half2_min_group <= group)
-    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
-    products = tiles.half2_products or HALF2_PRODUCTS
-    half2 = (int4_pairs or int8_pairs) and group <= products * sub
-    programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
-    groups_per_step = largest_divisor(groups, tiles.step_rows // group)
+    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.nbytes, tiles)
+    block_n, sub, programs = launch.block_n, launch.sub, launch.programs
+    groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
-    prefetch, x_pairs = tiles.prefetch, False
-    if half2 and tiles.wide_tile != (0, 0):
-        wide_n, wide_sub = tiles.wide_tile
-        wide_n = min(wide_n, next_pow2(max(n, 4)))
-        if (m <= tiles.wide_max_rows and group <= products * wide_sub
-                and byte_rows % wide_sub == 0 and n % wide_n == 0
-                and steps * (n // wide_n) >= tiles.wide_min_programs):
-            block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
-            x_pairs = tiles.x_pairs and q.nbytes >= tiles.x_pairs_min_bytes
-            if x_pairs:
-                groups_per_step = largest_divisor(groups, tiles.x_pairs_step_rows // group)
-                steps = groups // groups_per_step
-    if norm is not None and not (x_pairs and norm.group == group
-                                 and (zero is None or tiles.x_pair_sums)
-                                 and groups & (groups - 1) == 0):
+    if norm is not None and not (launch.reads_norm_pairs and norm.group == group):
         x, norm = norm.normalized(), None  # this launch does not read pairs
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
@@ -548,7 +586,7 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
     splits = largest_divisor(steps, programs // col_blocks)
-    pair_scales = half2 and int4_pairs and scale.dtype == zero.dtype == jnp.float16
+    pair_scales = half2 and zero is not None and scale.dtype == zero.dtype == jnp.float16
     if pair_scales:  # float16 scales and zeros as int32 words of two columns
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
@@ -565,7 +603,7 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
-            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=prefetch,
+            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=launch.prefetch,
             evict_first=tiles.evict_first, x_pairs=x_pairs,
             x_pair_sums=x_pairs and tiles.x_pair_sums,
             norm_eps=None if norm is None else norm.eps, emulate=interpret)

@@ -174,3 +174,4 @@ def test_norm_pairs_is_a_pytree_with_a_static_eps():
     assert len(jax.tree.leaves(a)) == 3
     b = jax.jit(lambda t: t)(a)
     assert isinstance(b, NormPairs) and b.eps == EPS and b.group == 128
+    assert b.dtype == jnp.bfloat16  # the residual's: what a matmul of them returns
