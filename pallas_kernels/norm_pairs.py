@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check, gpu_params, largest_divisor
+from pallas_kernels._common import check, gpu_params
 
 
 def half_pairs(x: jax.Array) -> jax.Array:
@@ -133,7 +133,8 @@ def add_norm_pairs(partials: jax.Array | None, residual: jax.Array, weight: jax.
                    ) -> tuple[jax.Array, NormPairs]:
     """``add_norm_pairs_reference`` as one GPU kernel (module docstring): a program per group
     of ``group`` columns (a power of two), each summing its columns' split partials in chunks
-    of up to 16. ``interpret``: Pallas' interpreter (CPU tests)."""
+    of the largest power of two up to 16 that divides their number (a Triton block's side is a
+    power of two). ``interpret``: Pallas' interpreter (CPU tests)."""
     r, n = residual.shape
     check(group & (group - 1) == 0 and n % group == 0,
           f"group {group} must be a power of two dividing the {n} columns")
@@ -143,7 +144,7 @@ def add_norm_pairs(partials: jax.Array | None, residual: jax.Array, weight: jax.
     if has_partials:
         check(partials.shape[1:] == (r, n) and partials.dtype == jnp.float32,
               f"partials {partials.shape} {partials.dtype} must be float32 [S, {r}, {n}]")
-        chunk = largest_divisor(partials.shape[0], 16)
+        chunk = min(partials.shape[0] & -partials.shape[0], 16)  # a power of two dividing S
         chunks = partials.shape[0] // chunk
         operands.append(partials)
         specs.append(pl.BlockSpec((partials.shape[0], r, group), lambda j: (0, 0, j)))
