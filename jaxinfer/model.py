@@ -139,16 +139,16 @@ def _gemv_kernel(w: QuantizedWeight, rows: int, kernels: bool) -> str | None:
     return None
 
 
-def _dense_quantized(x: jax.Array | pallas_kernels.NormPairs, w: QuantizedWeight,
+def _dense_quantized(x: jax.Array | pallas_kernels.ScaledPairs, w: QuantizedWeight,
                      out_dtype: Any, kernels: bool, partials: bool = False) -> jax.Array:
     """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``; ``kernels``:
-    decode rows may run the Pallas kernels (``gemv_kernels``). ``x`` may be ``NormPairs``
+    decode rows may run the Pallas kernels (``gemv_kernels``). ``x`` may be ``ScaledPairs``
     ``[rows, in]`` (``_add_norm``; the result is then ``[rows, out]``). ``partials``: the
     float32 split-K partials ``[splits, rows, out]`` (``[1, rows, out]`` off the kernels)."""
-    norm = isinstance(x, pallas_kernels.NormPairs)
+    norm = isinstance(x, pallas_kernels.ScaledPairs)
     rows = x.pairs.shape[0] if norm else math.prod(x.shape[:-1])
     if norm and (w.perm is not None or _gemv_kernel(w, rows, kernels) is None):
-        x, norm = x.normalized().astype(out_dtype), False  # the activations they stand for
+        x, norm = x.values().astype(out_dtype), False  # the activations they stand for
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
         x = jnp.take(x, w.perm, axis=-1)
         w = dataclasses.replace(w, perm=None)
@@ -226,13 +226,13 @@ def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtyp
     return (out * x_scale * scale).astype(out_dtype)
 
 
-def _dense_fused(x: jax.Array | pallas_kernels.NormPairs, w: jax.Array | QuantizedWeight,
+def _dense_fused(x: jax.Array | pallas_kernels.ScaledPairs, w: jax.Array | QuantizedWeight,
                  deterministic: bool = False, kernels: bool = False) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
     ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh).
-    ``x`` may be ``NormPairs`` ``[T, in]`` for a weight ``_reads_norm_pairs``: then
+    ``x`` may be ``ScaledPairs`` ``[T, in]`` for a weight ``_reads_pairs``: then
     ``[1, T, 1, out]``."""
-    if isinstance(x, pallas_kernels.NormPairs):
+    if isinstance(x, pallas_kernels.ScaledPairs):
         return _dense_quantized(x, w.first_shard(), x.dtype, kernels)[None, :, None, :]
     if isinstance(w, QuantizedWeight) and (w.in_last or w.q.shape[-2] == 1):
         return _dense(x, w if w.in_last else w.first_shard(),
@@ -249,12 +249,12 @@ def _dense_fused(x: jax.Array | pallas_kernels.NormPairs, w: jax.Array | Quantiz
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
 
 
-def _qkv(x: jax.Array | pallas_kernels.NormPairs, lp: Params, c: LlamaConfig,
+def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
          deterministic: bool = False, kernels: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv`` (``x``:
-    ``[B, T, hidden]``, or ``NormPairs`` of ``[T, hidden]`` with B = 1)."""
-    b, t = (1, x.pairs.shape[0]) if isinstance(x, pallas_kernels.NormPairs) else x.shape[:2]
+    ``[B, T, hidden]``, or ``ScaledPairs`` of ``[T, hidden]`` with B = 1)."""
+    b, t = (1, x.pairs.shape[0]) if isinstance(x, pallas_kernels.ScaledPairs) else x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     if "wqkv" in lp:
         qkv = _dense_fused(x, lp["wqkv"], deterministic, kernels)  # [B, T, shards, ...]
@@ -274,10 +274,24 @@ def _qkv(x: jax.Array | pallas_kernels.NormPairs, lp: Params, c: LlamaConfig,
             v.reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
-def _gated_mlp(x: jax.Array | pallas_kernels.NormPairs, lp: Params,
-               deterministic: bool = False, kernels: bool = False) -> jax.Array:
+def _gated_mlp(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params,
+               deterministic: bool = False, kernels: bool = False
+               ) -> jax.Array | pallas_kernels.ScaledPairs:
     """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``
-    (``x`` as for ``_qkv``)."""
+    (``x`` as for ``_qkv``). Where ``w_down``'s kernel reads ``ScaledPairs`` and the fused
+    product comes from a kernel, gate|up's split partials go to one ``silu_mul_pairs`` kernel
+    and the result is its ``ScaledPairs`` ``[T, intermediate]``."""
+    t = x.pairs.shape[0] if isinstance(x, pallas_kernels.ScaledPairs) else math.prod(
+        x.shape[:-1])
+    w = lp.get("w_gate_up")
+    if (_reads_pairs(lp.get("w_down"), t, kernels, norm=False) and isinstance(w, QuantizedWeight)
+            and not w.in_last and w.q.shape[-2] == 1
+            and _gemv_kernel(w.first_shard(), t, kernels) is not None):
+        dtype = x.dtype
+        xs = x if isinstance(x, pallas_kernels.ScaledPairs) else x.reshape(t, x.shape[-1])
+        gu = _dense_quantized(xs, w.first_shard(), dtype, kernels, partials=True)
+        return pallas_kernels.silu_mul_pairs(gu, group=_group(lp["w_down"]), dtype=dtype,
+                                             interpret=jax.default_backend() != "gpu")
     if "w_gate_up" in lp:
         gu = _dense_fused(x, lp["w_gate_up"], deterministic, kernels)  # [B, T, shards, ...]
         f = gu.shape[-1] // 2
@@ -287,29 +301,35 @@ def _gated_mlp(x: jax.Array | pallas_kernels.NormPairs, lp: Params,
             * _dense(x, lp["w_up"], deterministic, kernels))
 
 
-def _reads_norm_pairs(w: Any, rows: int, kernels: bool) -> bool:
+def _group(w: QuantizedWeight) -> int:
+    """Rows per scale group of an int4 / int8 weight (fused or not)."""
+    return (2 if w.kind == "int4" else 1) * w.q.shape[0] // w.scale.shape[0]
+
+
+def _reads_pairs(w: Any, rows: int, kernels: bool, norm: bool = True) -> bool:
     """Whether the kernel multiplying ``rows`` rows by the (fused, one-device) weight ``w``
-    reads ``NormPairs`` as they are, so that ``_add_norm`` makes them in one kernel."""
+    reads ``ScaledPairs`` (``norm``: RMSNorm'd, from ``add_norm_pairs``; else from
+    ``silu_mul_pairs``) as they are, so that a junction kernel makes them."""
     if not isinstance(w, QuantizedWeight) or w.perm is not None or w.in_last:
         return False
     if w.out_axes == 2 and w.q.ndim == 3 and w.q.shape[-2] == 1:
         w = w.first_shard()
     kernel = _gemv_kernel(w, rows, kernels)
     if kernel == "int8":
-        return pallas_kernels.int8_reads_norm_pairs(rows, w.q, w.scale)
-    return kernel == "int4" and pallas_kernels.int4_reads_norm_pairs(rows, w.q, w.scale, w.zero)
+        return pallas_kernels.int8_reads_pairs(rows, w.q, w.scale, norm=norm)
+    return kernel == "int4" and pallas_kernels.int4_reads_pairs(rows, w.q, w.scale, w.zero,
+                                                                norm=norm)
 
 
 def _add_norm(h: jax.Array, partials: jax.Array | None, norm: jax.Array, next_w: Any,
               eps: float, kernels: bool, deterministic: bool
-              ) -> tuple[jax.Array, jax.Array | pallas_kernels.NormPairs]:
+              ) -> tuple[jax.Array, jax.Array | pallas_kernels.ScaledPairs]:
     """``h [1, T, hidden]`` plus a matmul's float32 split-K ``partials [S, T, hidden]`` (or
     None: nothing to add), and the RMSNorm of the sum as ``next_w``'s matmul takes it: one
-    ``add_norm_pairs`` kernel making ``NormPairs`` where ``_reads_norm_pairs(next_w)``, else
+    ``add_norm_pairs`` kernel making ``ScaledPairs`` where ``_reads_pairs(next_w)``, else
     XLA's sum and ``rms_norm``. Returns ``(h, x)``."""
-    if _reads_norm_pairs(next_w, h.shape[1], kernels):
-        group = 2 * next_w.q.shape[0] // next_w.scale.shape[0] if next_w.kind == "int4" else 64
-        h2, x = pallas_kernels.add_norm_pairs(partials, h[0], norm, group=group, eps=eps,
+    if _reads_pairs(next_w, h.shape[1], kernels):
+        h2, x = pallas_kernels.add_norm_pairs(partials, h[0], norm, group=_group(next_w), eps=eps,
                                               interpret=jax.default_backend() != "gpu")
         return h2[None], x
     if partials is not None:
@@ -687,14 +707,14 @@ def decoder_layer(
         q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
         deterministic=deterministic)
     attn = attn.reshape(1, t, c.num_heads * c.head_dim)
-    if _reads_norm_pairs(lp.get("w_gate_up"), t, kernels):
+    if _reads_pairs(lp.get("w_gate_up"), t, kernels):
         h, x = _add_norm(h, _dense_partials(attn, lp["wo"], kernels), lp["mlp_norm"],
                          lp["w_gate_up"], c.rms_norm_eps, kernels, deterministic)
     else:
         h = h + _dense(attn, lp["wo"], deterministic, kernels)
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
     mlp = _gated_mlp(x, lp, deterministic, kernels)
-    if defer and _reads_norm_pairs(lp.get("wqkv"), t, kernels):  # the next layer's alike
+    if defer and _reads_pairs(lp.get("wqkv"), t, kernels):  # the next layer's alike
         return h, _dense_partials(mlp, lp["w_down"], kernels), k_pages, v_pages
     return h + _dense(mlp, lp["w_down"], deterministic, kernels), None, k_pages, v_pages
 

@@ -1,6 +1,6 @@
 """Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic),
 the batch-invariant matmul of deterministic mode, the int8 / int4 weight matmuls (GPU
-Triton) and the residual-add / RMSNorm junction before them (``norm_pairs``), and the
+Triton) and the residual-add / RMSNorm junction before them (``junction``), and the
 int8 / fp8 K/V page format the paged and ragged kernels read (``kv_quant``)."""
 
 from pallas_kernels._common import (
@@ -20,7 +20,14 @@ from pallas_kernels.int4_matmul import (
     INT4_GEMV_ROWS,
     int4_matmul,
     int4_matmul_reference,
-    int4_reads_norm_pairs,
+    int4_reads_pairs,
+)
+from pallas_kernels.junction import (
+    ScaledPairs,
+    add_norm_pairs,
+    add_norm_pairs_reference,
+    silu_mul_pairs,
+    silu_mul_pairs_reference,
 )
 from pallas_kernels.kv_quant import (
     KV_CACHE_DTYPES,
@@ -34,13 +41,12 @@ from pallas_kernels.matmul import (
     GEMV_ROWS,
     int8_matmul,
     int8_matmul_reference,
-    int8_reads_norm_pairs,
+    int8_reads_pairs,
     matmul,
     matmul_reference,
     row_sum,
     row_sum_reference,
 )
-from pallas_kernels.norm_pairs import NormPairs, add_norm_pairs, add_norm_pairs_reference
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
@@ -56,7 +62,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "SCALE_DTYPE",
     "INT4_GEMV_ROWS",
-    "NormPairs",
+    "ScaledPairs",
     "SUPPORTED_HEAD_DIMS",
     "add_norm_pairs",
     "add_norm_pairs_reference",
@@ -72,10 +78,10 @@ __all__ = [
     "hadamard_rotate",
     "int4_matmul",
     "int4_matmul_reference",
-    "int4_reads_norm_pairs",
+    "int4_reads_pairs",
     "int8_matmul",
     "int8_matmul_reference",
-    "int8_reads_norm_pairs",
+    "int8_reads_pairs",
     "largest_divisor",
     "matmul",
     "matmul_reference",
@@ -90,5 +96,7 @@ __all__ = [
     "ragged_attention",
     "ragged_attention_reference",
     "rotates_keys",
+    "silu_mul_pairs",
+    "silu_mul_pairs_reference",
     "store_new_tokens",
 ]

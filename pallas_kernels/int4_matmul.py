@@ -37,8 +37,8 @@ from pallas_kernels._common import (
     gpu_params,
     largest_divisor,
 )
-from pallas_kernels.norm_pairs import NormPairs
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, reads_norm_pairs, word_gemv
+from pallas_kernels.junction import ScaledPairs
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, reads_pairs, word_gemv
 
 INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
@@ -129,14 +129,14 @@ def _word_rows(m: int, group: int, tiles: Int4Tiles) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
 def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles, partials):
-    m, k = (x.pairs if isinstance(x, NormPairs) else x).shape
+    m, k = (x.pairs if isinstance(x, ScaledPairs) else x).shape
     groups, n = scale.shape
     group = k // groups
     if _word_rows(m, group, tiles):
         return word_gemv(x, q, scale, zero, bits=4, offset=0, flip=0, interpret=interpret,
                          tiles=tiles.word, out_dtype=out_dtype, partials=partials)
-    if isinstance(x, NormPairs):
-        x = x.normalized().astype(out_dtype)
+    if isinstance(x, ScaledPairs):
+        x = x.values().astype(out_dtype)
     rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them
     block_n = tiles.block_n
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
@@ -168,16 +168,16 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles, partials):
     return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
 
 
-def int4_reads_norm_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array,
-                          tiles: Int4Tiles = Int4Tiles()) -> bool:
-    """Whether ``int4_matmul`` of ``m`` rows by this weight reads ``NormPairs`` as they are
-    (``word_gemv.reads_norm_pairs``); shapes suffice."""
+def int4_reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array, *, norm: bool,
+                     tiles: Int4Tiles = Int4Tiles()) -> bool:
+    """Whether ``int4_matmul`` of ``m`` rows by this weight reads ``ScaledPairs`` (``norm``:
+    with sums of squares) as they are (``word_gemv.reads_pairs``); shapes suffice."""
     group = 2 * q.shape[0] // scale.shape[0]
-    return _word_rows(m, group, tiles) and reads_norm_pairs(
-        m, q, scale, zero, bits=4, offset=0, flip=0, tiles=tiles.word)
+    return _word_rows(m, group, tiles) and reads_pairs(
+        m, q, scale, zero, bits=4, offset=0, flip=0, tiles=tiles.word, norm=norm)
 
 
-def int4_matmul(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array, zero: jax.Array,
+def int4_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, zero: jax.Array,
                 *, out_dtype: jnp.dtype | None = None, interpret: bool = False,
                 tiles: Int4Tiles = Int4Tiles(), partials: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for a packed int4 weight (module docstring): ``q [K / 2, N]`` uint8,
@@ -189,12 +189,12 @@ def int4_matmul(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array, zero: 
     Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
     ``tiles``: the GPU kernel's tiling (default: bench/NOTES.md r50-r51 on an H100).
 
-    ``x`` may be ``NormPairs`` (``norm_pairs.add_norm_pairs``), read as they are where
-    ``int4_reads_norm_pairs`` says so, else turned back into activations (``out_dtype``
+    ``x`` may be ``ScaledPairs`` (``junction.add_norm_pairs``), read as they are where
+    ``int4_reads_pairs`` says so, else turned back into activations (``out_dtype``
     defaults to their ``dtype``). ``partials``: the float32 split-K partials ``[splits, M, N]``,
     unsummed (``[1, M, N]`` where K is not split), for ``add_norm_pairs`` to sum.
     """
-    norm = isinstance(x, NormPairs)
+    norm = isinstance(x, ScaledPairs)
     xs = x.pairs if norm else x
     check(xs.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {xs.shape}, q "
           f"{q.shape}")

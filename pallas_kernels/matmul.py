@@ -23,8 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
-from pallas_kernels.norm_pairs import NormPairs
-from pallas_kernels.word_gemv import WordTiles, reads_norm_pairs, word_gemv
+from pallas_kernels.junction import ScaledPairs
+from pallas_kernels.word_gemv import WordTiles, reads_pairs, word_gemv
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -204,14 +204,14 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
 def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles, partials):
-    m, k = (x.pairs if isinstance(x, NormPairs) else x).shape
+    m, k = (x.pairs if isinstance(x, ScaledPairs) else x).shape
     n = q.shape[1]
     if m <= tiles.word_rows:
         return word_gemv(x, q, scale, None, bits=8, offset=-128, flip=0x80,
                          interpret=interpret, tiles=tiles.word, out_dtype=out_dtype,
                          partials=partials)
-    if isinstance(x, NormPairs):
-        x = x.normalized().astype(out_dtype)
+    if isinstance(x, ScaledPairs):
+        x = x.values().astype(out_dtype)
     k_blocks = k // BLOCK_K
     if m <= GEMV_ROWS:
         # Decode rows: one row tile (the smallest tensor-core tile that holds them), and K
@@ -243,15 +243,15 @@ def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles, partials):
     return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
 
 
-def int8_reads_norm_pairs(m: int, q: jax.Array, scale: jax.Array,
-                          tiles: Int8Tiles = Int8Tiles()) -> bool:
-    """Whether ``int8_matmul`` of ``m`` rows by this weight reads ``NormPairs`` as they are
-    (``word_gemv.reads_norm_pairs``); shapes suffice."""
-    return m <= tiles.word_rows and reads_norm_pairs(
-        m, q, scale, None, bits=8, offset=-128, flip=0x80, tiles=tiles.word)
+def int8_reads_pairs(m: int, q: jax.Array, scale: jax.Array, *, norm: bool,
+                     tiles: Int8Tiles = Int8Tiles()) -> bool:
+    """Whether ``int8_matmul`` of ``m`` rows by this weight reads ``ScaledPairs`` (``norm``:
+    with sums of squares) as they are (``word_gemv.reads_pairs``); shapes suffice."""
+    return m <= tiles.word_rows and reads_pairs(
+        m, q, scale, None, bits=8, offset=-128, flip=0x80, tiles=tiles.word, norm=norm)
 
 
-def int8_matmul(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array, *,
+def int8_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, *,
                 out_dtype: jnp.dtype | None = None, interpret: bool = False,
                 tiles: Int8Tiles = Int8Tiles(), partials: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for an int8 weight ``q [K, N]`` with one scale per ``BLOCK_K`` (64)
@@ -267,9 +267,9 @@ def int8_matmul(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array, *,
     (``scripts/bench_int4.py --int8``, bench/NOTES.md r91); ``Int8Tiles(word_rows=0)`` keeps
     the tensor-core kernel for every row count.
 
-    ``x`` may be ``NormPairs`` and ``partials`` asks for the split-K partials, as for
-    ``int4_matmul`` (``int8_reads_norm_pairs``)."""
-    norm = isinstance(x, NormPairs)
+    ``x`` may be ``ScaledPairs`` and ``partials`` asks for the split-K partials, as for
+    ``int4_matmul`` (``int8_reads_pairs``)."""
+    norm = isinstance(x, ScaledPairs)
     xs = x.pairs if norm else x
     check(xs.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {xs.shape} @ "
           f"{q.shape}")

@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
-from pallas_kernels.norm_pairs import NormPairs, half_pairs
+from pallas_kernels.junction import ScaledPairs, half_pairs
 
 WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` and ``int8_matmul`` run this kernel: each row adds
@@ -345,7 +345,7 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
                   prefetch: bool, evict_first: bool, x_pairs: bool, x_pair_sums: bool,
-                  norm_eps: float | None, emulate: bool) -> None:
+                  scaled: bool, norm_eps: float | None, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -369,14 +369,17 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     With ``x_pair_sums`` (``WordTiles.x_pair_sums``) there is no such ref: each group's sum
     is made from its pairs (low halves widened, summed in float32) as the group is loaded.
 
-    ``norm_eps`` (x given as ``NormPairs``, with x_pairs and x_pair_sums): x_ref holds the
-    ``NormPairs`` pairs, and the last two refs before o_ref their group scales and sums of
-    squares (float32 ``[rows, K / G]``): each group's products are multiplied by its scale,
-    and the result by ``rsqrt(sum of squares / K + norm_eps)`` at the store."""
+    ``scaled`` (x given as ``ScaledPairs``, with x_pairs and, for int4, x_pair_sums): x_ref
+    holds their pairs and a ref before o_ref their group scales (float32 ``[rows, K / G]``):
+    each group's products are multiplied by its scale. With ``norm_eps`` (their ``sumsq``) a
+    last ref holds the groups' sums of squares, and the result is multiplied by ``rsqrt(sum
+    of squares / K + norm_eps)`` at the store."""
     *z_refs, o_ref = refs
     gs_ref = ss_ref = None
     if norm_eps is not None:
-        *z_refs, gs_ref, ss_ref = z_refs
+        *z_refs, ss_ref = z_refs
+    if scaled:
+        *z_refs, gs_ref = z_refs
     z_ref, xsum_ref = (z_refs + [None, None])[:2]
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
@@ -449,7 +452,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             for r in range(rows):
                 parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
                          _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
-                # NormPairs: the group's scale folded into its weight scales and sum
+                # ScaledPairs: the group's scale folded into its weight scales and sum
                 sr = s if gs is None else [v * gs[r] for v in s]
                 xr = x_sum[r] if gs is None or x_sum[r] is None else x_sum[r] * gs[r]
                 for c in range(4):
@@ -473,7 +476,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             return lax.fori_loop(0, steps_per_split,
                                  lambda step, acc: compute(load(step), acc), init)
 
-    scale: Any = 1 / _HALF2_X_SCALE
+    scale: Any = 1.0 if scaled else 1 / _HALF2_X_SCALE
     if ss_ref is not None:  # rsqrt(mean square + eps) per row, from the groups' sums
         k = x_ref.shape[1]
         scale = [lax.rsqrt(jnp.sum(ss_ref[pl.ds(r, 1), :], axis=1, keepdims=True) / k
@@ -492,7 +495,8 @@ class _Launch:
     groups_per_step: int
     prefetch: bool
     x_pairs: bool
-    reads_norm_pairs: bool  # takes ``NormPairs`` as they are
+    reads_pairs: bool  # takes ``ScaledPairs`` as they are
+    reads_norm: bool  # and their sums of squares (all groups in one load)
 
 
 def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: int,
@@ -524,27 +528,28 @@ def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: i
             x_pairs = tiles.x_pairs and q_bytes >= tiles.x_pairs_min_bytes
             if x_pairs:
                 groups_per_step = largest_divisor(groups, tiles.x_pairs_step_rows // group)
-    reads = (x_pairs and (not has_zero or tiles.x_pair_sums)
-             and groups & (groups - 1) == 0)  # the kernel loads all groups' sums of squares
-    return _Launch(half2, block_n, sub, programs, groups_per_step, prefetch, x_pairs, reads)
+    reads = x_pairs and (not has_zero or tiles.x_pair_sums)
+    return _Launch(half2, block_n, sub, programs, groups_per_step, prefetch, x_pairs, reads,
+                   reads and groups & (groups - 1) == 0)  # a Triton block side: a power of 2
 
 
-def reads_norm_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-                     bits: int, offset: int, flip: int, tiles: WordTiles) -> bool:
+def reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
+                bits: int, offset: int, flip: int, tiles: WordTiles, norm: bool) -> bool:
     """Whether ``word_gemv`` of ``m`` rows by this weight (``q``, ``scale``, ``zero`` as
-    there; shapes suffice) reads ``NormPairs`` as they are (``add_norm_pairs`` with groups of
-    ``K / scale.shape[0]`` rows): the wide tile with ``x_pairs``, and ``x_pair_sums`` for
-    int4. Elsewhere it would rebuild the activations, and the junction kernel gains
-    nothing."""
+    there; shapes suffice) reads ``ScaledPairs`` with groups of ``K / scale.shape[0]`` rows as
+    they are (``norm``: with sums of squares, ``add_norm_pairs``): the wide tile with
+    ``x_pairs``, and ``x_pair_sums`` for int4. Elsewhere it would rebuild the activations,
+    and a junction kernel gains nothing."""
     groups, n = scale.shape
     k = q.shape[0] * 8 // bits
-    return _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.size,
-                   tiles).reads_norm_pairs
+    q_bytes = q.shape[0] * q.shape[1]  # uint8 / int8
+    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q_bytes, tiles)
+    return launch.reads_norm if norm else launch.reads_pairs
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
                                              "out_dtype", "partials"))
-def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
+def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
               zero: jax.Array | None, *, bits: int, offset: int, flip: int, interpret: bool,
               tiles: WordTiles, out_dtype: jnp.dtype = jnp.float32, partials: bool = False
               ) -> jax.Array:
@@ -555,13 +560,13 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
     ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
     (module docstring; its pallas_call is named ``..._half2``), else the float32 one.
 
-    ``x`` may be ``NormPairs`` (``norm_pairs.add_norm_pairs``: RMSNorm'd activations as
+    ``x`` may be ``ScaledPairs`` (``junction``: activations, RMSNorm'd or not, as
     block-scaled float16 pairs): the kernel reads them as they are where it reads pairs
     (``x_pairs`` with ``x_pair_sums``, or int8, and groups matching the weight's); elsewhere
-    they are turned back into activations first (``NormPairs.normalized``). ``partials``:
+    they are turned back into activations first (``ScaledPairs.values``). ``partials``:
     return the float32 split-K partials ``[splits, M, N]`` unsummed (for a kernel after this
     one that sums them, ``add_norm_pairs``)."""
-    norm = x if isinstance(x, NormPairs) else None
+    norm = x if isinstance(x, ScaledPairs) else None
     m, k = (x.pairs if norm is not None else x).shape
     groups, n = scale.shape
     group = k // groups
@@ -569,8 +574,9 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
     block_n, sub, programs = launch.block_n, launch.sub, launch.programs
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
-    if norm is not None and not (launch.reads_norm_pairs and norm.group == group):
-        x, norm = norm.normalized(), None  # this launch does not read pairs
+    if norm is not None and not (norm.group == group and (
+            launch.reads_norm if norm.sumsq is not None else launch.reads_pairs)):
+        x, norm = norm.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
@@ -591,9 +597,10 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
-    if norm is not None:  # the pairs as given, with their group scales and sums of squares
-        specs += [pl.BlockSpec((m, groups), lambda j, t: (0, 0))] * 2
-        operands += [norm.scales, norm.sumsq]
+    if norm is not None:  # the pairs as given, with their group scales (and sums of squares)
+        stats = [a for a in (norm.scales, norm.sumsq) if a is not None]
+        specs += [pl.BlockSpec((m, groups), lambda j, t: (0, 0))] * len(stats)
+        operands += stats
     elif x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
         xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
         operands[0] = half_pairs(xs)
@@ -606,7 +613,9 @@ def word_gemv(x: jax.Array | NormPairs, q: jax.Array, scale: jax.Array,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=launch.prefetch,
             evict_first=tiles.evict_first, x_pairs=x_pairs,
             x_pair_sums=x_pairs and tiles.x_pair_sums,
-            norm_eps=None if norm is None else norm.eps, emulate=interpret)
+            scaled=norm is not None,
+            norm_eps=None if norm is None or norm.sumsq is None else norm.eps,
+            emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,

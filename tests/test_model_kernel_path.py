@@ -41,28 +41,31 @@ def _decode_one(params, backend):
 
 
 def _force_junctions(monkeypatch):
-    """Every quantized kernel weight treated as reading ``NormPairs`` (the default tiles only
+    """Every quantized kernel weight treated as reading ``ScaledPairs`` (the default tiles only
     read them for weights far larger than a CPU test's): the junction kernel then runs, and
-    the GEMV rebuilds the activations from the pairs (``NormPairs.normalized``)."""
-    monkeypatch.setattr(model, "_reads_norm_pairs", lambda w, rows, kernels: kernels and (
+    the GEMV rebuilds the activations from the pairs (``ScaledPairs.normalized``)."""
+    monkeypatch.setattr(model, "_reads_pairs", lambda w, rows, kernels, norm=True: kernels and (
         isinstance(w, QuantizedWeight)))
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_kernel_decode_path_equals_the_xla_path(method, monkeypatch):
     """One decode token: the Pallas kernels (interpreted) give the XLA path's hidden state,
-    with ``add_norm_pairs`` twice per layer when junctions apply and never otherwise."""
+    with ``add_norm_pairs`` twice and ``silu_mul_pairs`` once per layer when junctions apply,
+    and neither otherwise."""
     params = quantize_params(apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32),
                                           "fast"), method)
     want, names = _decode_one(params, "reference")
     assert not any("word_gemv" in n or "add_norm_pairs" in n for n in names)
     got, names = _decode_one(params, "pallas")
-    assert any("word_gemv" in n for n in names) and "jaxinfer_add_norm_pairs" not in names
+    assert any("word_gemv" in n for n in names)
+    assert "jaxinfer_add_norm_pairs" not in names and "jaxinfer_silu_mul_pairs" not in names
     # int8 sums its products in float16 pairs (word_gemv): ~1e-3 of the largest output
     np.testing.assert_allclose(got, want, atol=2e-3 * float(jnp.max(jnp.abs(want))))
     _force_junctions(monkeypatch)
     joined, names = _decode_one(params, "pallas")
     assert names.count("jaxinfer_add_norm_pairs") == 2 * CFG.num_layers
+    assert names.count("jaxinfer_silu_mul_pairs") == CFG.num_layers
     # float16 pairs of the normalized activations: float16 rounding, not float32's
     np.testing.assert_allclose(joined, want, atol=1e-2 * float(jnp.max(jnp.abs(want))))
 
@@ -72,8 +75,37 @@ def test_junctions_need_the_kernels_and_leave_other_weights_alone(monkeypatch):
     every quantized weight would read pairs."""
     _force_junctions(monkeypatch)
     plain = apply_layout(init_params(CFG, jax.random.PRNGKey(2), jnp.float32), "fast")
-    _, names = _decode_one(plain, "pallas")
-    assert "jaxinfer_add_norm_pairs" not in names
-    q = quantize_params(plain, "int4")
-    _, names = _decode_one(q, "reference")
-    assert "jaxinfer_add_norm_pairs" not in names
+    for params, backend in ((plain, "pallas"), (quantize_params(plain, "int4"), "reference")):
+        _, names = _decode_one(params, backend)
+        assert not any("add_norm_pairs" in n or "silu_mul_pairs" in n for n in names)
+
+
+def _decides(kind, k, n, rows, norm, fused=True):
+    """``model._reads_pairs`` for a ``kind`` weight ``[k, (1,) n]`` (shapes only: traced)."""
+    u8, f16 = jnp.uint8, jnp.float16
+    mid = (1,) if fused else ()
+    rows_q, dtype = (k // 2, u8) if kind == "int4" else (k, jnp.int8)
+    groups = k // (128 if kind == "int4" else 64)
+    w = QuantizedWeight(
+        q=jax.ShapeDtypeStruct((rows_q, *mid, n), dtype),
+        scale=jax.ShapeDtypeStruct((groups, *mid, n), f16 if kind == "int4" else jnp.float32),
+        zero=jax.ShapeDtypeStruct((groups, *mid, n), f16) if kind == "int4" else None,
+        out_axes=2 if fused else 1, group=128 if kind == "int4" else 64, kind=kind)
+    out = []
+    jax.eval_shape(lambda w: out.append(model._reads_pairs(w, rows, True, norm)) or 0, w)
+    return out[0]
+
+
+def test_default_tiles_give_junctions_to_the_8b_and_70b_layers():
+    """With the default tiles, one and two decode rows: int4 qkv and gate|up read RMSNorm'd
+    pairs and down reads silu pairs (8B and 70B, whose down has 224 groups); int8 only from
+    32 MiB (8B gate|up and down, not qkv); four rows take the narrow tile: no junction."""
+    for k, qkv, gu, i in ((4096, 6144, 28672, 14336), (8192, 10240, 57344, 28672)):
+        for rows in (1, 2):
+            assert _decides("int4", k, qkv, rows, True) and _decides("int4", k, gu, rows, True)
+            assert _decides("int4", i, k, rows, False, fused=False)
+        assert not _decides("int4", k, gu, 4, True)
+    assert not _decides("int4", 28672, 8192, 1, True, fused=False)  # 224 groups: no norm
+    assert not _decides("int8", 4096, 6144, 1, True)
+    assert _decides("int8", 4096, 28672, 1, True)
+    assert _decides("int8", 14336, 4096, 1, False, fused=False)

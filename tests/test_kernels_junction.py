@@ -1,6 +1,6 @@
-"""``pallas_kernels.norm_pairs``: the junction kernel (residual add, RMSNorm statistics,
+"""``pallas_kernels.junction``: the junction kernel (residual add, RMSNorm statistics,
 block-scaled float16 pairs) against its reference and the model's ``rms_norm``, and
-``word_gemv`` reading its ``NormPairs`` (int4 and int8, Pallas interpreter) against RMSNorm
+``word_gemv`` reading its ``ScaledPairs`` (int4 and int8, Pallas interpreter) against RMSNorm
 followed by the matmul."""
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ from conftest import all_eqns
 
 from jaxinfer.model import rms_norm
 from pallas_kernels.int4_matmul import Int4Tiles
+from pallas_kernels.junction import (
+    ScaledPairs,
+    add_norm_pairs,
+    add_norm_pairs_reference,
+    silu_mul_pairs,
+    silu_mul_pairs_reference,
+)
 from pallas_kernels.matmul import Int8Tiles
-from pallas_kernels.norm_pairs import NormPairs, add_norm_pairs, add_norm_pairs_reference
-from pallas_kernels.word_gemv import word_gemv, word_gemv_reference
+from pallas_kernels.word_gemv import reads_pairs, word_gemv, word_gemv_reference
 
 INT4 = dict(bits=4, offset=0, flip=0)
 INT8 = dict(bits=8, offset=-128, flip=0x80)
@@ -52,11 +58,11 @@ def test_add_norm_pairs_equals_its_reference_and_rms_norm(splits, rows):
     np.testing.assert_allclose(got.scales, want.scales, rtol=1e-6)
     np.testing.assert_allclose(got.sumsq, want.sumsq, rtol=1e-5)
     normed = rms_norm(h, w, EPS).astype(jnp.float32)
-    np.testing.assert_allclose(got.normalized(), normed, rtol=0,
+    np.testing.assert_allclose(got.values(), normed, rtol=0,
                                atol=8e-3 * float(jnp.max(jnp.abs(normed))))
     u = jax.lax.bitcast_convert_type(got.pairs, jnp.uint32)
     np.testing.assert_array_equal(u >> 16, u & 0xFFFF)
-    assert float(jnp.max(jnp.abs(got.normalized() / got.inv_rms()))) <= float(
+    assert float(jnp.max(jnp.abs(got.values() / got.inv_rms()))) <= float(
         jnp.max(got.scales)) * (1 + 2**-10)
 
 
@@ -66,10 +72,10 @@ def test_norm_pairs_hold_activations_float16_cannot():
     _, res, w = _junction(0, 1, 256, seed=3)
     res = res.at[0, 5].set(1e6).at[0, 128:].set(0)
     _, np_ = add_norm_pairs(None, res, w, group=128, eps=EPS, interpret=True)
-    assert bool(jnp.all(jnp.isfinite(np_.normalized())))
+    assert bool(jnp.all(jnp.isfinite(np_.values())))
     assert float(np_.scales[0, 1]) == 1.0 and not bool(jnp.any(np_.pairs[0, 128:]))
     normed = rms_norm(res, w, EPS).astype(jnp.float32)
-    np.testing.assert_allclose(np_.normalized(), normed, atol=8e-3 * float(
+    np.testing.assert_allclose(np_.values(), normed, atol=8e-3 * float(
         jnp.max(jnp.abs(normed))))
 
 
@@ -80,8 +86,8 @@ def _wide(tiles, **kw):
 
 
 @pytest.mark.parametrize("rows, group", [(1, 128), (2, 128), (1, 64)])
-def test_word_gemv_reads_norm_pairs_as_rms_norm_then_matmul(rows, group):
-    """int4 at the wide tile with x_pairs and x_pair_sums: ``word_gemv(NormPairs)`` is RMSNorm
+def test_word_gemv_reads_pairs_as_rms_norm_then_matmul(rows, group):
+    """int4 at the wide tile with x_pairs and x_pair_sums: ``word_gemv(ScaledPairs)`` is RMSNorm
     (float32) then the reference matmul, to float16 rounding; the pallas_call takes the pairs
     (int32) with the group scales and sums of squares, and no XLA sums. With a group that
     differs from the weight's (64 against 128) or at the narrow tile, the activations are
@@ -110,7 +116,7 @@ def test_word_gemv_reads_norm_pairs_as_rms_norm_then_matmul(rows, group):
 
 
 def test_word_gemv_norm_pairs_int8_and_partials():
-    """int8 (no zeros) reads ``NormPairs`` the same way; ``partials=True`` returns the float32
+    """int8 (no zeros) reads ``ScaledPairs`` the same way; ``partials=True`` returns the float32
     split-K partials, whose sum is the result (the junction after an o or down GEMV takes
     them)."""
     k, n = 1024, 512
@@ -168,10 +174,57 @@ def _pallas_eqn(fn, *args):
 
 
 def test_norm_pairs_is_a_pytree_with_a_static_eps():
-    """``NormPairs`` passes through jit: its arrays are leaves, eps is static."""
+    """``ScaledPairs`` passes through jit: its arrays are leaves, eps is static."""
     _, res, w = _junction(0, 1, 256, seed=50)
     _, a = add_norm_pairs_reference(None, res, w, group=128, eps=EPS)
     assert len(jax.tree.leaves(a)) == 3
     b = jax.jit(lambda t: t)(a)
-    assert isinstance(b, NormPairs) and b.eps == EPS and b.group == 128
+    assert isinstance(b, ScaledPairs) and b.eps == EPS and b.group == 128
     assert b.dtype == jnp.bfloat16  # the residual's: what a matmul of them returns
+
+
+@pytest.mark.parametrize("splits, rows", [(16, 1), (56, 2), (1, 1)])
+def test_silu_mul_pairs_equals_its_reference_and_the_model(splits, rows):
+    """gate|up's split partials to ``silu(gate) * up`` as pairs: the kernel gives the
+    reference's pairs and scales; ``values()`` is the model's bfloat16 ``silu(g) * u`` of the
+    summed halves within bfloat16 rounding; no sums of squares (no norm)."""
+    f = 256
+    p = jax.random.normal(jax.random.PRNGKey(splits), (splits, rows, 2 * f), jnp.float32)
+    got = silu_mul_pairs(p, group=128, dtype=jnp.bfloat16, interpret=True)
+    want = silu_mul_pairs_reference(p, group=128, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(got.pairs, want.pairs)
+    np.testing.assert_allclose(got.scales, want.scales, rtol=1e-6)
+    assert got.sumsq is None and got.dtype == jnp.bfloat16 and got.group == 128
+    gu = jnp.sum(p, 0).astype(jnp.bfloat16)
+    model = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(jnp.float32)
+    np.testing.assert_allclose(got.values(), model, rtol=0,
+                               atol=8e-3 * float(jnp.max(jnp.abs(model))))
+
+
+def test_word_gemv_reads_unnormalized_pairs_and_silu_feeds_down():
+    """gate|up (int4, partials) -> ``silu_mul_pairs`` -> down reading the pairs (no norm: the
+    output is not rescaled), against silu(x @ Wg) * (x @ Wu) @ Wd in float32. 70B's down has
+    224 groups (not a power of two): it reads pairs without sums of squares, not with."""
+    k, f = 1024, 1024
+    rng = np.random.default_rng(60)
+    x = jnp.asarray(rng.normal(size=(1, k)), jnp.float32)
+
+    def int4(rows, cols):
+        return (jnp.asarray(rng.integers(0, 256, size=(rows // 2, cols)), jnp.uint8),
+                jnp.asarray(rng.random((rows // 128, cols)) * 0.02, jnp.float16),
+                jnp.asarray(-rng.random((rows // 128, cols)) * 0.15, jnp.float16))
+    gate_up, down = int4(k, 2 * f), int4(f, 512)
+    tiles = _wide(Int4Tiles().word, x_pair_sums=True)
+    parts = word_gemv(x, *gate_up, interpret=True, tiles=tiles, partials=True, **INT4)
+    act = silu_mul_pairs(parts, group=128, dtype=jnp.float32, interpret=True)
+    eqn = _pallas_eqn(lambda a: word_gemv(a, *down, interpret=True, tiles=tiles, **INT4), act)
+    assert [str(v.aval.dtype) for v in eqn.invars] == [
+        "int32", "uint32", "int32", "int32", "float32"]  # pairs, q, scale, zero, group scales
+    got = word_gemv(act, *down, interpret=True, tiles=tiles, **INT4)
+    gu = word_gemv_reference(x, *gate_up, **INT4)
+    want = word_gemv_reference(jax.nn.silu(gu[:, :f]) * gu[:, f:], *down, **INT4)
+    assert float(jnp.max(jnp.abs(got - want))) <= 3e-3 * float(jnp.max(jnp.abs(want)))
+    q, s, z = (jax.ShapeDtypeStruct((28672 // 2, 8192), jnp.uint8),
+               *[jax.ShapeDtypeStruct((224, 8192), jnp.float16)] * 2)  # shapes suffice
+    assert reads_pairs(1, q, s, z, tiles=Int4Tiles().word, norm=False, **INT4)
+    assert not reads_pairs(1, q, s, z, tiles=Int4Tiles().word, norm=True, **INT4)
