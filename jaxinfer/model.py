@@ -250,12 +250,26 @@ def _dense_fused(x: jax.Array | pallas_kernels.ScaledPairs, w: jax.Array | Quant
 
 
 def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
-         deterministic: bool = False, kernels: bool = False
+         positions: jax.Array, deterministic: bool = False, kernels: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv`` (``x``:
-    ``[B, T, hidden]``, or ``ScaledPairs`` of ``[T, hidden]`` with B = 1)."""
+    """Q, K, V ``[B, T, heads, D]``, Q and K rotated to ``positions [B, T]``, from one fused
+    matmul if the layout has ``wqkv`` (``x``: ``[B, T, hidden]``, or ``ScaledPairs`` of ``[T,
+    hidden]`` with B = 1). Where ``x`` is ``ScaledPairs`` (the junctions' decode rows) the
+    kernel's split partials go to one ``sum_rope`` kernel, which sums them and rotates."""
     b, t = (1, x.pairs.shape[0]) if isinstance(x, pallas_kernels.ScaledPairs) else x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    inv_freq = rope_inv_freq(c)
+    if isinstance(x, pallas_kernels.ScaledPairs):  # only for a kernel weight (_add_norm)
+        freqs = positions[0].astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [T, D/2]
+        parts = _dense_quantized(x, lp["wqkv"].first_shard(), x.dtype, kernels, partials=True)
+        qkv = pallas_kernels.sum_rope(
+            parts, jnp.cos(freqs), jnp.sin(freqs), head_dim=c.head_dim,
+            rotated_heads=c.num_heads + c.num_kv_heads, dtype=x.dtype,
+            interpret=jax.default_backend() != "gpu")[None]  # [1, T, (nq + 2 nkv)]
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+        return (q.reshape(b, t, c.num_heads, c.head_dim),
+                k.reshape(b, t, c.num_kv_heads, c.head_dim),
+                v.reshape(b, t, c.num_kv_heads, c.head_dim))
     if "wqkv" in lp:
         qkv = _dense_fused(x, lp["wqkv"], deterministic, kernels)  # [B, T, shards, ...]
         if isinstance(lp["wqkv"], QuantizedWeight):
@@ -270,7 +284,8 @@ def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
         q, k, v = (_dense(x, lp["wq"], deterministic, kernels),
                    _dense(x, lp["wk"], deterministic, kernels),
                    _dense(x, lp["wv"], deterministic, kernels))
-    return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
+    return (apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq),
+            apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq),
             v.reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
@@ -691,12 +706,9 @@ def decoder_layer(
     c = config
     t = h.shape[1]
     kernels = gemv_kernels(backend)
-    inv_freq = rope_inv_freq(config)
     h, x = _add_norm(h, pending, lp["attn_norm"], lp.get("wqkv"), c.rms_norm_eps, kernels,
                      deterministic)
-    q, k, v = _qkv(x, lp, c, deterministic, kernels)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = _qkv(x, lp, c, positions, deterministic, kernels)
     if isinstance(k_pages, QuantizedPages) and pallas_kernels.rotates_keys(k_pages.values.dtype):
         # int8 keys are stored Hadamard-rotated, queries rotated alike: q . k is unchanged and
         # the keys' outlier channels no longer set every channel's step (kv_quant).

@@ -28,6 +28,8 @@ from pallas_kernels.junction import (
     add_norm_pairs_reference,
     silu_mul_pairs,
     silu_mul_pairs_reference,
+    sum_rope,
+    sum_rope_reference,
 )
 from pallas_kernels.kv_quant import (
     KV_CACHE_DTYPES,
@@ -98,5 +100,7 @@ __all__ = [
     "rotates_keys",
     "silu_mul_pairs",
     "silu_mul_pairs_reference",
+    "sum_rope",
+    "sum_rope_reference",
     "store_new_tokens",
 ]

@@ -265,3 +265,73 @@ def silu_mul_pairs(partials: jax.Array, *, group: int, dtype: Any,
         name="jaxinfer_silu_mul_pairs",
     )(partials, partials)
     return ScaledPairs(pairs, scales, None, 0.0, jnp.dtype(dtype))
+
+
+def _rope_head(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array,
+               rotate: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """One head's halves ``[1, D / 2]`` float32 (each rounded to ``dtype`` first, as a
+    matmul's output is) rotated by ``cos``, ``sin`` where ``rotate`` (a traced bool), else as
+    they are: the halves in ``dtype``."""
+    x1 = x1.astype(dtype).astype(jnp.float32)
+    x2 = x2.astype(dtype).astype(jnp.float32)
+    r1 = jnp.where(rotate, x1 * cos - x2 * sin, x1)
+    r2 = jnp.where(rotate, x2 * cos + x1 * sin, x2)
+    return r1.astype(dtype), r2.astype(dtype)
+
+
+def sum_rope_reference(partials: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                       head_dim: int, rotated_heads: int, dtype: Any) -> jax.Array:
+    """The fused QKV product from its split-K ``partials [S, T, H * D]`` float32, summed and
+    rounded to ``dtype``, its first ``rotated_heads`` heads (Q's and K's) rotated by ``cos``
+    and ``sin [T, D / 2]`` float32 (non-interleaved halves, as ``model.apply_rope``), in plain
+    jnp: ``[T, H * D]`` in ``dtype``."""
+    s, t, n = partials.shape
+    x = jnp.sum(partials, axis=0).reshape(t, n // head_dim, 2, head_dim // 2)
+    heads = jnp.arange(n // head_dim)[None, :, None] < rotated_heads
+    r1, r2 = _rope_head(x[:, :, 0], x[:, :, 1], cos[:, None], sin[:, None], heads, dtype)
+    return jnp.stack([r1, r2], axis=2).reshape(t, n)
+
+
+def _sum_rope_kernel(p1_ref, p2_ref, cos_ref, sin_ref, o_ref, *, rows: int, chunk: int,
+                     chunks: int, rotated_heads: int, dtype: Any) -> None:
+    """One head: its two halves' partials ``[S, T, D / 2]`` and ``cos``, ``sin [T, D / 2]`` in;
+    ``o_ref [T, D]`` out."""
+    rotate = pl.program_id(0) < rotated_heads
+    half = p1_ref.shape[-1]
+    for r in range(rows):
+        r1, r2 = _rope_head(_split_sum(p1_ref, r, chunk, chunks),
+                            _split_sum(p2_ref, r, chunk, chunks),
+                            cos_ref[pl.ds(r, 1), :], sin_ref[pl.ds(r, 1), :], rotate, dtype)
+        o_ref[pl.ds(r, 1), pl.ds(0, half)] = r1
+        o_ref[pl.ds(r, 1), pl.ds(half, half)] = r2
+
+
+@functools.partial(jax.jit, static_argnames=("head_dim", "rotated_heads", "dtype", "interpret"))
+def sum_rope(partials: jax.Array, cos: jax.Array, sin: jax.Array, *, head_dim: int,
+             rotated_heads: int, dtype: Any, interpret: bool = False) -> jax.Array:
+    """``sum_rope_reference`` as one GPU kernel, a program per head: where XLA summed the QKV
+    GEMV's partials in one kernel and rotated Q and K while packing them for the paged
+    attention kernel in another. ``interpret``: Pallas' interpreter."""
+    check(partials.ndim == 3 and partials.dtype == jnp.float32
+          and partials.shape[2] % head_dim == 0,
+          f"partials {partials.shape} {partials.dtype} must be float32 [S, T, heads * "
+          f"{head_dim}]")
+    s, t, n = partials.shape
+    half = head_dim // 2
+    check(cos.shape == sin.shape == (t, half), f"cos {cos.shape} and sin {sin.shape} must be "
+          f"[{t}, {half}]")
+    heads, chunk = n // head_dim, _chunk(s)
+    return pl.pallas_call(
+        functools.partial(_sum_rope_kernel, rows=t, chunk=chunk, chunks=s // chunk,
+                          rotated_heads=rotated_heads, dtype=jnp.dtype(dtype)),
+        grid=(heads,),
+        in_specs=[pl.BlockSpec((s, t, half), lambda j: (0, 0, 2 * j)),
+                  pl.BlockSpec((s, t, half), lambda j: (0, 0, 2 * j + 1)),
+                  pl.BlockSpec((t, half), lambda j: (0, 0)),
+                  pl.BlockSpec((t, half), lambda j: (0, 0))],
+        out_specs=pl.BlockSpec((t, head_dim), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((t, n), dtype),
+        compiler_params=gpu_params(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jaxinfer_sum_rope",
+    )(partials, partials, cos.astype(jnp.float32), sin.astype(jnp.float32))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import all_eqns
 
-from jaxinfer.model import rms_norm
+from jaxinfer.model import apply_rope, rms_norm
 from pallas_kernels.int4_matmul import Int4Tiles
 from pallas_kernels.junction import (
     ScaledPairs,
@@ -21,6 +21,8 @@ from pallas_kernels.junction import (
     add_norm_pairs_reference,
     silu_mul_pairs,
     silu_mul_pairs_reference,
+    sum_rope,
+    sum_rope_reference,
 )
 from pallas_kernels.matmul import Int8Tiles
 from pallas_kernels.word_gemv import reads_pairs, word_gemv, word_gemv_reference
@@ -228,3 +230,26 @@ def test_word_gemv_reads_unnormalized_pairs_and_silu_feeds_down():
                *[jax.ShapeDtypeStruct((224, 8192), jnp.float16)] * 2)  # shapes suffice
     assert reads_pairs(1, q, s, z, tiles=Int4Tiles().word, norm=False, **INT4)
     assert not reads_pairs(1, q, s, z, tiles=Int4Tiles().word, norm=True, **INT4)
+
+
+@pytest.mark.parametrize("splits, rows", [(32, 1), (16, 2), (7, 1)])
+def test_sum_rope_equals_its_reference_and_the_models_rope(splits, rows):
+    """The QKV partials summed and Q, K rotated in one kernel: the reference's result (to one
+    bfloat16 step: the kernel sums in chunks), and ``apply_rope`` of the summed product for Q
+    and K heads, V's heads as summed."""
+    nh, nkv, d = 4, 2, 64
+    p = jax.random.normal(jax.random.PRNGKey(splits), (splits, rows, (nh + 2 * nkv) * d))
+    pos = jnp.asarray([[5, 1000]])[:, :rows]
+    inv = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    freqs = pos[0].astype(jnp.float32)[:, None] * inv
+    kw = dict(head_dim=d, rotated_heads=nh + nkv, dtype=jnp.bfloat16)
+    got = sum_rope(p, jnp.cos(freqs), jnp.sin(freqs), interpret=True, **kw)
+    want = sum_rope_reference(p, jnp.cos(freqs), jnp.sin(freqs), **kw)
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=2**-7)
+    x = jnp.sum(p, 0).astype(jnp.bfloat16).reshape(1, rows, nh + 2 * nkv, d)
+    model = jnp.concatenate([apply_rope(x[:, :, :nh + nkv], pos, inv), x[:, :, nh + nkv:]],
+                            axis=2).reshape(rows, -1).astype(jnp.float32)
+    np.testing.assert_allclose(got.astype(jnp.float32), model, rtol=0,
+                               atol=2**-6 * float(jnp.max(jnp.abs(model))))
+    v = slice((nh + nkv) * d, None)
+    np.testing.assert_allclose(got[:, v].astype(jnp.float32), model[:, v], rtol=2**-7)

@@ -51,21 +51,23 @@ def _force_junctions(monkeypatch):
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_kernel_decode_path_equals_the_xla_path(method, monkeypatch):
     """One decode token: the Pallas kernels (interpreted) give the XLA path's hidden state,
-    with ``add_norm_pairs`` twice and ``silu_mul_pairs`` once per layer when junctions apply,
-    and neither otherwise."""
+    with ``add_norm_pairs`` twice and ``silu_mul_pairs`` and ``sum_rope`` once per layer when
+    junctions apply, and none of them otherwise."""
     params = quantize_params(apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32),
                                           "fast"), method)
     want, names = _decode_one(params, "reference")
     assert not any("word_gemv" in n or "add_norm_pairs" in n for n in names)
     got, names = _decode_one(params, "pallas")
     assert any("word_gemv" in n for n in names)
-    assert "jaxinfer_add_norm_pairs" not in names and "jaxinfer_silu_mul_pairs" not in names
+    assert not any(n in names for n in ("jaxinfer_add_norm_pairs", "jaxinfer_silu_mul_pairs",
+                                        "jaxinfer_sum_rope"))
     # int8 sums its products in float16 pairs (word_gemv): ~1e-3 of the largest output
     np.testing.assert_allclose(got, want, atol=2e-3 * float(jnp.max(jnp.abs(want))))
     _force_junctions(monkeypatch)
     joined, names = _decode_one(params, "pallas")
     assert names.count("jaxinfer_add_norm_pairs") == 2 * CFG.num_layers
     assert names.count("jaxinfer_silu_mul_pairs") == CFG.num_layers
+    assert names.count("jaxinfer_sum_rope") == CFG.num_layers
     # float16 pairs of the normalized activations: float16 rounding, not float32's
     np.testing.assert_allclose(joined, want, atol=1e-2 * float(jnp.max(jnp.abs(want))))
 
@@ -77,7 +79,8 @@ def test_junctions_need_the_kernels_and_leave_other_weights_alone(monkeypatch):
     plain = apply_layout(init_params(CFG, jax.random.PRNGKey(2), jnp.float32), "fast")
     for params, backend in ((plain, "pallas"), (quantize_params(plain, "int4"), "reference")):
         _, names = _decode_one(params, backend)
-        assert not any("add_norm_pairs" in n or "silu_mul_pairs" in n for n in names)
+        assert not any(n.endswith(("add_norm_pairs", "silu_mul_pairs", "sum_rope"))
+                       for n in names)
 
 
 def _decides(kind, k, n, rows, norm, fused=True):
