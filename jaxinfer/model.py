@@ -696,11 +696,12 @@ def decoder_layer(
     ``write_offsets`` ``[T]``, ``block_tables [S, P]``, ``kv_lens [S]``, ``cu_q_lens
     [S + 1]``. ``deterministic``: batch-invariant matmuls and attention (``load_model``).
 
-    Decode rows whose matmuls run the Pallas kernels (``gemv_kernels``) join each matmul to
-    the next through ``_add_norm``: a residual add and RMSNorm in one kernel that reads the
-    first matmul's split-K partials and makes the second's input pairs. Across layers the
-    MLP's partials wait for the next layer: with ``defer`` they are returned as ``pending``
-    (``[S, T, hidden]`` float32, not yet in ``h``), and ``pending`` is the previous layer's.
+    Decode rows whose next matmul's kernel reads ``ScaledPairs`` (``_reads_pairs``) join it
+    to the one before through one ``pallas_kernels.junction`` kernel that reads the first
+    matmul's split-K partials: the residual add and RMSNorm (``_add_norm``, twice), the QKV
+    sum with RoPE (``_qkv``) and ``silu(gate) * up`` (``_gated_mlp``). Across layers the MLP's
+    partials wait for the next layer: with ``defer`` they are returned as ``pending`` (``[S,
+    T, hidden]`` float32, not yet in ``h``), and ``pending`` is the previous layer's.
     Returns ``(h, pending or None, k_pages, v_pages)``.
     """
     c = config
@@ -736,7 +737,7 @@ def _dense_partials(x: jax.Array, w: Any, kernels: bool) -> jax.Array:
     (``[1, T, out]`` where no kernel splits K)."""
     if isinstance(w, QuantizedWeight):
         return _dense_quantized(x, w, x.dtype, kernels, partials=True)
-    return _dense(x, w, kernels=kernels).astype(x.dtype).astype(jnp.float32)
+    return _dense(x, w, kernels=kernels).astype(jnp.float32)
 
 
 def forward_ragged(

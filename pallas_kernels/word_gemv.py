@@ -566,17 +566,17 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     they are turned back into activations first (``ScaledPairs.values``). ``partials``:
     return the float32 split-K partials ``[splits, M, N]`` unsummed (for a kernel after this
     one that sums them, ``add_norm_pairs``)."""
-    norm = x if isinstance(x, ScaledPairs) else None
-    m, k = (x.pairs if norm is not None else x).shape
+    given = x if isinstance(x, ScaledPairs) else None
+    m, k = (x.pairs if given is not None else x).shape
     groups, n = scale.shape
     group = k // groups
     launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.nbytes, tiles)
     block_n, sub, programs = launch.block_n, launch.sub, launch.programs
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
-    if norm is not None and not (norm.group == group and (
-            launch.reads_norm if norm.sumsq is not None else launch.reads_pairs)):
-        x, norm = norm.values(), None  # this launch does not read them
+    if given is not None and not (given.group == group and (
+            launch.reads_norm if given.sumsq is not None else launch.reads_pairs)):
+        x, given = given.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
@@ -587,7 +587,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     specs = [pl.BlockSpec((m, k), lambda j, t: (0, 0)),
              pl.BlockSpec((q.shape[0], block_n // 4), lambda j, t: (0, j)),
              pl.BlockSpec((groups, block_n), lambda j, t: (0, j))]
-    operands = [x if norm is None else norm.pairs, words, scale]
+    operands = [x if given is None else given.pairs, words, scale]
     if zero is not None:
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
@@ -597,8 +597,8 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
-    if norm is not None:  # the pairs as given, with their group scales (and sums of squares)
-        stats = [a for a in (norm.scales, norm.sumsq) if a is not None]
+    if given is not None:  # the pairs as given, with their group scales (and sums of squares)
+        stats = [a for a in (given.scales, given.sumsq) if a is not None]
         specs += [pl.BlockSpec((m, groups), lambda j, t: (0, 0))] * len(stats)
         operands += stats
     elif x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
@@ -613,8 +613,8 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=launch.prefetch,
             evict_first=tiles.evict_first, x_pairs=x_pairs,
             x_pair_sums=x_pairs and tiles.x_pair_sums,
-            scaled=norm is not None,
-            norm_eps=None if norm is None or norm.sumsq is None else norm.eps,
+            scaled=given is not None,
+            norm_eps=None if given is None or given.sumsq is None else given.eps,
             emulate=interpret)
     else:
         kernel = functools.partial(
