@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import all_eqns
+from test_kernels_word_gemv import INT4, INT8  # the formats' word_gemv arguments
 
 from jaxinfer.model import apply_rope, rms_norm
 from pallas_kernels.int4_matmul import Int4Tiles
@@ -27,8 +28,6 @@ from pallas_kernels.junction import (
 from pallas_kernels.matmul import Int8Tiles
 from pallas_kernels.word_gemv import reads_pairs, word_gemv, word_gemv_reference
 
-INT4 = dict(bits=4, offset=0, flip=0)
-INT8 = dict(bits=8, offset=-128, flip=0x80)
 EPS = 1e-5
 
 
