@@ -109,11 +109,11 @@ def _chunk(splits: int) -> int:
 
 
 def _split_sum(p_ref: Any, r: int, chunk: int, chunks: int) -> jax.Array:
-    """Row ``r`` of ``p_ref [S, R, G]`` summed over S, ``chunk`` partials in flight at a time:
-    ``[1, G]`` float32."""
-    def body(i, acc):
-        return acc + jnp.sum(p_ref[pl.ds(i * chunk, chunk), r, :], axis=0)[None, :]
-    return lax.fori_loop(0, chunks, body, jnp.zeros((1, p_ref.shape[-1]), jnp.float32))
+    """Row ``r`` of ``p_ref [S, R, G]`` summed over S in ``chunks`` loads of ``chunk`` partials,
+    unrolled so that every load is in flight at once (a loop waited on each in turn): ``[1,
+    G]`` float32."""
+    parts = [p_ref[pl.ds(i * chunk, chunk), r, :] for i in range(chunks)]  # [chunk, G] each
+    return sum(jnp.sum(p, axis=0) for p in parts)[None, :]
 
 
 def _add_norm_group(h: jax.Array, weight: jax.Array) -> tuple[jax.Array, ...]:
