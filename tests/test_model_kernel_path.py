@@ -21,16 +21,18 @@ CFG = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=25
                            max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def _decode_one(params, backend):
-    """One decode token (position 3 after three written ones) through ``forward_ragged``:
-    the final hidden state ``[1, hidden]`` and the jaxpr's pallas_call names."""
+def _decode_one(params, backend, rows=1):
+    """One decode token for each of ``rows`` sequences (sequence ``i`` at position ``3 + i``,
+    its earlier keys in pages ``4 i`` on) through ``forward_ragged``: the final hidden states
+    ``[rows, hidden]`` and the jaxpr's pallas_call names."""
     kvh, d = CFG.num_kv_heads, CFG.head_dim
     key = jax.random.PRNGKey(7)
-    pool = [jax.random.normal(jax.random.fold_in(key, i), (kvh, 4, 16, d), jnp.float32)
+    pool = [jax.random.normal(jax.random.fold_in(key, i), (kvh, 4 * rows, 16, d), jnp.float32)
             for i in range(CFG.num_layers)]
-    i32 = lambda *v: jnp.asarray(v, jnp.int32)  # noqa: E731
-    args = (i32(5), i32(3), pool, pool, i32(0), i32(3), i32(0, 1, 2, 3)[None], i32(4),
-            i32(0, 1))
+    pos = jnp.arange(3, 3 + rows, dtype=jnp.int32)
+    pages = jnp.arange(4 * rows, dtype=jnp.int32).reshape(rows, 4)
+    args = (jnp.arange(5, 5 + rows, dtype=jnp.int32), pos, pool, pool, pages[:, 0], pos, pages,
+            pos + 1, jnp.arange(rows + 1, dtype=jnp.int32))
 
     def step(p, *a):
         return forward_ragged(p, CFG, *a, backend=backend, dtype=jnp.float32)[0]
@@ -43,28 +45,29 @@ def _decode_one(params, backend):
 def _force_junctions(monkeypatch):
     """Every quantized kernel weight treated as reading ``ScaledPairs`` (the default tiles only
     read them for weights far larger than a CPU test's): the junction kernel then runs, and
-    the GEMV rebuilds the activations from the pairs (``ScaledPairs.normalized``)."""
+    the GEMV rebuilds the activations from the pairs (``ScaledPairs.values``)."""
     monkeypatch.setattr(model, "_reads_pairs", lambda w, rows, kernels, norm=True: kernels and (
         isinstance(w, QuantizedWeight)))
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
-def test_kernel_decode_path_equals_the_xla_path(method, monkeypatch):
-    """One decode token: the Pallas kernels (interpreted) give the XLA path's hidden state,
-    with ``add_norm_pairs`` twice and ``silu_mul_pairs`` and ``sum_rope`` once per layer when
-    junctions apply, and none of them otherwise."""
+@pytest.mark.parametrize("method, rows", [("int4", 1), ("int8", 1), ("int4", 2)])
+def test_kernel_decode_path_equals_the_xla_path(method, rows, monkeypatch):
+    """One decode step of one or two rows: the Pallas kernels (interpreted) give the XLA
+    path's hidden states, with ``add_norm_pairs`` twice and ``silu_mul_pairs`` and
+    ``sum_rope`` once per layer when junctions apply, and none of them otherwise."""
     params = quantize_params(apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32),
                                           "fast"), method)
-    want, names = _decode_one(params, "reference")
-    assert not any("word_gemv" in n or "add_norm_pairs" in n for n in names)
-    got, names = _decode_one(params, "pallas")
-    assert any("word_gemv" in n for n in names)
+    want, names = _decode_one(params, "reference", rows)
+    gemvs = ("word_gemv", "int4_matmul", "int8_matmul")  # int4 g32 at 2 rows: the dot kernel
+    assert not any(g in n for n in names for g in gemvs + ("add_norm_pairs",))
+    got, names = _decode_one(params, "pallas", rows)
+    assert any(g in n for n in names for g in gemvs)
     assert not any(n in names for n in ("jaxinfer_add_norm_pairs", "jaxinfer_silu_mul_pairs",
                                         "jaxinfer_sum_rope"))
     # int8 sums its products in float16 pairs (word_gemv): ~1e-3 of the largest output
     np.testing.assert_allclose(got, want, atol=2e-3 * float(jnp.max(jnp.abs(want))))
     _force_junctions(monkeypatch)
-    joined, names = _decode_one(params, "pallas")
+    joined, names = _decode_one(params, "pallas", rows)
     assert names.count("jaxinfer_add_norm_pairs") == 2 * CFG.num_layers
     assert names.count("jaxinfer_silu_mul_pairs") == CFG.num_layers
     assert names.count("jaxinfer_sum_rope") == CFG.num_layers
