@@ -716,10 +716,15 @@ def decoder_layer(
         q, k = pallas_kernels.hadamard_rotate(q), pallas_kernels.hadamard_rotate(k)
     # Stored, then attended: a chunk's queries see its own keys through the pages. Per model
     # shard under a mesh (shard_map); plain ``write_and_attend`` on one device.
+    # The o GEMV reading scaled pairs takes them from the attention's combine kernel, one
+    # head per scale group.
+    out_pairs = (_reads_pairs(lp["wo"], t, kernels, norm=False)
+                 and _group(lp["wo"]) == c.head_dim)
     attn, k_pages, v_pages = mesh_write_and_attend(
         q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
-        deterministic=deterministic)
-    attn = attn.reshape(1, t, c.num_heads * c.head_dim)
+        deterministic=deterministic, out_pairs=out_pairs)
+    if not isinstance(attn, pallas_kernels.ScaledPairs):
+        attn = attn.reshape(1, t, c.num_heads * c.head_dim)
     if _reads_pairs(lp.get("w_gate_up"), t, kernels):
         h, x = _add_norm(h, _dense_partials(attn, lp["wo"], kernels), lp["mlp_norm"],
                          lp["w_gate_up"], c.rms_norm_eps, kernels, deterministic)

@@ -33,14 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check, gpu_params
-
-
-def half_pairs(x: jax.Array) -> jax.Array:
-    """Each value of ``x`` (float32) rounded to float16 and doubled into the pair ``(x, x)``:
-    int32 of ``x``'s shape (what the float16-pair GEMV multiplies two weights by at once)."""
-    u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
-    return lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+from pallas_kernels._common import check, gpu_params, scaled_pairs
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pairs", "scales", "sumsq"],
@@ -48,7 +41,7 @@ def half_pairs(x: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class ScaledPairs:
     """A matmul's input ``y`` (``R`` rows of ``N`` values in ``G``-value groups) as a GEMV
-    reads it: ``pairs`` int32 ``[R, N]`` (``half_pairs`` of ``y / scales``), ``scales``
+    reads it: ``pairs`` int32 ``[R, N]`` (``_common.half_pairs`` of ``y / scales``), ``scales``
     float32 ``[R, N / G]`` (each group's largest ``|y|``, 1 where all are 0). With ``sumsq``
     (float32 ``[R, N / G]``, each group's sum of ``h ** 2``) the input is ``rms_norm(h,
     weight, eps)`` and ``y = h * weight``; without (None), ``y`` itself. ``dtype``: the
@@ -83,14 +76,6 @@ class ScaledPairs:
         return grouped.reshape(r, n) * self.inv_rms()
 
 
-def _scaled(y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One group ``y [1, G]`` float32 as pairs ``[1, G]`` int32 of ``y / scale`` and its scale
-    ``[1, 1]``: the largest ``|y|``, 1 where all are 0."""
-    peak = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
-    scale = jnp.where(peak > 0, peak, 1.0)
-    return half_pairs(y / scale), scale
-
-
 def _grouped(fn, r: int, n: int, group: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
     """``fn`` (one group's ``[1, G]`` slices of ``arrays``, each ``[R, N]`` or ``[N]``, to
     ``[1, G]`` / ``[1, 1]`` results) over every row and group: results ``[R, N]`` / ``[R, N /
@@ -120,7 +105,7 @@ def _add_norm_group(h: jax.Array, weight: jax.Array) -> tuple[jax.Array, ...]:
     """One group of ``add_norm_pairs``: ``h [1, G]``, ``weight [1, G]`` to pairs, scale and
     sum of squares."""
     h32 = h.astype(jnp.float32)
-    pairs, scale = _scaled(h32 * weight.astype(jnp.float32))
+    pairs, scale = scaled_pairs(h32 * weight.astype(jnp.float32))
     return pairs, scale, jnp.sum(h32 * h32, axis=-1, keepdims=True)
 
 
@@ -213,7 +198,7 @@ def _silu_mul_group(gate: jax.Array, up: jax.Array, dtype: Any) -> tuple[jax.Arr
     to ``dtype`` as a matmul's output is, to pairs and scale of ``silu(gate) * up``."""
     g = gate.astype(dtype).astype(jnp.float32)
     u = up.astype(dtype).astype(jnp.float32)
-    return _scaled(g / (1 + jnp.exp(-g)) * u)
+    return scaled_pairs(g / (1 + jnp.exp(-g)) * u)
 
 
 def silu_mul_pairs_reference(partials: jax.Array, *, group: int, dtype: Any) -> ScaledPairs:

@@ -74,8 +74,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
-from pallas_kernels.junction import ScaledPairs, half_pairs
+from pallas_kernels._common import (
+    cdiv,
+    check,
+    gpu_params,
+    half_pairs,
+    largest_divisor,
+    next_pow2,
+)
+from pallas_kernels.junction import ScaledPairs
 
 WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` and ``int8_matmul`` run this kernel: each row adds

@@ -22,9 +22,10 @@ CFG = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=25
 
 
 def _decode_one(params, backend, rows=1):
-    """One decode token for each of ``rows`` sequences (sequence ``i`` at position ``3 + i``,
-    its earlier keys in pages ``4 i`` on) through ``forward_ragged``: the final hidden states
-    ``[rows, hidden]`` and the jaxpr's pallas_call names."""
+    """One decode token for each of ``rows`` sequences (a decode step, ``max_q_len`` 1:
+    sequence ``i`` at position ``3 + i``, its earlier keys in pages ``4 i`` on) through
+    ``forward_ragged``: the final hidden states ``[rows, hidden]`` and the jaxpr's pallas_call
+    names."""
     kvh, d = CFG.num_kv_heads, CFG.head_dim
     key = jax.random.PRNGKey(7)
     pool = [jax.random.normal(jax.random.fold_in(key, i), (kvh, 4 * rows, 16, d), jnp.float32)
@@ -35,7 +36,7 @@ def _decode_one(params, backend, rows=1):
             pos + 1, jnp.arange(rows + 1, dtype=jnp.int32))
 
     def step(p, *a):
-        return forward_ragged(p, CFG, *a, backend=backend, dtype=jnp.float32)[0]
+        return forward_ragged(p, CFG, *a, backend=backend, dtype=jnp.float32, max_q_len=1)[0]
 
     names = [e.params["name"] for e in all_eqns(jax.make_jaxpr(step)(params, *args))
              if e.primitive.name == "pallas_call"]
@@ -115,3 +116,27 @@ def test_default_tiles_give_junctions_to_the_8b_and_70b_layers():
     assert not _decides("int8", 4096, 6144, 1, True)
     assert _decides("int8", 4096, 28672, 1, True)
     assert _decides("int8", 14336, 4096, 1, False, fused=False)
+
+
+def test_attention_hands_the_o_matmul_scaled_pairs(monkeypatch):
+    """Where o's groups are one head (int4-g64 here, head_dim 64) and its kernel reads pairs,
+    the decode step's attention returns ``ScaledPairs`` (``out_pairs``) and o reads them: the
+    hidden state still matches the XLA path; with groups of 32 it gets the plain output."""
+    import pallas_kernels
+
+    _force_junctions(monkeypatch)
+    asked = []
+    write = pallas_kernels.paged_attention_write
+
+    def spy(*a, **kw):
+        asked.append(kw.get("out_pairs"))
+        return write(*a, **kw)
+    monkeypatch.setattr(pallas_kernels, "paged_attention_write", spy)
+    plain = apply_layout(init_params(CFG, jax.random.PRNGKey(3), jnp.float32), "fast")
+    for method, pairs in (("int4-g64", True), ("int4", False)):
+        params = quantize_params(plain, method)
+        asked.clear()
+        got, _ = _decode_one(params, "pallas")
+        assert asked and all(a is pairs for a in asked)
+        want, _ = _decode_one(params, "reference")
+        np.testing.assert_allclose(got, want, atol=1e-2 * float(jnp.max(jnp.abs(want))))
