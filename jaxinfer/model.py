@@ -259,7 +259,9 @@ def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
     b, t = (1, x.pairs.shape[0]) if isinstance(x, pallas_kernels.ScaledPairs) else x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     inv_freq = rope_inv_freq(c)
-    if isinstance(x, pallas_kernels.ScaledPairs):  # only for a kernel weight (_add_norm)
+    if isinstance(x, pallas_kernels.ScaledPairs) and c.head_dim & (c.head_dim - 1) == 0:
+        # (ScaledPairs come only for a kernel weight, _add_norm; sum_rope's half-head blocks
+        # need a power of two, else the fused path below takes the pairs)
         freqs = positions[0].astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [T, D/2]
         parts = _dense_quantized(x, lp["wqkv"].first_shard(), x.dtype, kernels, partials=True)
         qkv = pallas_kernels.sum_rope(
@@ -726,23 +728,23 @@ def decoder_layer(
     if not isinstance(attn, pallas_kernels.ScaledPairs):
         attn = attn.reshape(1, t, c.num_heads * c.head_dim)
     if _reads_pairs(lp.get("w_gate_up"), t, kernels):
-        h, x = _add_norm(h, _dense_partials(attn, lp["wo"], kernels), lp["mlp_norm"],
+        h, x = _add_norm(h, _dense_partials(attn, lp["wo"], kernels, deterministic), lp["mlp_norm"],
                          lp["w_gate_up"], c.rms_norm_eps, kernels, deterministic)
     else:
         h = h + _dense(attn, lp["wo"], deterministic, kernels)
         x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
     mlp = _gated_mlp(x, lp, deterministic, kernels)
     if defer and _reads_pairs(lp.get("wqkv"), t, kernels):  # the next layer's alike
-        return h, _dense_partials(mlp, lp["w_down"], kernels), k_pages, v_pages
+        return h, _dense_partials(mlp, lp["w_down"], kernels, deterministic), k_pages, v_pages
     return h + _dense(mlp, lp["w_down"], deterministic, kernels), None, k_pages, v_pages
 
 
-def _dense_partials(x: jax.Array, w: Any, kernels: bool) -> jax.Array:
+def _dense_partials(x: jax.Array, w: Any, kernels: bool, deterministic: bool) -> jax.Array:
     """``x [1, T, in] @ w`` as float32 split-K partials ``[S, T, out]`` for ``_add_norm``
     (``[1, T, out]`` where no kernel splits K)."""
     if isinstance(w, QuantizedWeight):
         return _dense_quantized(x, w, x.dtype, kernels, partials=True)
-    return _dense(x, w, kernels=kernels).astype(jnp.float32)
+    return _dense(x, w, deterministic, kernels).astype(jnp.float32)
 
 
 def forward_ragged(

@@ -42,7 +42,7 @@ def _junction(splits, rows, n, seed, *, spread=3.0):
 
 @pytest.mark.parametrize("splits, rows", [(24, 1), (112, 2), (7, 1), (0, 2)])
 def test_add_norm_pairs_equals_its_reference_and_rms_norm(splits, rows):
-    """The kernel gives the reference's residual, pairs and statistics (chunks of 16, 8 or 7
+    """The kernel gives the reference's residual, pairs and statistics (chunks of 8, 16 or 1
     partials, or none); ``normalized()`` is the model's ``rms_norm`` of that residual within
     its bfloat16 rounding; every pair's two halves are equal and at most 1."""
     p, res, w = _junction(splits, rows, 512, seed=splits)
@@ -67,13 +67,16 @@ def test_add_norm_pairs_equals_its_reference_and_rms_norm(splits, rows):
         jnp.max(got.scales)) * (1 + 2**-10)
 
 
-def test_norm_pairs_hold_activations_float16_cannot():
-    """A residual row with a 1e6 outlier: x * 2^-8 pairs overflow float16 past ~35k (the wide
-    tile's bound), block-scaled ones do not; a group of zeros gets scale 1 and zero pairs."""
+def test_scaled_pairs_hold_an_outlier_and_a_zero_group():
+    """A residual row with a 1e6 outlier: its group's pairs stay within [-1, 1] (the scale
+    takes the size) and still give the RMSNorm; a group of zeros gets scale 1 and zero
+    pairs."""
     _, res, w = _junction(0, 1, 256, seed=3)
     res = res.at[0, 5].set(1e6).at[0, 128:].set(0)
     _, np_ = add_norm_pairs(None, res, w, group=128, eps=EPS, interpret=True)
     assert bool(jnp.all(jnp.isfinite(np_.values())))
+    assert float(jnp.max(jnp.abs(np_.values() / np_.inv_rms() / np_.scales.repeat(128, 1)))
+                 ) <= 1.0
     assert float(np_.scales[0, 1]) == 1.0 and not bool(jnp.any(np_.pairs[0, 128:]))
     normed = rms_norm(res, w, EPS).astype(jnp.float32)
     np.testing.assert_allclose(np_.values(), normed, atol=8e-3 * float(
@@ -131,6 +134,10 @@ def test_word_gemv_norm_pairs_int8_and_partials():
     want = word_gemv_reference(x32, q, scale, None, **INT8)
     got = word_gemv(pairs, q, scale, None, interpret=True, tiles=tiles, **INT8)
     assert float(jnp.max(jnp.abs(got - want))) <= 3e-3 * float(jnp.max(jnp.abs(want)))
+    eqn = _pallas_eqn(lambda a: word_gemv(a, q, scale, None, interpret=True, tiles=tiles,
+                                          **INT8), pairs)  # the pairs, not rebuilt values
+    assert [str(v.aval.dtype) for v in eqn.invars] == [
+        "int32", "uint32", "float32", "float32", "float32"]  # pairs, q, scale, gs, sumsq
     parts = word_gemv(pairs, q, scale, None, interpret=True, tiles=tiles, partials=True, **INT8)
     assert parts.dtype == jnp.float32 and parts.ndim == 3 and parts.shape[0] > 1
     np.testing.assert_allclose(jnp.sum(parts, 0), got, rtol=1e-6, atol=1e-6)

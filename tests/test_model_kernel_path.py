@@ -23,15 +23,17 @@ CFG = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=25
 
 def _decode_one(params, backend, rows=1):
     """One decode token for each of ``rows`` sequences (a decode step, ``max_q_len`` 1:
-    sequence ``i`` at position ``3 + i``, its earlier keys in pages ``4 i`` on) through
+    sequence ``i`` at position ``3 + i``, its earlier keys in pages ``16 i`` on) through
     ``forward_ragged``: the final hidden states ``[rows, hidden]`` and the jaxpr's pallas_call
     names."""
     kvh, d = CFG.num_kv_heads, CFG.head_dim
     key = jax.random.PRNGKey(7)
-    pool = [jax.random.normal(jax.random.fold_in(key, i), (kvh, 4 * rows, 16, d), jnp.float32)
+    # 16 pages of 16 keys per sequence: two blocks of 128, so the paged kernel splits them
+    # and its combine kernel runs
+    pool = [jax.random.normal(jax.random.fold_in(key, i), (kvh, 16 * rows, 16, d), jnp.float32)
             for i in range(CFG.num_layers)]
     pos = jnp.arange(3, 3 + rows, dtype=jnp.int32)
-    pages = jnp.arange(4 * rows, dtype=jnp.int32).reshape(rows, 4)
+    pages = jnp.arange(16 * rows, dtype=jnp.int32).reshape(rows, 16)
     args = (jnp.arange(5, 5 + rows, dtype=jnp.int32), pos, pool, pool, pages[:, 0], pos, pages,
             pos + 1, jnp.arange(rows + 1, dtype=jnp.int32))
 
@@ -76,10 +78,15 @@ def test_kernel_decode_path_equals_the_xla_path(method, rows, monkeypatch):
     np.testing.assert_allclose(joined, want, atol=1e-2 * float(jnp.max(jnp.abs(want))))
 
 
-def test_junctions_need_the_kernels_and_leave_other_weights_alone(monkeypatch):
-    """Plain weights and the reference backend (no kernels) run no junction, even where
-    every quantized weight would read pairs."""
-    _force_junctions(monkeypatch)
+def test_junctions_need_the_kernels_and_leave_other_weights_alone():
+    """``_reads_pairs`` is False for plain weights, without the kernels (reference backend, a
+    mesh, a TPU), for act-order weights and for prefill-sized steps, so no junction runs
+    there (shapes where the kernel's launch would read pairs: the 8B qkv)."""
+    assert _decides("int4", 4096, 6144, 1, True)
+    assert not _decides("int4", 4096, 6144, 1, True, kernels=False)
+    assert not _decides("int4", 4096, 6144, 64, True)
+    assert not _decides("int4", 4096, 6144, 1, True, perm=True)
+    assert not model._reads_pairs(jnp.zeros((8, 8)), 1, True)
     plain = apply_layout(init_params(CFG, jax.random.PRNGKey(2), jnp.float32), "fast")
     for params, backend in ((plain, "pallas"), (quantize_params(plain, "int4"), "reference")):
         _, names = _decode_one(params, backend)
@@ -87,8 +94,9 @@ def test_junctions_need_the_kernels_and_leave_other_weights_alone(monkeypatch):
                        for n in names)
 
 
-def _decides(kind, k, n, rows, norm, fused=True):
-    """``model._reads_pairs`` for a ``kind`` weight ``[k, (1,) n]`` (shapes only: traced)."""
+def _decides(kind, k, n, rows, norm, fused=True, kernels=True, perm=False):
+    """``model._reads_pairs`` for a ``kind`` weight ``[k, (1,) n]`` (shapes only: traced;
+    ``perm``: stored rows in another order, as act-order GPTQ)."""
     u8, f16 = jnp.uint8, jnp.float16
     mid = (1,) if fused else ()
     rows_q, dtype = (k // 2, u8) if kind == "int4" else (k, jnp.int8)
@@ -97,9 +105,10 @@ def _decides(kind, k, n, rows, norm, fused=True):
         q=jax.ShapeDtypeStruct((rows_q, *mid, n), dtype),
         scale=jax.ShapeDtypeStruct((groups, *mid, n), f16 if kind == "int4" else jnp.float32),
         zero=jax.ShapeDtypeStruct((groups, *mid, n), f16) if kind == "int4" else None,
+        perm=jax.ShapeDtypeStruct((k,), jnp.int32) if perm else None,
         out_axes=2 if fused else 1, group=128 if kind == "int4" else 64, kind=kind)
     out = []
-    jax.eval_shape(lambda w: out.append(model._reads_pairs(w, rows, True, norm)) or 0, w)
+    jax.eval_shape(lambda w: out.append(model._reads_pairs(w, rows, kernels, norm)) or 0, w)
     return out[0]
 
 
@@ -136,7 +145,32 @@ def test_attention_hands_the_o_matmul_scaled_pairs(monkeypatch):
     for method, pairs in (("int4-g64", True), ("int4", False)):
         params = quantize_params(plain, method)
         asked.clear()
-        got, _ = _decode_one(params, "pallas")
+        got, names = _decode_one(params, "pallas")
         assert asked and all(a is pairs for a in asked)
+        assert "jaxinfer_combine_splits" in names  # the kernel that writes the pairs
         want, _ = _decode_one(params, "reference")
         np.testing.assert_allclose(got, want, atol=1e-2 * float(jnp.max(jnp.abs(want))))
+
+
+def test_qkv_junction_needs_a_power_of_two_head_size():
+    """``sum_rope`` reads half-head blocks (a Triton block side is a power of two): with head
+    size 48 the QKV product of ``ScaledPairs`` runs the fused matmul and XLA's RoPE instead,
+    and gives the same Q, K, V as from the plain activations (XLA's matmuls here: the routing
+    is what is tested)."""
+    import pallas_kernels
+
+    cfg = jaxinfer.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256,
+                               num_layers=1, num_heads=2, num_kv_heads=1, head_dim=48,
+                               max_position_embeddings=64)
+    lp = quantize_params(apply_layout(init_params(cfg, jax.random.PRNGKey(4), jnp.float32),
+                                      "fast"), "int4")["layers"][0]
+    h = jax.random.normal(jax.random.PRNGKey(5), (1, 128), jnp.float32)
+    _, sp = pallas_kernels.add_norm_pairs_reference(None, h, lp["attn_norm"], group=32,
+                                                    eps=cfg.rms_norm_eps)
+    pos = jnp.asarray([[7]], jnp.int32)
+    text = str(jax.make_jaxpr(lambda s: model._qkv(s, lp, cfg, pos))(sp))
+    assert "sum_rope" not in text
+    got = model._qkv(sp, lp, cfg, pos)
+    want = model._qkv(sp.values()[None], lp, cfg, pos)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
