@@ -608,7 +608,8 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
         stats = [a for a in (given.scales, given.sumsq) if a is not None]
         specs += [pl.BlockSpec((m, groups), lambda j, t: (0, 0))] * len(stats)
         operands += stats
-    elif x_pairs:  # XLA makes the pairs and group sums, fused into x's producer where it can
+    elif x_pairs:  # XLA makes the pairs (and, without x_pair_sums, the group sums), fused
+        # into x's producer where it can
         xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
         operands[0] = half_pairs(xs)
         if zero is not None and not tiles.x_pair_sums:
