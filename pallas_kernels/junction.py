@@ -87,18 +87,12 @@ def _grouped(fn, r: int, n: int, group: int, *arrays: jax.Array) -> tuple[jax.Ar
     return tuple(o.reshape(r, -1) for o in outs)
 
 
-def _chunk(splits: int) -> int:
-    """Partials summed per loop step: the largest power of two up to 16 dividing ``splits``
-    (a Triton block's side is a power of two)."""
-    return min(splits & -splits, 16)
-
-
-def _split_sum(p_ref: Any, r: int, chunk: int, chunks: int) -> jax.Array:
-    """Row ``r`` of ``p_ref [S, R, G]`` summed over S in ``chunks`` loads of ``chunk`` partials,
-    unrolled so that every load is in flight at once (a loop waited on each in turn): ``[1,
-    G]`` float32."""
-    parts = [p_ref[pl.ds(i * chunk, chunk), r, :] for i in range(chunks)]  # [chunk, G] each
-    return sum(jnp.sum(p, axis=0) for p in parts)[None, :]
+def _split_sum(p_ref: Any, r: int, splits: int) -> jax.Array:
+    """Row ``r`` of ``p_ref [S, R, G]`` summed over its ``splits`` (S) partials: ``[1, G]``
+    float32. One load per partial, unrolled so that all are in flight at once: a load of
+    several partials summed over that axis reduces across threads, which was slower (H200,
+    r257: 70B shapes, S=28, 2.19 us in 7 loads of 4, 1.60 us in 28 loads of 1)."""
+    return sum(p_ref[pl.ds(i, 1), r, :] for i in range(splits))  # [1, G] each
 
 
 def _add_norm_group(h: jax.Array, weight: jax.Array) -> tuple[jax.Array, ...]:
@@ -125,7 +119,7 @@ def add_norm_pairs_reference(partials: jax.Array | None, residual: jax.Array,
     return h, ScaledPairs(pairs, scales, sumsq, eps, jnp.dtype(h.dtype))
 
 
-def _add_norm_kernel(*refs, rows: int, chunk: int, chunks: int, has_partials: bool) -> None:
+def _add_norm_kernel(*refs, rows: int, splits: int, has_partials: bool) -> None:
     """One group of columns: ``p_ref [S, R, G]`` (with partials), ``res_ref [R, G]``, ``w_ref
     [G]`` in; ``h_ref [R, G]``, ``x_ref [R, G]`` int32, ``s_ref`` / ``ss_ref [R, 1]`` out."""
     p_ref, *refs = refs if has_partials else (None, *refs)
@@ -134,7 +128,7 @@ def _add_norm_kernel(*refs, rows: int, chunk: int, chunks: int, has_partials: bo
     for r in range(rows):  # rows are few (decode); a Triton block side must be a power of 2
         h = res_ref[pl.ds(r, 1), :]  # [1, G]
         if has_partials:
-            total = _split_sum(p_ref, r, chunk, chunks)
+            total = _split_sum(p_ref, r, splits)
             h = (h.astype(jnp.float32) + total.astype(h.dtype).astype(jnp.float32)
                  ).astype(h.dtype)
         pairs, scale, sumsq = _add_norm_group(h, w)
@@ -161,16 +155,14 @@ def add_norm_pairs(partials: jax.Array | None, residual: jax.Array, weight: jax.
                    ) -> tuple[jax.Array, ScaledPairs]:
     """``add_norm_pairs_reference`` as one GPU kernel (module docstring): a program per group
     of ``group`` columns (a power of two), each summing its columns' split partials
-    ``_chunk`` at a time. ``interpret``: Pallas' interpreter (CPU tests)."""
+    (``_split_sum``). ``interpret``: Pallas' interpreter (CPU tests)."""
     r, n = residual.shape
     _check_group(group, n)
     check(weight.shape == (n,), f"weight {weight.shape} must be ({n},)")
     has_partials = partials is not None
-    operands, specs, chunk, chunks = [], [], 1, 0
+    operands, specs = [], []
     if has_partials:
         _check_partials(partials, r, n)
-        chunk = _chunk(partials.shape[0])
-        chunks = partials.shape[0] // chunk
         operands.append(partials)
         specs.append(pl.BlockSpec((partials.shape[0], r, group), lambda j: (0, 0, j)))
     operands += [residual, weight]
@@ -178,7 +170,8 @@ def add_norm_pairs(partials: jax.Array | None, residual: jax.Array, weight: jax.
     groups = n // group
     stats = jax.ShapeDtypeStruct((r, groups), jnp.float32)
     h, pairs, scales, sumsq = pl.pallas_call(
-        functools.partial(_add_norm_kernel, rows=r, chunk=chunk, chunks=chunks,
+        functools.partial(_add_norm_kernel, rows=r,
+                          splits=partials.shape[0] if has_partials else 0,
                           has_partials=has_partials),
         grid=(groups,),
         in_specs=specs,
@@ -212,13 +205,12 @@ def silu_mul_pairs_reference(partials: jax.Array, *, group: int, dtype: Any) -> 
     return ScaledPairs(pairs, scales, None, 0.0, jnp.dtype(dtype))
 
 
-def _silu_mul_kernel(g_ref, u_ref, x_ref, s_ref, *, rows: int, chunk: int, chunks: int,
-                     dtype: Any) -> None:
+def _silu_mul_kernel(g_ref, u_ref, x_ref, s_ref, *, rows: int, splits: int, dtype: Any) -> None:
     """One group of columns: gate and up partials ``[S, R, G]`` in; ``x_ref [R, G]`` int32 and
     ``s_ref [R, 1]`` out."""
     for r in range(rows):
-        pairs, scale = _silu_mul_group(_split_sum(g_ref, r, chunk, chunks),
-                                       _split_sum(u_ref, r, chunk, chunks), dtype)
+        pairs, scale = _silu_mul_group(_split_sum(g_ref, r, splits),
+                                       _split_sum(u_ref, r, splits), dtype)
         x_ref[pl.ds(r, 1), :] = pairs
         s_ref[pl.ds(r, 1), :] = scale
 
@@ -234,10 +226,9 @@ def silu_mul_pairs(partials: jax.Array, *, group: int, dtype: Any,
     f = f2 // 2
     _check_partials(partials, r, f2)
     _check_group(group, f)
-    groups, chunk = f // group, _chunk(s)
+    groups = f // group
     pairs, scales = pl.pallas_call(
-        functools.partial(_silu_mul_kernel, rows=r, chunk=chunk, chunks=s // chunk,
-                          dtype=jnp.dtype(dtype)),
+        functools.partial(_silu_mul_kernel, rows=r, splits=s, dtype=jnp.dtype(dtype)),
         grid=(groups,),
         in_specs=[pl.BlockSpec((s, r, group), lambda j: (0, 0, j)),
                   pl.BlockSpec((s, r, group), lambda j: (0, 0, j + groups))],
@@ -277,15 +268,15 @@ def sum_rope_reference(partials: jax.Array, cos: jax.Array, sin: jax.Array, *,
     return jnp.stack([r1, r2], axis=2).reshape(t, n)
 
 
-def _sum_rope_kernel(p1_ref, p2_ref, cos_ref, sin_ref, o_ref, *, rows: int, chunk: int,
-                     chunks: int, rotated_heads: int, dtype: Any) -> None:
+def _sum_rope_kernel(p1_ref, p2_ref, cos_ref, sin_ref, o_ref, *, rows: int, splits: int,
+                     rotated_heads: int, dtype: Any) -> None:
     """One head: its two halves' partials ``[S, T, D / 2]`` and ``cos``, ``sin [T, D / 2]`` in;
     ``o_ref [T, D]`` out."""
     rotate = pl.program_id(0) < rotated_heads
     half = p1_ref.shape[-1]
     for r in range(rows):
-        r1, r2 = _rope_head(_split_sum(p1_ref, r, chunk, chunks),
-                            _split_sum(p2_ref, r, chunk, chunks),
+        r1, r2 = _rope_head(_split_sum(p1_ref, r, splits),
+                            _split_sum(p2_ref, r, splits),
                             cos_ref[pl.ds(r, 1), :], sin_ref[pl.ds(r, 1), :], rotate, dtype)
         o_ref[pl.ds(r, 1), pl.ds(0, half)] = r1
         o_ref[pl.ds(r, 1), pl.ds(half, half)] = r2
@@ -305,9 +296,9 @@ def sum_rope(partials: jax.Array, cos: jax.Array, sin: jax.Array, *, head_dim: i
     half = head_dim // 2
     check(cos.shape == sin.shape == (t, half), f"cos {cos.shape} and sin {sin.shape} must be "
           f"[{t}, {half}]")
-    heads, chunk = n // head_dim, _chunk(s)
+    heads = n // head_dim
     return pl.pallas_call(
-        functools.partial(_sum_rope_kernel, rows=t, chunk=chunk, chunks=s // chunk,
+        functools.partial(_sum_rope_kernel, rows=t, splits=s,
                           rotated_heads=rotated_heads, dtype=jnp.dtype(dtype)),
         grid=(heads,),
         in_specs=[pl.BlockSpec((s, t, half), lambda j: (0, 0, 2 * j)),
