@@ -148,11 +148,11 @@ def write_kv(pages: jax.Array | QuantizedPages, layer: int | jax.Array | None, n
 
 
 def _decode_write(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: Any, v_pages: Any,
-                  batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, Any]:
+                  batch: dict[str, jax.Array], out_pairs: bool) -> tuple[Any, Any, Any]:
     """A decode-only step on the Pallas backend: ``pallas_kernels.paged_attention_write``
     stores each row's K/V and attends in one kernel (quantized pools: the new K/V quantized
-    first, as ``write_kv`` does)."""
-    kw: dict[str, Any] = {"interpret": jax.default_backend() != "gpu"}
+    first, as ``write_kv`` does); ``out_pairs`` as there."""
+    kw: dict[str, Any] = {"interpret": jax.default_backend() != "gpu", "out_pairs": out_pairs}
     if isinstance(k_pages, QuantizedPages):
         dtype = k_pages.values.dtype
         (k, k_scale), (v, v_scale) = (pallas_kernels.quantize_kv(x, dtype) for x in (k, v))
@@ -183,7 +183,8 @@ def write_and_attend(
     backend: Literal["reference", "pallas"] = "reference",
     max_q_len: int | None = None,
     deterministic: bool = False,
-) -> tuple[jax.Array, Any, Any]:
+    out_pairs: bool = False,
+) -> tuple[Any, Any, Any]:
     """Store a step's new K/V into the pool, then attend: the model's one attention call.
 
     ``q [T, H, D]``, ``k``/``v [T, KVH, D]`` (after RoPE); the pool and ``layer`` as in
@@ -193,11 +194,13 @@ def write_and_attend(
     backend with a per-layer pool runs one kernel that stores and attends (at batch 1 the
     two scatters before the attention were two of ~15 kernels per layer); every other step
     scatters with ``write_kv``, then calls ``attention``. Returns ``(out [T, H, D], k_pages,
-    v_pages)``.
+    v_pages)``; with ``out_pairs``, that one-kernel decode step returns ``out`` as
+    ``pallas_kernels.ScaledPairs`` ``[T, H * D]`` (``paged_attention_write``), for an o
+    matmul that reads them.
     """
     decode = max_q_len == 1 and q.shape[0] == batch["block_tables"].shape[0]
     if backend == "pallas" and decode and layer is None and not deterministic:
-        return _decode_write(q, k, v, k_pages, v_pages, batch)
+        return _decode_write(q, k, v, k_pages, v_pages, batch, out_pairs)
     k_pages = write_kv(k_pages, layer, k, batch["write_pages"], batch["write_offsets"])
     v_pages = write_kv(v_pages, layer, v, batch["write_pages"], batch["write_offsets"])
     k_l = k_pages if layer is None else k_pages[layer]

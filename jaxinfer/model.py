@@ -83,13 +83,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
-           ) -> jax.Array:
+def gemv_kernels(backend: str) -> bool:
+    """Whether decode rows run the int8 / int4 Pallas kernels (``_dense_quantized``): on a
+    GPU, or on CPU with ``backend="pallas"`` (the Pallas interpreter: tests). Not on a
+    tensor-parallel mesh, where GSPMD cannot split them, nor on a TPU."""
+    platform = jax.default_backend()
+    return not model_split() and (platform == "gpu"
+                                  or (platform == "cpu" and backend == "pallas"))
+
+
+def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False,
+           kernels: bool = False) -> jax.Array:
     """``x [..., in] @ w [in, out]``; ``deterministic``: the batch-invariant Pallas matmul
     (a row's result does not depend on the other rows), else XLA's GEMM. A
-    ``QuantizedWeight`` goes through ``_dense_quantized``."""
+    ``QuantizedWeight`` goes through ``_dense_quantized`` (``kernels``: ``gemv_kernels``)."""
     if isinstance(w, QuantizedWeight):
-        return _dense_quantized(x, w, x.dtype)
+        return _dense_quantized(x, w, x.dtype, kernels)
     if deterministic:
         interpret = jax.default_backend() != "gpu"
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
@@ -118,26 +127,46 @@ def int8_kernel_weight(w: Any, stacked: bool = False) -> bool:
     return _kernel_weight(w, "int8", (64,), stacked)
 
 
-def _dense_quantized(x: jax.Array, w: QuantizedWeight, out_dtype: Any) -> jax.Array:
-    """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``."""
+def _gemv_kernel(w: QuantizedWeight, rows: int, kernels: bool) -> str | None:
+    """Which Pallas kernel multiplies ``rows`` decode rows by ``w``: ``"int8"``, ``"int4"``,
+    or None (XLA). ``kernels``: ``gemv_kernels``."""
+    if not kernels or w.q.ndim != 2:
+        return None
+    if int8_kernel_weight(w) and rows <= pallas_kernels.GEMV_ROWS:
+        return "int8"
+    if int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
+        return "int4"
+    return None
+
+
+def _dense_quantized(x: jax.Array | pallas_kernels.ScaledPairs, w: QuantizedWeight,
+                     out_dtype: Any, kernels: bool, partials: bool = False) -> jax.Array:
+    """``x [..., in]`` times a quantized ``w [in, out]``, in ``out_dtype``; ``kernels``:
+    decode rows may run the Pallas kernels (``gemv_kernels``). ``x`` may be ``ScaledPairs``
+    ``[rows, in]`` (``_add_norm``; the result is then ``[rows, out]``). ``partials``: the
+    float32 split-K partials ``[splits, rows, out]`` (``[1, rows, out]`` off the kernels)."""
+    norm = isinstance(x, pallas_kernels.ScaledPairs)
+    rows = x.pairs.shape[0] if norm else math.prod(x.shape[:-1])
+    if norm and (w.perm is not None or _gemv_kernel(w, rows, kernels) is None):
+        x, norm = x.values().astype(out_dtype), False  # the activations they stand for
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
         x = jnp.take(x, w.perm, axis=-1)
         w = dataclasses.replace(w, perm=None)
+    kernel = _gemv_kernel(w, rows, kernels)
+    if kernel is not None:
+        # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
+        # read a bf16 copy it writes first).
+        xs = x if norm else x.reshape(-1, x.shape[-1])  # [rows, in]
+        kw = {"out_dtype": out_dtype, "interpret": jax.default_backend() != "gpu",
+              "partials": partials}
+        out = (pallas_kernels.int8_matmul(xs, w.q, w.scale, **kw) if kernel == "int8" else
+               pallas_kernels.int4_matmul(xs, w.q, w.scale, w.zero, **kw))
+        return out if partials or norm else out.reshape(*x.shape[:-1], out.shape[-1])
+    if partials:  # a caller that sums partials itself: the product as one
+        out = _dense_quantized(x, w, out_dtype, kernels)
+        return out.reshape(1, -1, out.shape[-1]).astype(jnp.float32)
     if w.kind == "fp8":
         return _dense_fp8(x, w, out_dtype)
-    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-    out = None
-    if jax.default_backend() == "gpu" and w.q.ndim == 2 and not model_split():
-        # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
-        # read a bf16 copy it writes first); not on a tensor-parallel mesh, where the kernel
-        # would get whole weights.
-        rows = x2.shape[0]
-        if int8_kernel_weight(w) and rows <= pallas_kernels.GEMV_ROWS:
-            out = pallas_kernels.int8_matmul(x2, w.q, w.scale, out_dtype=out_dtype)
-        elif int4_kernel_weight(w) and rows <= pallas_kernels.INT4_GEMV_ROWS:
-            out = pallas_kernels.int4_matmul(x2, w.q, w.scale, w.zero, out_dtype=out_dtype)
-    if out is not None:
-        return out.reshape(*x.shape[:-1], out.shape[-1])
     # Many rows (prefill): dequantize, then XLA's GEMM. The barrier makes the weight wait for
     # this layer's input, so XLA dequantizes one layer at a time rather than every layer up
     # front (which ran an 8B model out of memory).
@@ -197,12 +226,17 @@ def _dense_fp8_input_last(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtyp
     return (out * x_scale * scale).astype(out_dtype)
 
 
-def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = False
-                 ) -> jax.Array:
+def _dense_fused(x: jax.Array | pallas_kernels.ScaledPairs, w: jax.Array | QuantizedWeight,
+                 deterministic: bool = False, kernels: bool = False) -> jax.Array:
     """``x [..., in]`` times a fused weight ``[in, shards, out/shards]`` (``fuse_columns``):
-    ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh)."""
+    ``[..., shards, out/shards]``, each shard's columns apart (local to that shard on a mesh).
+    ``x`` may be ``ScaledPairs`` ``[T, in]`` for a weight ``_reads_pairs``: then
+    ``[1, T, 1, out]``."""
+    if isinstance(x, pallas_kernels.ScaledPairs):
+        return _dense_quantized(x, w.first_shard(), x.dtype, kernels)[None, :, None, :]
     if isinstance(w, QuantizedWeight) and (w.in_last or w.q.shape[-2] == 1):
-        return _dense(x, w if w.in_last else w.first_shard())[..., None, :]
+        return _dense(x, w if w.in_last else w.first_shard(),
+                      kernels=kernels)[..., None, :]
     if isinstance(w, QuantizedWeight):  # split over a mesh: dequantize a layer at a time
         if w.perm is not None:  # stored rows in another order: gather x, not the weight
             x = jnp.take(x, w.perm, axis=-1)
@@ -211,17 +245,35 @@ def _dense_fused(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bo
         x, q = jax.lax.optimization_barrier((x, w.q))
         w = dataclasses.replace(w, q=q, perm=None).dequantize(x.dtype)
     if w.shape[-2] == 1:  # one device: the plain matmul of the unfused layout (same GEMM)
-        return _dense(x, w[:, 0], deterministic)[..., None, :]
+        return _dense(x, w[:, 0], deterministic, kernels)[..., None, :]
     return jnp.einsum("...d,dsf->...sf", x, w.astype(x.dtype))
 
 
-def _qkv(x: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
+def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
+         positions: jax.Array, deterministic: bool = False, kernels: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Q, K, V ``[B, T, heads, D]`` from one fused matmul if the layout has ``wqkv``."""
-    b, t = x.shape[:2]
+    """Q, K, V ``[B, T, heads, D]``, Q and K rotated to ``positions [B, T]``, from one fused
+    matmul if the layout has ``wqkv`` (``x``: ``[B, T, hidden]``, or ``ScaledPairs`` of ``[T,
+    hidden]`` with B = 1). Where ``x`` is ``ScaledPairs`` (the junctions' decode rows) the
+    kernel's split partials go to one ``sum_rope`` kernel, which sums them and rotates."""
+    b, t = (1, x.pairs.shape[0]) if isinstance(x, pallas_kernels.ScaledPairs) else x.shape[:2]
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    inv_freq = rope_inv_freq(c)
+    if isinstance(x, pallas_kernels.ScaledPairs) and c.head_dim & (c.head_dim - 1) == 0:
+        # (ScaledPairs come only for a kernel weight, _add_norm; sum_rope's half-head blocks
+        # need a power of two, else the fused path below takes the pairs)
+        freqs = positions[0].astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [T, D/2]
+        parts = _dense_quantized(x, lp["wqkv"].first_shard(), x.dtype, kernels, partials=True)
+        qkv = pallas_kernels.sum_rope(
+            parts, jnp.cos(freqs), jnp.sin(freqs), head_dim=c.head_dim,
+            rotated_heads=c.num_heads + c.num_kv_heads, dtype=x.dtype,
+            interpret=jax.default_backend() != "gpu")[None]  # [1, T, (nq + 2 nkv)]
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+        return (q.reshape(b, t, c.num_heads, c.head_dim),
+                k.reshape(b, t, c.num_kv_heads, c.head_dim),
+                v.reshape(b, t, c.num_kv_heads, c.head_dim))
     if "wqkv" in lp:
-        qkv = _dense_fused(x, lp["wqkv"], deterministic)  # [B, T, shards, (nq+2nkv)/shards]
+        qkv = _dense_fused(x, lp["wqkv"], deterministic, kernels)  # [B, T, shards, ...]
         if isinstance(lp["wqkv"], QuantizedWeight):
             # The few-row int4 / int8 kernels leave K-split partials that XLA sums; fused
             # into the RoPE concatenate, each output added its 32-64 partials in one thread
@@ -231,21 +283,75 @@ def _qkv(x: jax.Array, lp: Params, c: LlamaConfig, deterministic: bool = False
         nq, nkv = nq // qkv.shape[-2], nkv // qkv.shape[-2]
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
-        q, k, v = (_dense(x, lp["wq"], deterministic), _dense(x, lp["wk"], deterministic),
-                   _dense(x, lp["wv"], deterministic))
-    return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
+        q, k, v = (_dense(x, lp["wq"], deterministic, kernels),
+                   _dense(x, lp["wk"], deterministic, kernels),
+                   _dense(x, lp["wv"], deterministic, kernels))
+    return (apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq),
+            apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq),
             v.reshape(b, t, c.num_kv_heads, c.head_dim))
 
 
-def _gated_mlp(x: jax.Array, lp: Params, deterministic: bool = False) -> jax.Array:
-    """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``."""
+def _gated_mlp(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params,
+               deterministic: bool = False, kernels: bool = False
+               ) -> jax.Array | pallas_kernels.ScaledPairs:
+    """``silu(x @ w_gate) * (x @ w_up)``, one fused matmul if the layout has ``w_gate_up``
+    (``x`` as for ``_qkv``). Where ``w_down``'s kernel reads ``ScaledPairs`` and the fused
+    product comes from a kernel, gate|up's split partials go to one ``silu_mul_pairs`` kernel
+    and the result is its ``ScaledPairs`` ``[T, intermediate]``."""
+    t = x.pairs.shape[0] if isinstance(x, pallas_kernels.ScaledPairs) else math.prod(
+        x.shape[:-1])
+    w = lp.get("w_gate_up")
+    if (_reads_pairs(lp.get("w_down"), t, kernels, norm=False) and isinstance(w, QuantizedWeight)
+            and not w.in_last and w.q.shape[-2] == 1
+            and _gemv_kernel(w.first_shard(), t, kernels) is not None):
+        dtype = x.dtype
+        xs = x if isinstance(x, pallas_kernels.ScaledPairs) else x.reshape(t, x.shape[-1])
+        gu = _dense_quantized(xs, w.first_shard(), dtype, kernels, partials=True)
+        return pallas_kernels.silu_mul_pairs(gu, group=_group(lp["w_down"]), dtype=dtype,
+                                             interpret=jax.default_backend() != "gpu")
     if "w_gate_up" in lp:
-        gu = _dense_fused(x, lp["w_gate_up"], deterministic)  # [B, T, shards, 2 I / shards]
+        gu = _dense_fused(x, lp["w_gate_up"], deterministic, kernels)  # [B, T, shards, ...]
         f = gu.shape[-1] // 2
         act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
         return act.reshape(*act.shape[:-2], -1)  # shard-major columns: w_down's row order
-    return (jax.nn.silu(_dense(x, lp["w_gate"], deterministic))
-            * _dense(x, lp["w_up"], deterministic))
+    return (jax.nn.silu(_dense(x, lp["w_gate"], deterministic, kernels))
+            * _dense(x, lp["w_up"], deterministic, kernels))
+
+
+def _group(w: QuantizedWeight) -> int:
+    """Rows per scale group of an int4 / int8 weight (fused or not)."""
+    return (2 if w.kind == "int4" else 1) * w.q.shape[0] // w.scale.shape[0]
+
+
+def _reads_pairs(w: Any, rows: int, kernels: bool, norm: bool = True) -> bool:
+    """Whether the kernel multiplying ``rows`` rows by the (fused, one-device) weight ``w``
+    reads ``ScaledPairs`` (``norm``: RMSNorm'd, from ``add_norm_pairs``; else from
+    ``silu_mul_pairs``) as they are, so that a junction kernel makes them."""
+    if not isinstance(w, QuantizedWeight) or w.perm is not None or w.in_last:
+        return False
+    if w.out_axes == 2 and w.q.ndim == 3 and w.q.shape[-2] == 1:
+        w = w.first_shard()
+    kernel = _gemv_kernel(w, rows, kernels)
+    if kernel == "int8":
+        return pallas_kernels.int8_reads_pairs(rows, w.q, w.scale, norm=norm)
+    return kernel == "int4" and pallas_kernels.int4_reads_pairs(rows, w.q, w.scale, w.zero,
+                                                                norm=norm)
+
+
+def _add_norm(h: jax.Array, partials: jax.Array | None, norm: jax.Array, next_w: Any,
+              eps: float, kernels: bool, deterministic: bool
+              ) -> tuple[jax.Array, jax.Array | pallas_kernels.ScaledPairs]:
+    """``h [1, T, hidden]`` plus a matmul's float32 split-K ``partials [S, T, hidden]`` (or
+    None: nothing to add), and the RMSNorm of the sum as ``next_w``'s matmul takes it: one
+    ``add_norm_pairs`` kernel making ``ScaledPairs`` where ``_reads_pairs(next_w)``, else
+    XLA's sum and ``rms_norm``. Returns ``(h, x)``."""
+    if _reads_pairs(next_w, h.shape[1], kernels):
+        h2, x = pallas_kernels.add_norm_pairs(partials, h[0], norm, group=_group(next_w), eps=eps,
+                                              interpret=jax.default_backend() != "gpu")
+        return h2[None], x
+    if partials is not None:
+        h = h + jnp.sum(partials, axis=0).astype(h.dtype)[None]
+    return h, rms_norm(h, norm, eps, deterministic)
 
 
 LAYOUTS = ("auto", "stacked", "fast")
@@ -541,7 +647,8 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
                                        interpret=jax.default_backend() != "gpu")
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if isinstance(params.get("lm_head"), QuantizedWeight):
-        logits = _dense_quantized(h, params["lm_head"], jnp.float32)
+        logits = _dense_quantized(h, params["lm_head"], jnp.float32,
+                                  kernels=jax.default_backend() == "gpu" and not model_split())
     elif "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),
@@ -581,35 +688,63 @@ def decoder_layer(
     max_q_len: int | None,
     backend: Literal["reference", "pallas"],
     deterministic: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    pending: jax.Array | None = None,
+    defer: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
     """The one layer body: ``h [1, T, hidden]`` -> ``h``, K/V written to pages, attended.
 
     A pure function of the layer's weights ``lp`` and its inputs. ``k_pages``/``v_pages``
     and ``layer`` as in ``attention.write_kv``; ``batch`` holds the packed step's ``write_pages``,
     ``write_offsets`` ``[T]``, ``block_tables [S, P]``, ``kv_lens [S]``, ``cu_q_lens
     [S + 1]``. ``deterministic``: batch-invariant matmuls and attention (``load_model``).
-    Returns ``(h, k_pages, v_pages)``.
+
+    Decode rows whose next matmul's kernel reads ``ScaledPairs`` (``_reads_pairs``) join it
+    to the one before through one ``pallas_kernels.junction`` kernel that reads the first
+    matmul's split-K partials: the residual add and RMSNorm (``_add_norm``, twice), the QKV
+    sum with RoPE (``_qkv``) and ``silu(gate) * up`` (``_gated_mlp``). Across layers the MLP's
+    partials wait for the next layer: with ``defer`` they are returned as ``pending`` (``[S,
+    T, hidden]`` float32, not yet in ``h``), and ``pending`` is the previous layer's.
+    Returns ``(h, pending or None, k_pages, v_pages)``.
     """
     c = config
     t = h.shape[1]
-    inv_freq = rope_inv_freq(config)
-    x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps, deterministic)
-    q, k, v = _qkv(x, lp, c, deterministic)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    kernels = gemv_kernels(backend)
+    h, x = _add_norm(h, pending, lp["attn_norm"], lp.get("wqkv"), c.rms_norm_eps, kernels,
+                     deterministic)
+    q, k, v = _qkv(x, lp, c, positions, deterministic, kernels)
     if isinstance(k_pages, QuantizedPages) and pallas_kernels.rotates_keys(k_pages.values.dtype):
         # int8 keys are stored Hadamard-rotated, queries rotated alike: q . k is unchanged and
         # the keys' outlier channels no longer set every channel's step (kv_quant).
         q, k = pallas_kernels.hadamard_rotate(q), pallas_kernels.hadamard_rotate(k)
     # Stored, then attended: a chunk's queries see its own keys through the pages. Per model
     # shard under a mesh (shard_map); plain ``write_and_attend`` on one device.
+    # The o GEMV reading scaled pairs takes them from the attention's combine kernel, one
+    # head per scale group.
+    out_pairs = (_reads_pairs(lp["wo"], t, kernels, norm=False)
+                 and _group(lp["wo"]) == c.head_dim)
     attn, k_pages, v_pages = mesh_write_and_attend(
         q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
-        deterministic=deterministic)
-    h = h + _dense(attn.reshape(1, t, c.num_heads * c.head_dim), lp["wo"], deterministic)
-    x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
-    return (h + _dense(_gated_mlp(x, lp, deterministic), lp["w_down"], deterministic),
-            k_pages, v_pages)
+        deterministic=deterministic, out_pairs=out_pairs)
+    if not isinstance(attn, pallas_kernels.ScaledPairs):
+        attn = attn.reshape(1, t, c.num_heads * c.head_dim)
+    if _reads_pairs(lp.get("w_gate_up"), t, kernels):
+        h, x = _add_norm(h, _dense_partials(attn, lp["wo"], kernels, deterministic), lp["mlp_norm"],
+                         lp["w_gate_up"], c.rms_norm_eps, kernels, deterministic)
+    else:
+        h = h + _dense(attn, lp["wo"], deterministic, kernels)
+        x = rms_norm(h, lp["mlp_norm"], c.rms_norm_eps, deterministic)
+    mlp = _gated_mlp(x, lp, deterministic, kernels)
+    if defer and _reads_pairs(lp.get("wqkv"), t, kernels):  # the next layer's alike
+        return h, _dense_partials(mlp, lp["w_down"], kernels, deterministic), k_pages, v_pages
+    return h + _dense(mlp, lp["w_down"], deterministic, kernels), None, k_pages, v_pages
+
+
+def _dense_partials(x: jax.Array, w: Any, kernels: bool, deterministic: bool) -> jax.Array:
+    """``x [1, T, in] @ w`` as float32 split-K partials ``[S, T, out]`` for ``_add_norm``
+    (``[1, T, out]`` where no kernel splits K)."""
+    if isinstance(w, QuantizedWeight):
+        return _dense_quantized(x, w, x.dtype, kernels, partials=True)
+    return _dense(x, w, deterministic, kernels).astype(jnp.float32)
 
 
 def forward_ragged(
@@ -665,15 +800,18 @@ def forward_ragged(
     layers = params["layers"]
     if isinstance(k_pages, list | tuple):
         k_out, v_out = list(k_pages), list(v_pages)
+        pending = None  # the previous layer's MLP partials, added by this layer's first norm
         for i in range(c.num_layers):
-            h, k_out[i], v_out[i] = decoder_layer(layer_params(layers, i), c, h, pos, k_out[i],
-                                                  v_out[i], None, batch, **kw)
+            h, pending, k_out[i], v_out[i] = decoder_layer(
+                layer_params(layers, i), c, h, pos, k_out[i], v_out[i], None, batch, **kw,
+                pending=pending, defer=i + 1 < c.num_layers)
         k_pages, v_pages = tuple(k_out), tuple(v_out)
     else:
         def body(carry, xs):
             h, k_all, v_all = carry
             lp, i = xs
-            return decoder_layer(lp, c, h, pos, k_all, v_all, i, batch, **kw), None
+            h, _, k_all, v_all = decoder_layer(lp, c, h, pos, k_all, v_all, i, batch, **kw)
+            return (h, k_all, v_all), None
 
         layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
         (h, k_pages, v_pages), _ = jax.lax.scan(body, (h, k_pages, v_pages),

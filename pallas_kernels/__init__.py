@@ -1,7 +1,7 @@
 """Pallas kernels for jaxinfer, each with a jnp reference: attention (GPU Triton + TPU Mosaic),
-the batch-invariant matmul of deterministic mode and the int8 / int4 weight matmuls (GPU
-Triton), and the int8 / fp8 K/V page format the paged and ragged kernels read
-(``kv_quant``)."""
+the batch-invariant matmul of deterministic mode, the int8 / int4 weight matmuls (GPU
+Triton) and the residual-add / RMSNorm junction before them (``junction``), and the
+int8 / fp8 K/V page format the paged and ragged kernels read (``kv_quant``)."""
 
 from pallas_kernels._common import (
     SUPPORTED_HEAD_DIMS,
@@ -16,7 +16,21 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-from pallas_kernels.int4_matmul import INT4_GEMV_ROWS, int4_matmul, int4_matmul_reference
+from pallas_kernels.int4_matmul import (
+    INT4_GEMV_ROWS,
+    int4_matmul,
+    int4_matmul_reference,
+    int4_reads_pairs,
+)
+from pallas_kernels.junction import (
+    ScaledPairs,
+    add_norm_pairs,
+    add_norm_pairs_reference,
+    silu_mul_pairs,
+    silu_mul_pairs_reference,
+    sum_rope,
+    sum_rope_reference,
+)
 from pallas_kernels.kv_quant import (
     KV_CACHE_DTYPES,
     SCALE_DTYPE,
@@ -29,6 +43,7 @@ from pallas_kernels.matmul import (
     GEMV_ROWS,
     int8_matmul,
     int8_matmul_reference,
+    int8_reads_pairs,
     matmul,
     matmul_reference,
     row_sum,
@@ -49,7 +64,10 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "SCALE_DTYPE",
     "INT4_GEMV_ROWS",
+    "ScaledPairs",
     "SUPPORTED_HEAD_DIMS",
+    "add_norm_pairs",
+    "add_norm_pairs_reference",
     "combine_splits",
     "combine_splits_reference",
     "decode_attention",
@@ -62,8 +80,10 @@ __all__ = [
     "hadamard_rotate",
     "int4_matmul",
     "int4_matmul_reference",
+    "int4_reads_pairs",
     "int8_matmul",
     "int8_matmul_reference",
+    "int8_reads_pairs",
     "largest_divisor",
     "matmul",
     "matmul_reference",
@@ -78,5 +98,9 @@ __all__ = [
     "ragged_attention",
     "ragged_attention_reference",
     "rotates_keys",
+    "silu_mul_pairs",
+    "silu_mul_pairs_reference",
+    "sum_rope",
+    "sum_rope_reference",
     "store_new_tokens",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -240,20 +241,47 @@ def combine_splits_reference(
     return online_softmax_finish(num, den[..., None])
 
 
-def _combine_kernel(acc_ref: Any, m_ref: Any, l_ref: Any, o_ref: Any) -> None:
-    # One (sequence, kv head, query row): acc [splits, d], m and l [splits].
+def half_pairs(x: jax.Array) -> jax.Array:
+    """Each value of ``x`` (float32) rounded to float16 and doubled into the pair ``(x, x)``:
+    int32 of ``x``'s shape (what the float16-pair GEMV multiplies two weights by at once)."""
+    u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
+    return lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
+
+
+def scaled_pairs(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A group ``y [..., G]`` float32 as pairs ``[..., G]`` int32 (``half_pairs``) of ``y /
+    scale`` and its ``scale [..., 1]``: the largest ``|y|``, 1 where all are 0, so the pairs
+    fit float16 whatever ``y``'s size (``junction.ScaledPairs``)."""
+    peak = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak, 1.0)
+    return half_pairs(y / scale), scale
+
+
+def _combine_kernel(acc_ref: Any, m_ref: Any, l_ref: Any, o_ref: Any, *refs: Any,
+                    out_dtype: Any) -> None:
+    # One (sequence, kv head, query row): acc [splits, d], m and l [splits]. With a scale ref
+    # after o_ref, the row goes out as scaled pairs (``scaled_pairs``) of its out_dtype value.
     m = m_ref[...]
     m_max = jnp.max(m)
     w = jnp.exp2(m - jnp.where(m_max == NEG_INF, 0.0, m_max))  # [splits]
     num = jnp.sum(acc_ref[...] * w[:, None], axis=0)  # [d]
     den = jnp.sum(l_ref[...] * w)
-    o_ref[...] = online_softmax_finish(num, den).astype(o_ref.dtype)
+    out = online_softmax_finish(num, den).astype(out_dtype)
+    if refs:
+        pairs, scale = scaled_pairs(out.astype(jnp.float32)[None, :])
+        o_ref[...] = pairs[0]
+        refs[0][...] = scale[0]
+    else:
+        o_ref[...] = out
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array, group: int,
-                       out_dtype: Any, interpret: bool = False) -> jax.Array:
+                   out_dtype: Any, interpret: bool = False, pairs: bool = False
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Flash-Decoding's combine (``combine_splits_reference`` over axis 2) as one Pallas
-    (Triton) kernel, in ``out_dtype``.
+    (Triton) kernel, in ``out_dtype``; ``pairs``: each row as ``scaled_pairs`` of that
+    value instead, ``(pairs [b, kv_heads, group, d] int32, scales [b, kv_heads, group, 1]
+    float32)``, for an o GEMV that reads them (one head per scale group).
 
     ``acc [b, kv_heads, splits, rows, d]`` and ``m``/``l_sum [b, kv_heads, splits, gp]`` as
     the GPU decode kernels write them (``rows`` is ``gp`` for the contiguous kernel and
@@ -263,16 +291,23 @@ def combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array, group: int,
     about 0.25 ms of an 8B batch-1 token on an H100 (bench/NOTES.md r37).
     """
     b, hkv, splits, _, d = acc.shape
+    row = pl.BlockSpec((None, None, None, d), lambda bi, h, r: (bi, h, r, 0))
+    if pairs:
+        out_specs = [row, pl.BlockSpec((None, None, None, 1), lambda bi, h, r: (bi, h, r, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, group, d), jnp.int32),
+                     jax.ShapeDtypeStruct((b, hkv, group, 1), jnp.float32)]
+    else:
+        out_specs, out_shape = row, jax.ShapeDtypeStruct((b, hkv, group, d), out_dtype)
     return pl.pallas_call(
-        _combine_kernel,
+        functools.partial(_combine_kernel, out_dtype=jnp.dtype(out_dtype)),
         grid=(b, hkv, group),
         in_specs=[
             pl.BlockSpec((None, None, splits, None, d), lambda bi, h, r: (bi, h, 0, r, 0)),
             pl.BlockSpec((None, None, splits, None), lambda bi, h, r: (bi, h, 0, r)),
             pl.BlockSpec((None, None, splits, None), lambda bi, h, r: (bi, h, 0, r)),
         ],
-        out_specs=pl.BlockSpec((None, None, None, d), lambda bi, h, r: (bi, h, r, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, group, d), out_dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=gpu_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="jaxinfer_combine_splits",

@@ -37,7 +37,8 @@ from pallas_kernels._common import (
     gpu_params,
     largest_divisor,
 )
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, word_gemv
+from pallas_kernels.junction import ScaledPairs
+from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, reads_pairs, word_gemv
 
 INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
@@ -121,14 +122,21 @@ def _int4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group: int, groups_per_st
     o_ref[...] = lax.fori_loop(0, steps_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
-def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
-    m, k = x.shape
+def _word_rows(m: int, group: int, tiles: Int4Tiles) -> bool:
+    """Whether ``m`` rows run ``word_gemv`` (groups of 32 rows only for one row)."""
+    return m <= (tiles.word_rows if group > 32 else min(tiles.word_rows, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
+def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles, partials):
+    m, k = (x.pairs if isinstance(x, ScaledPairs) else x).shape
     groups, n = scale.shape
     group = k // groups
-    if m <= (tiles.word_rows if group > 32 else min(tiles.word_rows, 1)):
+    if _word_rows(m, group, tiles):
         return word_gemv(x, q, scale, zero, bits=4, offset=0, flip=0, interpret=interpret,
-                         tiles=tiles.word, out_dtype=out_dtype)
+                         tiles=tiles.word, out_dtype=out_dtype, partials=partials)
+    if isinstance(x, ScaledPairs):
+        x = x.values().astype(out_dtype)
     rows = 16 if m <= 16 else INT4_GEMV_ROWS  # the smallest tensor-core tile holding them
     block_n = tiles.block_n
     groups_per_step = largest_divisor(groups, tiles.step_rows // group)
@@ -155,12 +163,23 @@ def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles):
         interpret=interpret,
         name="jaxinfer_int4_matmul",
     )(xp, qp, sp, zp)
+    if partials:
+        return partial[:, :m, :n]
     return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
 
 
-def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *,
-                out_dtype: jnp.dtype | None = None, interpret: bool = False,
-                tiles: Int4Tiles = Int4Tiles()) -> jax.Array:
+def int4_reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array, *, norm: bool,
+                     tiles: Int4Tiles = Int4Tiles()) -> bool:
+    """Whether ``int4_matmul`` of ``m`` rows by this weight reads ``ScaledPairs`` (``norm``:
+    with sums of squares) as they are (``word_gemv.reads_pairs``); shapes suffice."""
+    group = 2 * q.shape[0] // scale.shape[0]
+    return _word_rows(m, group, tiles) and reads_pairs(
+        m, q, scale, zero, bits=4, offset=0, flip=0, tiles=tiles.word, norm=norm)
+
+
+def int4_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, zero: jax.Array,
+                *, out_dtype: jnp.dtype | None = None, interpret: bool = False,
+                tiles: Int4Tiles = Int4Tiles(), partials: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for a packed int4 weight (module docstring): ``q [K / 2, N]`` uint8,
     ``scale`` and ``zero [K / G, N]`` float16 or float32, ``G`` (``K / scale.shape[0]``) a
     power of two of at least 32 (a tensor-core dot needs 16 rows per nibble half; Triton
@@ -169,19 +188,28 @@ def int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, *
     Meant for decode steps (up to ``INT4_GEMV_ROWS`` rows; it runs any M, tiled by 64 rows).
     Returns ``[M, N]`` in ``out_dtype`` (default ``x.dtype``), float32 accumulation.
     ``tiles``: the GPU kernel's tiling (default: bench/NOTES.md r50-r51 on an H100).
+
+    ``x`` may be ``ScaledPairs`` (``junction.add_norm_pairs``), read as they are where
+    ``int4_reads_pairs`` says so, else turned back into activations (``out_dtype``
+    defaults to their ``dtype``). ``partials``: the float32 split-K partials ``[splits, M, N]``,
+    unsummed (``[1, M, N]`` where K is not split), for ``add_norm_pairs`` to sum.
     """
-    check(x.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {x.shape}, q "
+    norm = isinstance(x, ScaledPairs)
+    xs = x.pairs if norm else x
+    check(xs.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {xs.shape}, q "
           f"{q.shape}")
     check(q.dtype == jnp.uint8, f"q must be uint8 (two int4 values per byte), got {q.dtype}")
     check(scale.shape == zero.shape and scale.ndim == 2 and scale.shape[1] == q.shape[1],
           f"scale {scale.shape} and zero {zero.shape} must both be [K / G, N] for q {q.shape}")
-    k = x.shape[1]
+    k = xs.shape[1]
     groups = scale.shape[0]
     group = k // groups
     check(k == 2 * q.shape[0] and k % groups == 0 and group >= 2 * MIN_DOT
           and group & (group - 1) == 0,
           f"int4_matmul needs x [M, K] with K = 2 * q.shape[0] split into groups of a power of "
-          f"two, at least {2 * MIN_DOT}, rows; got x {x.shape}, q {q.shape}, {groups} groups")
-    check_dtype("x", x)
-    return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(out_dtype or x.dtype),
-                     interpret=interpret, tiles=tiles)
+          f"two, at least {2 * MIN_DOT}, rows; got x {xs.shape}, q {q.shape}, {groups} groups")
+    if not norm:
+        check_dtype("x", x)
+    dtype = out_dtype or x.dtype
+    return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(dtype), interpret=interpret,
+                     tiles=tiles, partials=partials)

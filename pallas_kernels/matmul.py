@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
-from pallas_kernels.word_gemv import WordTiles, word_gemv
+from pallas_kernels.junction import ScaledPairs
+from pallas_kernels.word_gemv import WordTiles, reads_pairs, word_gemv
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -201,13 +202,16 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
     o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
-def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles):
-    m, k = x.shape
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
+def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles, partials):
+    m, k = (x.pairs if isinstance(x, ScaledPairs) else x).shape
     n = q.shape[1]
     if m <= tiles.word_rows:
         return word_gemv(x, q, scale, None, bits=8, offset=-128, flip=0x80,
-                         interpret=interpret, tiles=tiles.word, out_dtype=out_dtype)
+                         interpret=interpret, tiles=tiles.word, out_dtype=out_dtype,
+                         partials=partials)
+    if isinstance(x, ScaledPairs):
+        x = x.values().astype(out_dtype)
     k_blocks = k // BLOCK_K
     if m <= GEMV_ROWS:
         # Decode rows: one row tile (the smallest tensor-core tile that holds them), and K
@@ -234,12 +238,22 @@ def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles):
         interpret=interpret,
         name="jaxinfer_int8_matmul",
     )(xp, qp, sp)
+    if partials:
+        return partial[:, :m, :n]
     return jnp.sum(partial, axis=0)[:m, :n].astype(out_dtype)
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
+def int8_reads_pairs(m: int, q: jax.Array, scale: jax.Array, *, norm: bool,
+                     tiles: Int8Tiles = Int8Tiles()) -> bool:
+    """Whether ``int8_matmul`` of ``m`` rows by this weight reads ``ScaledPairs`` (``norm``:
+    with sums of squares) as they are (``word_gemv.reads_pairs``); shapes suffice."""
+    return m <= tiles.word_rows and reads_pairs(
+        m, q, scale, None, bits=8, offset=-128, flip=0x80, tiles=tiles.word, norm=norm)
+
+
+def int8_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, *,
                 out_dtype: jnp.dtype | None = None, interpret: bool = False,
-                tiles: Int8Tiles = Int8Tiles()) -> jax.Array:
+                tiles: Int8Tiles = Int8Tiles(), partials: bool = False) -> jax.Array:
     """``x [M, K] @ w`` for an int8 weight ``q [K, N]`` with one scale per ``BLOCK_K`` (64)
     rows and column, ``scale [K / 64, N]``: the weight is dequantized tile by tile inside the
     kernel, so only int8 bytes (and the scales) are read from memory. Up to ``GEMV_ROWS``
@@ -251,14 +265,21 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *,
     float32, so within ~1e-3 of the largest output rather than 1e-5. Per 8B layer on an
     H100 it is 6% faster than this tensor-core kernel at one row and 17% slower at two
     (``scripts/bench_int4.py --int8``, bench/NOTES.md r91); ``Int8Tiles(word_rows=0)`` keeps
-    the tensor-core kernel for every row count."""
-    check(x.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {x.shape} @ "
+    the tensor-core kernel for every row count.
+
+    ``x`` may be ``ScaledPairs`` and ``partials`` asks for the split-K partials, as for
+    ``int4_matmul`` (``int8_reads_pairs``)."""
+    norm = isinstance(x, ScaledPairs)
+    xs = x.pairs if norm else x
+    check(xs.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {xs.shape} @ "
           f"{q.shape}")
     check(q.dtype == jnp.int8, f"q must be int8, got {q.dtype}")
-    check(x.shape[1] == q.shape[0] and q.shape[0] % BLOCK_K == 0
+    check(xs.shape[1] == q.shape[0] and q.shape[0] % BLOCK_K == 0
           and scale.shape == (q.shape[0] // BLOCK_K, q.shape[1]),
           f"int8_matmul needs K a multiple of {BLOCK_K} and scale [K / {BLOCK_K}, N]; got x "
-          f"{x.shape}, q {q.shape}, scale {scale.shape}")
-    check_dtype("x", x)
-    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret,
-                     tiles=tiles)
+          f"{xs.shape}, q {q.shape}, scale {scale.shape}")
+    if not norm:
+        check_dtype("x", x)
+    dtype = out_dtype or x.dtype
+    return _int8_jit(x, q, scale, out_dtype=jnp.dtype(dtype), interpret=interpret, tiles=tiles,
+                     partials=partials)

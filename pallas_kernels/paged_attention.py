@@ -20,6 +20,7 @@ reads about half the bytes of a bfloat16 pool.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +47,14 @@ from pallas_kernels._common import (
     key_block_step,
     next_pow2,
     online_softmax_finish,
+    scaled_pairs,
     split_partials,
     tpu_decode_block,
     tpu_interpret,
     tpu_params,
 )
 from pallas_kernels.decode_attention import decode_attention_reference
+from pallas_kernels.junction import ScaledPairs
 from pallas_kernels.kv_quant import dequantize_kv
 
 # Programs the split-K factor aims at: about one per H100 SM. Each split past the keys a
@@ -333,10 +336,11 @@ def _paged_gpu_kernel(
 
 
 def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale,
-               pages_per_block, num_splits, num_warps, num_stages, interpret):
+               pages_per_block, num_splits, num_warps, num_stages, interpret, out_pairs):
     """The GPU kernel, and the combine when keys are split. ``new``: ``()`` or the write's
     ``(write_pages, write_offsets, k_new, v_new[, k_new_scales, v_new_scales])`` (see
-    ``paged_attention_write``); returns ``out`` or ``(out, *pools written)``."""
+    ``paged_attention_write``); returns ``out`` or ``(out, *pools written)``, ``out`` as
+    ``_out_pairs`` with ``out_pairs`` (the combine writes them)."""
     b, hq, d = q.shape
     hkv, num_pages, page_size, _ = k_pages.shape
     group = hq // hkv
@@ -413,10 +417,23 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     written = outs[results:]
     if num_splits == 1:
         out = outs[0].reshape(b, hq, d)
+        if out_pairs:
+            out = _out_pairs(out)
     else:  # [b, hkv, group, d] from the splits' partials
         acc = outs[0].reshape(b, hkv, num_splits, group, d)
-        out = combine_splits(acc, *outs[1:3], group, q.dtype, interpret).reshape(b, hq, d)
+        out = combine_splits(acc, *outs[1:3], group, q.dtype, interpret, pairs=out_pairs)
+        out = (ScaledPairs(out[0].reshape(b, hq * d), out[1].reshape(b, hq), None, 0.0,
+                           jnp.dtype(q.dtype)) if out_pairs else out.reshape(b, hq, d))
     return (out, *written) if writes else out
+
+
+def _out_pairs(out: jax.Array) -> ScaledPairs:
+    """``out [b, q_heads, head_dim]`` as ``ScaledPairs`` ``[b, q_heads * head_dim]``, one
+    scale per head (XLA's elementwise op where no combine kernel writes them)."""
+    b, hq, d = out.shape
+    pairs, scales = scaled_pairs(out.astype(jnp.float32))
+    return ScaledPairs(pairs.reshape(b, hq * d), scales.reshape(b, hq), None, 0.0,
+                       jnp.dtype(out.dtype))
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
@@ -493,12 +510,12 @@ def _check_launch(k_pages: jax.Array, num_splits: int | None, backend: str) -> N
     jax.jit,
     static_argnames=(
         "sm_scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "interpret",
-        "backend",
+        "backend", "out_pairs",
     ),
 )
 def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, scales, new, *,
                          sm_scale, pages_per_block, num_splits, num_warps, num_stages,
-                         interpret, backend):
+                         interpret, backend, out_pairs=False):
     lengths = jnp.minimum(
         lengths.astype(jnp.int32), block_tables.shape[1] * k_pages.shape[2]
     )
@@ -510,11 +527,12 @@ def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, scales, new
                           for p, x in zip(pools, new[2:], strict=True))
         out = _paged_tpu(q, pools[0], pools[1], block_tables, lengths, pools[2:], scale=scale,
                          interpret=interpret)
+        out = _out_pairs(out) if out_pairs else out
         return (out, *pools) if new else out
     return _paged_gpu(
         q, k_pages, v_pages, block_tables, lengths, scales, new, scale=scale,
         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret,
+        num_stages=num_stages, interpret=interpret, out_pairs=out_pairs,
     )
 
 
@@ -633,7 +651,8 @@ def paged_attention_write(
     v_new_scales: jax.Array | None = None, sm_scale: float | None = None,
     pages_per_block: int | None = None, num_splits: int | None = None, num_warps: int = 4,
     num_stages: int | None = None, interpret: bool = False, backend: str = "gpu",
-) -> tuple[jax.Array, ...]:
+    out_pairs: bool = False,
+) -> tuple[Any, ...]:
     """A decode step's attention that also stores the step's K/V: each sequence's new key
     and value go to their slot, and the sequence attends over its pages including them.
 
@@ -656,6 +675,10 @@ def paged_attention_write(
         num_pages]`` (``num_pages``: padding, nothing stored) and an offset in ``[0,
         page_size)``.
 
+      out_pairs: return ``out`` as ``junction.ScaledPairs`` ``[batch, q_heads * head_dim]``
+        (one scale per head), for an o GEMV that reads them: on GPU the combine kernel
+        writes them, so no op sits between attention and that GEMV.
+
     Returns:
       ``(out [batch, q_heads, head_dim], k_pages, v_pages)``, then ``k_scales, v_scales``
       for quantized pools. Donate the pools to the enclosing ``jit`` so the store is in place.
@@ -671,5 +694,5 @@ def paged_attention_write(
     return _paged_attention_jit(
         q, k_pages, v_pages, block_tables, lengths, scales, new, sm_scale=sm_scale,
         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, backend=backend,
+        num_stages=num_stages, interpret=interpret, backend=backend, out_pairs=out_pairs,
     )

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import cdiv, check, gpu_params, largest_divisor, next_pow2
+from pallas_kernels._common import (
+    cdiv,
+    check,
+    gpu_params,
+    half_pairs,
+    largest_divisor,
+    next_pow2,
+)
+from pallas_kernels.junction import ScaledPairs
 
 WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` and ``int8_matmul`` run this kernel: each row adds
@@ -168,17 +177,18 @@ def field_as_float(w: jax.Array, shift: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type((moved & jnp.uint32(mask)) | jnp.uint32(_ONE), jnp.float32)
 
 
-def _store_column_sums(run, rows: int, sub: int, o_ref, scale: float = 1.0) -> None:
+def _store_column_sums(run, rows: int, sub: int, o_ref, scale: Any = 1.0) -> None:
     """Run ``run(init)`` (the kernel's loop) from zero accumulators ``acc[r][c]`` (row ``r``,
     byte lane ``c``; ``[sub, words]`` float32 each), then store each one's column sums times
-    ``scale`` into ``o_ref [rows, block_n]`` (lane ``c`` holds every fourth column from
-    ``c``)."""
+    ``scale`` (a number, or a list of one ``[1, 1]`` value per row) into ``o_ref [rows,
+    block_n]`` (lane ``c`` holds every fourth column from ``c``)."""
     words = o_ref.shape[1] // 4
     acc = run([[jnp.zeros((sub, words), jnp.float32) for _ in range(4)] for _ in range(rows)])
     for r in range(rows):
+        row_scale = scale[r] if isinstance(scale, list) else scale
         for c in range(4):
             o_ref[pl.ds(r, 1), pl.ds(c, words, stride=4)] = (
-                (jnp.sum(acc[r][c], axis=0) * scale)[None, :].astype(o_ref.dtype))
+                (jnp.sum(acc[r][c], axis=0)[None, :] * row_scale).astype(o_ref.dtype))
 
 
 def _word_kernel(x_ref, q_ref, s_ref, *refs, bits: int, offset: int, flip: int, group: int,
@@ -339,17 +349,10 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def _half_pairs(x: jax.Array) -> jax.Array:
-    """Each value of ``x`` (float32) rounded to float16 and doubled into the pair ``(x, x)``:
-    int32 of ``x``'s shape."""
-    u = lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
-    return lax.bitcast_convert_type(u | lax.shift_left(u, jnp.uint32(16)), jnp.int32)
-
-
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
                   prefetch: bool, evict_first: bool, x_pairs: bool, x_pair_sums: bool,
-                  emulate: bool) -> None:
+                  scaled: bool, norm_eps: float | None, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -367,12 +370,23 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     108.1 without, within that run's ~5% spread per shape, so int8 keeps it).
 
     ``x_pairs`` (``WordTiles.x_pairs``): x_ref holds the activations as float16 pairs
-    (``_half_pairs`` of ``x * _HALF2_X_SCALE``, int32 ``[rows, K]``) and, with zeros, a ref
+    (``half_pairs`` of ``x * _HALF2_X_SCALE``, int32 ``[rows, K]``) and, with zeros, a ref
     after z_ref holds each group's sum of ``x * _HALF2_X_SCALE / sub`` (float32 ``[rows, K /
     G]``): added to each of an accumulator's ``sub`` rows, it sums to the group's term.
     With ``x_pair_sums`` (``WordTiles.x_pair_sums``) there is no such ref: each group's sum
-    is made from its pairs (low halves widened, summed in float32) as the group is loaded."""
+    is made from its pairs (low halves widened, summed in float32) as the group is loaded.
+
+    ``scaled`` (x given as ``ScaledPairs``, with x_pairs and, for int4, x_pair_sums): x_ref
+    holds their pairs and a ref before o_ref their group scales (float32 ``[rows, K / G]``):
+    each group's products are multiplied by its scale. With ``norm_eps`` (their ``sumsq``) a
+    last ref holds the groups' sums of squares, and the result is multiplied by ``rsqrt(sum
+    of squares / K + norm_eps)`` at the store."""
     *z_refs, o_ref = refs
+    gs_ref = ss_ref = None
+    if norm_eps is not None:
+        *z_refs, ss_ref = z_refs
+    if scaled:
+        *z_refs, gs_ref = z_refs
     z_ref, xsum_ref = (z_refs + [None, None])[:2]
     rows, words = x_ref.shape[0], q_ref.shape[1]
     byte_rows = group * bits // 8
@@ -416,12 +430,14 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                 sums = [(jnp.sum(_widen(x_ref[r, pl.ds(g * group, group)], 0, emulate))
                          / sub).reshape(1, 1) for r in range(rows)]
             z = None if z_ref is None else lane_values(z_ref, g)
-            out.append((w, xs, lane_values(s_ref, g), z, sums))
+            gs = (None if gs_ref is None else
+                  [gs_ref[r, pl.ds(g, 1)].reshape(1, 1) for r in range(rows)])
+            out.append((w, xs, lane_values(s_ref, g), z, sums, gs))
         return out
 
     def compute(data, acc):  # acc[r][c]: [sub, words] float32
         acc = [list(a) for a in acc]
-        for w, xs, s, z, sums in data:
+        for w, xs, s, z, sums, gs in data:
             a02 = [jnp.zeros((sub, words), jnp.int32)] * rows  # float16 pairs: lanes 0, 2
             a13 = [jnp.zeros((sub, words), jnp.int32)] * rows  # lanes 1, 3
             x_sum = sums or [None] * rows  # [sub, 1] (or [1, 1]) float32, for the zeros
@@ -436,17 +452,20 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                         xi = xs[r][t][i]
                         if z is not None and not x_pairs:
                             x_sum[r] = xi if x_sum[r] is None else x_sum[r] + xi
-                        xp = jnp.broadcast_to(xi if x_pairs else _half_pairs(xi),
+                        xp = jnp.broadcast_to(xi if x_pairs else half_pairs(xi),
                                               (sub, words))
                         a02[r] = _fma_pairs(p02[i], xp, a02[r], emulate)
                         a13[r] = _fma_pairs(p13[i], xp, a13[r], emulate)
             for r in range(rows):
                 parts = (_widen(a02[r], 0, emulate), _widen(a13[r], 0, emulate),
                          _widen(a02[r], 1, emulate), _widen(a13[r], 1, emulate))  # lanes 0-3
+                # ScaledPairs: the group's scale folded into its weight scales and sum
+                sr = s if gs is None else [v * gs[r] for v in s]
+                xr = x_sum[r] if gs is None or x_sum[r] is None else x_sum[r] * gs[r]
                 for c in range(4):
-                    acc[r][c] = _fma_f32(s[c], parts[c], acc[r][c], emulate)
+                    acc[r][c] = _fma_f32(sr[c], parts[c], acc[r][c], emulate)
                     if z is not None:
-                        acc[r][c] = _fma_f32(z[c], x_sum[r], acc[r][c], emulate)
+                        acc[r][c] = _fma_f32(z[c], xr, acc[r][c], emulate)
         return acc
 
     if prefetch:
@@ -464,31 +483,42 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
             return lax.fori_loop(0, steps_per_split,
                                  lambda step, acc: compute(load(step), acc), init)
 
-    _store_column_sums(run, rows, sub, o_ref, 1 / _HALF2_X_SCALE)
+    scale: Any = 1.0 if scaled else 1 / _HALF2_X_SCALE
+    if ss_ref is not None:  # rsqrt(mean square + eps) per row, from the groups' sums
+        k = x_ref.shape[1]
+        scale = [lax.rsqrt(jnp.sum(ss_ref[pl.ds(r, 1), :], axis=1, keepdims=True) / k
+                           + norm_eps) for r in range(rows)]
+    _store_column_sums(run, rows, sub, o_ref, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
-                                             "out_dtype"))
-def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
-              bits: int, offset: int, flip: int, interpret: bool, tiles: WordTiles,
-              out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
-    N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
-    ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
-    operands (``int4_matmul``, ``int8_matmul``); ``G * bits / 8`` must be a multiple of
-    ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
-    (module docstring; its pallas_call is named ``..._half2``), else the float32 one."""
-    m, k = x.shape
-    groups, n = scale.shape
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """How ``word_gemv`` runs one call (``_launch``)."""
+
+    half2: bool  # the float16-pair kernel (else the float32 one)
+    block_n: int
+    sub: int
+    programs: int
+    groups_per_step: int
+    prefetch: bool
+    x_pairs: bool
+    reads_pairs: bool  # takes ``ScaledPairs`` as they are
+    reads_norm: bool  # and their sums of squares (all groups in one load)
+
+
+def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: int,
+            has_zero: bool, q_bytes: int, tiles: WordTiles) -> _Launch:
+    """The kernel, tile and step ``word_gemv`` runs ``[m, k] @ [k, n]`` (``groups`` groups of
+    rows) with, from the format and ``tiles`` (their docstrings say why)."""
     group = k // groups
     byte_rows = group * bits // 8
     sub = min(tiles.sub_rows, byte_rows)
     check(byte_rows % sub == 0, f"WordTiles.sub_rows {tiles.sub_rows} must divide a group's "
           f"{byte_rows} byte rows")
     block_n = min(tiles.block_n or (256 if group <= 64 else 128), next_pow2(max(n, 4)))
-    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and zero is not None
+    int4_pairs = ((bits, offset, flip) == (4, 0, 0) and has_zero
                   and 0 < tiles.half2_min_group <= group)
-    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and zero is None and tiles.int8_half2
+    int8_pairs = (bits, offset, flip) == (8, -128, 0x80) and not has_zero and tiles.int8_half2
     products = tiles.half2_products or HALF2_PRODUCTS
     half2 = (int4_pairs or int8_pairs) and group <= products * sub
     programs = tiles.half2_programs if half2 and tiles.half2_programs else tiles.target_programs
@@ -502,10 +532,58 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
                 and byte_rows % wide_sub == 0 and n % wide_n == 0
                 and steps * (n // wide_n) >= tiles.wide_min_programs):
             block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
-            x_pairs = tiles.x_pairs and q.nbytes >= tiles.x_pairs_min_bytes
+            x_pairs = tiles.x_pairs and q_bytes >= tiles.x_pairs_min_bytes
             if x_pairs:
                 groups_per_step = largest_divisor(groups, tiles.x_pairs_step_rows // group)
-                steps = groups // groups_per_step
+    reads = x_pairs and (not has_zero or tiles.x_pair_sums)
+    return _Launch(half2, block_n, sub, programs, groups_per_step, prefetch, x_pairs, reads,
+                   reads and groups & (groups - 1) == 0)  # a Triton block side: a power of 2
+
+
+def reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
+                bits: int, offset: int, flip: int, tiles: WordTiles, norm: bool) -> bool:
+    """Whether ``word_gemv`` of ``m`` rows by this weight (``q``, ``scale``, ``zero`` as
+    there; shapes suffice) reads ``ScaledPairs`` with groups of ``K / scale.shape[0]`` rows as
+    they are (``norm``: with sums of squares, ``add_norm_pairs``): the wide tile with
+    ``x_pairs``, and ``x_pair_sums`` for int4. Elsewhere it would rebuild the activations,
+    and a junction kernel gains nothing."""
+    groups, n = scale.shape
+    k = q.shape[0] * 8 // bits
+    q_bytes = q.shape[0] * q.shape[1]  # uint8 / int8
+    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q_bytes, tiles)
+    return launch.reads_norm if norm else launch.reads_pairs
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
+                                             "out_dtype", "partials"))
+def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
+              zero: jax.Array | None, *, bits: int, offset: int, flip: int, interpret: bool,
+              tiles: WordTiles, out_dtype: jnp.dtype = jnp.float32, partials: bool = False
+              ) -> jax.Array:
+    """``x [M, K]`` (M <= ``WORD_ROWS``) times the weight whose bytes are ``q [K * bits / 8,
+    N]`` (uint8 or int8; formats in the module docstring), ``scale`` (and ``zero``, or None)
+    ``[K / G, N]``: ``[M, N]`` in ``out_dtype``, float32 accumulation. Callers check the
+    operands (``int4_matmul``, ``int8_matmul``); ``G * bits / 8`` must be a multiple of
+    ``tiles.sub_rows``. The float16-pair kernel runs where ``tiles`` and the format allow
+    (module docstring; its pallas_call is named ``..._half2``), else the float32 one.
+
+    ``x`` may be ``ScaledPairs`` (``junction``: activations, RMSNorm'd or not, as
+    block-scaled float16 pairs): the kernel reads them as they are where it reads pairs
+    (``x_pairs`` with ``x_pair_sums``, or int8, and groups matching the weight's); elsewhere
+    they are turned back into activations first (``ScaledPairs.values``). ``partials``:
+    return the float32 split-K partials ``[splits, M, N]`` unsummed (for a kernel after this
+    one that sums them, ``add_norm_pairs``)."""
+    given = x if isinstance(x, ScaledPairs) else None
+    m, k = (x.pairs if given is not None else x).shape
+    groups, n = scale.shape
+    group = k // groups
+    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.nbytes, tiles)
+    block_n, sub, programs = launch.block_n, launch.sub, launch.programs
+    groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
+    steps = groups // groups_per_step
+    if given is not None and not (given.group == group and (
+            launch.reads_norm if given.sumsq is not None else launch.reads_pairs)):
+        x, given = given.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n
     if np_ != n:  # padded columns: zero scales and zeros make them 0; sliced off below
@@ -516,29 +594,36 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
     specs = [pl.BlockSpec((m, k), lambda j, t: (0, 0)),
              pl.BlockSpec((q.shape[0], block_n // 4), lambda j, t: (0, j)),
              pl.BlockSpec((groups, block_n), lambda j, t: (0, j))]
-    operands = [x, words, scale]
+    operands = [x if given is None else given.pairs, words, scale]
     if zero is not None:
         specs.append(pl.BlockSpec((groups, block_n), lambda j, t: (0, j)))
         operands.append(zero)
     splits = largest_divisor(steps, programs // col_blocks)
-    pair_scales = half2 and int4_pairs and scale.dtype == zero.dtype == jnp.float16
+    pair_scales = half2 and zero is not None and scale.dtype == zero.dtype == jnp.float16
     if pair_scales:  # float16 scales and zeros as int32 words of two columns
         operands[2:] = [lax.bitcast_convert_type(a.reshape(groups, np_ // 2, 2), jnp.int32)
                         for a in (scale, zero)]
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
-    if x_pairs:  # XLA makes the pairs (and, without x_pair_sums, the group sums), fused into
-        # x's producer where it can
+    if given is not None:  # the pairs as given, with their group scales (and sums of squares)
+        stats = [a for a in (given.scales, given.sumsq) if a is not None]
+        specs += [pl.BlockSpec((m, groups), lambda j, t: (0, 0))] * len(stats)
+        operands += stats
+    elif x_pairs:  # XLA makes the pairs (and, without x_pair_sums, the group sums), fused
+        # into x's producer where it can
         xs = x.astype(jnp.float32) * _HALF2_X_SCALE  # [m, k]
-        operands[0] = _half_pairs(xs)
+        operands[0] = half_pairs(xs)
         if zero is not None and not tiles.x_pair_sums:
             specs.append(pl.BlockSpec((m, groups), lambda j, t: (0, 0)))
             operands.append(jnp.sum(xs.reshape(m, groups, group), axis=-1) / sub)
     if half2:
         kernel = functools.partial(
             _half2_kernel, bits=bits, group=group, sub=sub, groups_per_step=groups_per_step,
-            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=prefetch,
+            steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=launch.prefetch,
             evict_first=tiles.evict_first, x_pairs=x_pairs,
-            x_pair_sums=x_pairs and tiles.x_pair_sums, emulate=interpret)
+            x_pair_sums=x_pairs and tiles.x_pair_sums,
+            scaled=given is not None,
+            norm_eps=None if given is None or given.sumsq is None else given.eps,
+            emulate=interpret)
     else:
         kernel = functools.partial(
             _word_kernel, bits=bits, offset=offset, flip=flip, group=group, sub=sub,
@@ -549,11 +634,13 @@ def word_gemv(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | No
         in_specs=specs,
         out_specs=pl.BlockSpec((None, m, block_n), lambda j, t: (t, 0, j)),
         # Unsplit: the result in its dtype, no XLA op after the kernel.
-        out_shape=jax.ShapeDtypeStruct((splits, m, np_),
-                                       jnp.float32 if splits > 1 else out_dtype),
+        out_shape=jax.ShapeDtypeStruct(
+            (splits, m, np_), jnp.float32 if splits > 1 or partials else out_dtype),
         compiler_params=gpu_params(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"jaxinfer_word_gemv_{bits}bit" + ("_half2" if half2 else ""),
     )(*operands)
+    if partials:
+        return partial if np_ == n else partial[:, :, :n]
     out = partial[0] if splits == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
     return out if np_ == n else out[:, :n]

@@ -64,7 +64,8 @@ def mesh_write_and_attend(
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh | None = None,
     max_q_len: int | None = None,
     deterministic: bool = False,
-) -> tuple[jax.Array, Any, Any]:
+    out_pairs: bool = False,
+) -> tuple[Any, Any, Any]:
     """``jaxinfer.attention.write_and_attend`` (store the step's K/V, then ragged paged
     attention), per ``model`` shard inside ``shard_map``.
 
@@ -77,6 +78,7 @@ def mesh_write_and_attend(
       batch: the step's replicated scheduler inputs (``write_and_attend``).
       mesh: defaults to the context mesh; without one this is plain ``write_and_attend``.
       max_q_len, deterministic: as ``write_and_attend``.
+      out_pairs: as ``write_and_attend``, without a mesh only (on a mesh ``out`` is an array).
 
     Every shard stores and attends with its own heads over the same block tables, so the
     result is exact and needs no communication, and GSPMD never sees the page scatter and
@@ -86,7 +88,7 @@ def mesh_write_and_attend(
                            deterministic=deterministic)
     mesh = mesh if mesh is not None else _context_mesh()
     if mesh is None:
-        return fn(q, k, v, k_pages, v_pages, layer, batch)
+        return fn(q, k, v, k_pages, v_pages, layer, batch, out_pairs=out_pairs)
     # The head axis of every pool leaf (pages, and a quantized pool's scales) is split:
     # axis 0 of a layer's pool, axis 1 of a stacked one.
     heads = P(None, MODEL, None)

@@ -679,3 +679,30 @@ def test_paged_attention_write_lowers_to_triton_for_cuda(kv_dtype, num_splits):
     no_check = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=no_check)(*args)
     assert "jaxinfer_paged_decode" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("backend, num_splits", [("gpu", 2), ("gpu", 1), ("tpu", None)])
+def test_paged_attention_write_returns_scaled_pairs(backend, num_splits):
+    """``out_pairs``: the output as ``ScaledPairs`` ``[batch, q_heads * head_dim]``, one scale
+    per head (the combine kernel writes them when keys are split; XLA otherwise), standing
+    for the plain output to float16 rounding; the pools are written the same."""
+    from pallas_kernels import ScaledPairs
+
+    b, hq, hkv, d, page_size, pps = 3, 8, 2, 64, 8, 5
+    rng = _rng(12, b, hq, hkv, page_size, pps)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.bfloat16)
+    k, v, table, lengths = _make_paged(rng, b, hkv, d, page_size, pps, jnp.bfloat16)
+    new = [jnp.asarray(rng.standard_normal((b, hkv, d)), jnp.bfloat16) for _ in range(2)]
+    last = np.asarray(lengths) - 1
+    args = (*new, k, v, table, lengths, jnp.asarray(np.asarray(table)[np.arange(b),
+                                                                      last // page_size]),
+            jnp.asarray(last % page_size, jnp.int32))
+    kw = dict(num_splits=num_splits, interpret=True, backend=backend)
+    out, *written = paged_attention_write(q, *args, **kw)
+    pairs, *written_p = paged_attention_write(q, *args, out_pairs=True, **kw)
+    assert isinstance(pairs, ScaledPairs) and pairs.sumsq is None and pairs.group == d
+    assert pairs.pairs.shape == (b, hq * d) and pairs.dtype == jnp.bfloat16
+    want = np.asarray(out, np.float32).reshape(b, hq * d)
+    np.testing.assert_allclose(pairs.values(), want, rtol=2**-10, atol=1e-6)
+    for got, ref in zip(written_p, written, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
