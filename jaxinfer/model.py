@@ -267,11 +267,13 @@ def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
         qkv = pallas_kernels.sum_rope(
             parts, jnp.cos(freqs), jnp.sin(freqs), head_dim=c.head_dim,
             rotated_heads=c.num_heads + c.num_kv_heads, dtype=x.dtype,
-            interpret=jax.default_backend() != "gpu")[None]  # [1, T, (nq + 2 nkv)]
-        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
-        return (q.reshape(b, t, c.num_heads, c.head_dim),
-                k.reshape(b, t, c.num_kv_heads, c.head_dim),
-                v.reshape(b, t, c.num_kv_heads, c.head_dim))
+            interpret=jax.default_backend() != "gpu")  # [T, (nq + 2 nkv)]
+        # Sliced by heads, not by columns: the paged kernel packs q|k|v back along the heads
+        # axis, and XLA folds that concatenate of adjacent head slices away (of column
+        # slices it kept a copy kernel per layer, r255 / r257).
+        heads = qkv.reshape(t, -1, c.head_dim)  # [T, hq + 2 hkv, D]
+        hq, hkv = c.num_heads, c.num_kv_heads
+        return heads[None, :, :hq], heads[None, :, hq:hq + hkv], heads[None, :, hq + hkv:]
     if "wqkv" in lp:
         qkv = _dense_fused(x, lp["wqkv"], deterministic, kernels)  # [B, T, shards, ...]
         if isinstance(lp["wqkv"], QuantizedWeight):

@@ -19,8 +19,8 @@ HF's norm (``weight * bf16(h * r)``), which only brings it closer to the float32
 ``silu_mul_pairs`` sums gate|up's partials and makes ``silu(gate) * up`` as pairs the same
 way (no norm).
 
-In the engine (H200, batch 1, against XLA's junctions): 8B int4-g128 448.0 against 416 tok/s,
-int8 293.2 against 291.2, 70B int4-g128 82.5 against 82.2 (r252-r259).
+In the engine (H200, batch 1, against XLA's junctions): 8B int4-g128 460.7 against 416 tok/s,
+int8 293.2 against 291.2, 70B int4-g128 82.5 against 82.2 (r252-r260).
 
 ``*_reference``: the same in plain jnp.
 """

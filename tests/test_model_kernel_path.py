@@ -21,11 +21,10 @@ CFG = jaxinfer.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=25
                            max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def _decode_one(params, backend, rows=1):
-    """One decode token for each of ``rows`` sequences (a decode step, ``max_q_len`` 1:
-    sequence ``i`` at position ``3 + i``, its earlier keys in pages ``16 i`` on) through
-    ``forward_ragged``: the final hidden states ``[rows, hidden]`` and the jaxpr's pallas_call
-    names."""
+def _decode_step(backend, rows=1):
+    """A decode step for each of ``rows`` sequences (``max_q_len`` 1: sequence ``i`` at
+    position ``3 + i``, its earlier keys in pages ``16 i`` on) through ``forward_ragged``:
+    ``(step(params, *args) -> hidden [rows, hidden], args)``."""
     kvh, d = CFG.num_kv_heads, CFG.head_dim
     key = jax.random.PRNGKey(7)
     # 16 pages of 16 keys per sequence: two blocks of 128, so the paged kernel splits them
@@ -39,7 +38,13 @@ def _decode_one(params, backend, rows=1):
 
     def step(p, *a):
         return forward_ragged(p, CFG, *a, backend=backend, dtype=jnp.float32, max_q_len=1)[0]
+    return step, args
 
+
+def _decode_one(params, backend, rows=1):
+    """``_decode_step`` run: the final hidden states ``[rows, hidden]`` and the jaxpr's
+    pallas_call names."""
+    step, args = _decode_step(backend, rows)
     names = [e.params["name"] for e in all_eqns(jax.make_jaxpr(step)(params, *args))
              if e.primitive.name == "pallas_call"]
     return jax.jit(step)(params, *args), names
@@ -76,6 +81,21 @@ def test_kernel_decode_path_equals_the_xla_path(method, rows, monkeypatch):
     assert names.count("jaxinfer_sum_rope") == CFG.num_layers
     # float16 pairs of the normalized activations: float16 rounding, not float32's
     np.testing.assert_allclose(joined, want, atol=1e-2 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_paged_kernel_reads_sum_ropes_output_uncopied(rows, monkeypatch):
+    """``sum_rope`` writes q|k|v packed as the paged kernel reads them, and ``_qkv`` slices
+    them by heads, so the compiled step has no concatenate packing them again (column slices
+    left XLA a copy kernel per layer: H200 r255 / r257)."""
+    _force_junctions(monkeypatch)
+    params = quantize_params(apply_layout(init_params(CFG, jax.random.PRNGKey(1), jnp.float32),
+                                          "fast"), "int4")
+    step, args = _decode_step("pallas", rows)
+    hlo = jax.jit(step).lower(params, *args).compile().as_text()
+    copies = [line for line in hlo.splitlines()
+              if " concatenate(" in line and "(_paged_attention_jit)/concatenate" in line]
+    assert "sum_rope" in hlo and not copies, copies[:1]
 
 
 def test_junctions_need_the_kernels_and_leave_other_weights_alone():
