@@ -145,10 +145,10 @@ def _dense_quantized(x: jax.Array | pallas_kernels.ScaledPairs, w: QuantizedWeig
     decode rows may run the Pallas kernels (``gemv_kernels``). ``x`` may be ``ScaledPairs``
     ``[rows, in]`` (``_add_norm``; the result is then ``[rows, out]``). ``partials``: the
     float32 split-K partials ``[splits, rows, out]`` (``[1, rows, out]`` off the kernels)."""
-    norm = isinstance(x, pallas_kernels.ScaledPairs)
-    rows = x.pairs.shape[0] if norm else math.prod(x.shape[:-1])
-    if norm and (w.perm is not None or _gemv_kernel(w, rows, kernels) is None):
-        x, norm = x.values().astype(out_dtype), False  # the activations they stand for
+    paired = isinstance(x, pallas_kernels.ScaledPairs)
+    rows = math.prod(x.shape[:-1])
+    if paired and (w.perm is not None or _gemv_kernel(w, rows, kernels) is None):
+        x, paired = x.values().astype(out_dtype), False  # the activations they stand for
     if w.perm is not None:  # rows stored in another order (act-order GPTQ): match them
         x = jnp.take(x, w.perm, axis=-1)
         w = dataclasses.replace(w, perm=None)
@@ -156,12 +156,12 @@ def _dense_quantized(x: jax.Array | pallas_kernels.ScaledPairs, w: QuantizedWeig
     if kernel is not None:
         # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
         # read a bf16 copy it writes first).
-        xs = x if norm else x.reshape(-1, x.shape[-1])  # [rows, in]
+        xs = x if paired else x.reshape(-1, x.shape[-1])  # [rows, in]
         kw = {"out_dtype": out_dtype, "interpret": jax.default_backend() != "gpu",
               "partials": partials}
         out = (pallas_kernels.int8_matmul(xs, w.q, w.scale, **kw) if kernel == "int8" else
                pallas_kernels.int4_matmul(xs, w.q, w.scale, w.zero, **kw))
-        return out if partials or norm else out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if partials or paired else out.reshape(*x.shape[:-1], out.shape[-1])
     if partials:  # a caller that sums partials itself: the product as one
         out = _dense_quantized(x, w, out_dtype, kernels)
         return out.reshape(1, -1, out.shape[-1]).astype(jnp.float32)
@@ -300,8 +300,7 @@ def _gated_mlp(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params,
     (``x`` as for ``_qkv``). Where ``w_down``'s kernel reads ``ScaledPairs`` and the fused
     product comes from a kernel, gate|up's split partials go to one ``silu_mul_pairs`` kernel
     and the result is its ``ScaledPairs`` ``[T, intermediate]``."""
-    t = x.pairs.shape[0] if isinstance(x, pallas_kernels.ScaledPairs) else math.prod(
-        x.shape[:-1])
+    t = math.prod(x.shape[:-1])
     w = lp.get("w_gate_up")
     if (_reads_pairs(lp.get("w_down"), t, kernels, norm=False) and isinstance(w, QuantizedWeight)
             and not w.in_last and w.q.shape[-2] == 1

@@ -129,7 +129,7 @@ def _word_rows(m: int, group: int, tiles: Int4Tiles) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
 def _int4_jit(x, q, scale, zero, *, out_dtype, interpret, tiles, partials):
-    m, k = (x.pairs if isinstance(x, ScaledPairs) else x).shape
+    m, k = x.shape
     groups, n = scale.shape
     group = k // groups
     if _word_rows(m, group, tiles):
@@ -194,21 +194,19 @@ def int4_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, zero
     defaults to their ``dtype``). ``partials``: the float32 split-K partials ``[splits, M, N]``,
     unsummed (``[1, M, N]`` where K is not split), for ``add_norm_pairs`` to sum.
     """
-    norm = isinstance(x, ScaledPairs)
-    xs = x.pairs if norm else x
-    check(xs.ndim == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x {xs.shape}, q "
-          f"{q.shape}")
+    check(len(x.shape) == 2 and q.ndim == 2, f"int4_matmul takes 2-D operands, got x "
+          f"{x.shape}, q {q.shape}")
     check(q.dtype == jnp.uint8, f"q must be uint8 (two int4 values per byte), got {q.dtype}")
     check(scale.shape == zero.shape and scale.ndim == 2 and scale.shape[1] == q.shape[1],
           f"scale {scale.shape} and zero {zero.shape} must both be [K / G, N] for q {q.shape}")
-    k = xs.shape[1]
+    k = x.shape[1]
     groups = scale.shape[0]
     group = k // groups
     check(k == 2 * q.shape[0] and k % groups == 0 and group >= 2 * MIN_DOT
           and group & (group - 1) == 0,
           f"int4_matmul needs x [M, K] with K = 2 * q.shape[0] split into groups of a power of "
-          f"two, at least {2 * MIN_DOT}, rows; got x {xs.shape}, q {q.shape}, {groups} groups")
-    if not norm:
+          f"two, at least {2 * MIN_DOT}, rows; got x {x.shape}, q {q.shape}, {groups} groups")
+    if not isinstance(x, ScaledPairs):
         check_dtype("x", x)
     dtype = out_dtype or x.dtype
     return _int4_jit(x, q, scale, zero, out_dtype=jnp.dtype(dtype), interpret=interpret,

@@ -52,9 +52,14 @@ class ScaledPairs:
 
     pairs: jax.Array
     scales: jax.Array
-    sumsq: jax.Array | None
-    eps: float
     dtype: Any
+    sumsq: jax.Array | None = None
+    eps: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(R, N)``: the shape of the activations these pairs stand for."""
+        return self.pairs.shape
 
     @property
     def group(self) -> int:
@@ -74,7 +79,7 @@ class ScaledPairs:
         halves = lax.bitcast_convert_type(
             (lax.bitcast_convert_type(self.pairs, jnp.uint32) & 0xFFFF).astype(jnp.uint16),
             jnp.float16).astype(jnp.float32)
-        r, n = self.pairs.shape
+        r, n = self.shape
         grouped = halves.reshape(r, self.scales.shape[-1], self.group) * self.scales[..., None]
         return grouped.reshape(r, n) * self.inv_rms()
 
@@ -119,7 +124,7 @@ def add_norm_pairs_reference(partials: jax.Array | None, residual: jax.Array,
         h = residual + jnp.sum(partials, axis=0).astype(residual.dtype)
     r, n = h.shape
     pairs, scales, sumsq = _grouped(_add_norm_group, r, n, group, h, weight)
-    return h, ScaledPairs(pairs, scales, sumsq, eps, jnp.dtype(h.dtype))
+    return h, ScaledPairs(pairs, scales, jnp.dtype(h.dtype), sumsq, eps)
 
 
 def _add_norm_kernel(*refs, rows: int, splits: int, has_partials: bool) -> None:
@@ -186,7 +191,7 @@ def add_norm_pairs(partials: jax.Array | None, residual: jax.Array, weight: jax.
         interpret=interpret,
         name="jaxinfer_add_norm_pairs",
     )(*operands)
-    return h, ScaledPairs(pairs, scales, sumsq, eps, jnp.dtype(residual.dtype))
+    return h, ScaledPairs(pairs, scales, jnp.dtype(residual.dtype), sumsq, eps)
 
 
 def _silu_mul_group(gate: jax.Array, up: jax.Array, dtype: Any) -> tuple[jax.Array, ...]:
@@ -205,7 +210,7 @@ def silu_mul_pairs_reference(partials: jax.Array, *, group: int, dtype: Any) -> 
     r, f = total.shape[0], total.shape[1] // 2
     pairs, scales = _grouped(functools.partial(_silu_mul_group, dtype=dtype), r, f, group,
                              total[:, :f], total[:, f:])
-    return ScaledPairs(pairs, scales, None, 0.0, jnp.dtype(dtype))
+    return ScaledPairs(pairs, scales, jnp.dtype(dtype))
 
 
 def _silu_mul_kernel(g_ref, u_ref, x_ref, s_ref, *, rows: int, splits: int, dtype: Any) -> None:
@@ -243,7 +248,7 @@ def silu_mul_pairs(partials: jax.Array, *, group: int, dtype: Any,
         interpret=interpret,
         name="jaxinfer_silu_mul_pairs",
     )(partials, partials)
-    return ScaledPairs(pairs, scales, None, 0.0, jnp.dtype(dtype))
+    return ScaledPairs(pairs, scales, jnp.dtype(dtype))
 
 
 def _rope_head(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array,

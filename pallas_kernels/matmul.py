@@ -204,7 +204,7 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
 def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles, partials):
-    m, k = (x.pairs if isinstance(x, ScaledPairs) else x).shape
+    m, k = x.shape
     n = q.shape[1]
     if m <= tiles.word_rows:
         return word_gemv(x, q, scale, None, bits=8, offset=-128, flip=0x80,
@@ -269,16 +269,14 @@ def int8_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, *,
 
     ``x`` may be ``ScaledPairs`` and ``partials`` asks for the split-K partials, as for
     ``int4_matmul`` (``int8_reads_pairs``)."""
-    norm = isinstance(x, ScaledPairs)
-    xs = x.pairs if norm else x
-    check(xs.ndim == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got {xs.shape} @ "
-          f"{q.shape}")
+    check(len(x.shape) == 2 and q.ndim == 2, f"int8_matmul takes 2-D operands, got "
+          f"{x.shape} @ {q.shape}")
     check(q.dtype == jnp.int8, f"q must be int8, got {q.dtype}")
-    check(xs.shape[1] == q.shape[0] and q.shape[0] % BLOCK_K == 0
+    check(x.shape[1] == q.shape[0] and q.shape[0] % BLOCK_K == 0
           and scale.shape == (q.shape[0] // BLOCK_K, q.shape[1]),
           f"int8_matmul needs K a multiple of {BLOCK_K} and scale [K / {BLOCK_K}, N]; got x "
-          f"{xs.shape}, q {q.shape}, scale {scale.shape}")
-    if not norm:
+          f"{x.shape}, q {q.shape}, scale {scale.shape}")
+    if not isinstance(x, ScaledPairs):
         check_dtype("x", x)
     dtype = out_dtype or x.dtype
     return _int8_jit(x, q, scale, out_dtype=jnp.dtype(dtype), interpret=interpret, tiles=tiles,

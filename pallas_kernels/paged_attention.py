@@ -422,18 +422,21 @@ def _paged_gpu(q, k_pages, v_pages, block_tables, lengths, scales, new, *, scale
     else:  # [b, hkv, group, d] from the splits' partials
         acc = outs[0].reshape(b, hkv, num_splits, group, d)
         out = combine_splits(acc, *outs[1:3], group, q.dtype, interpret, pairs=out_pairs)
-        out = (ScaledPairs(out[0].reshape(b, hq * d), out[1].reshape(b, hq), None, 0.0,
-                           jnp.dtype(q.dtype)) if out_pairs else out.reshape(b, hq, d))
+        out = _head_pairs(*out, q.dtype) if out_pairs else out.reshape(b, hq, d)
     return (out, *written) if writes else out
 
 
 def _out_pairs(out: jax.Array) -> ScaledPairs:
     """``out [b, q_heads, head_dim]`` as ``ScaledPairs`` ``[b, q_heads * head_dim]``, one
     scale per head (XLA's elementwise op where no combine kernel writes them)."""
-    b, hq, d = out.shape
-    pairs, scales = scaled_pairs(out.astype(jnp.float32))
-    return ScaledPairs(pairs.reshape(b, hq * d), scales.reshape(b, hq), None, 0.0,
-                       jnp.dtype(out.dtype))
+    return _head_pairs(*scaled_pairs(out.astype(jnp.float32)), out.dtype)
+
+
+def _head_pairs(pairs: jax.Array, scales: jax.Array, dtype: Any) -> ScaledPairs:
+    """Per-head ``pairs [b, ..., head_dim]`` and ``scales [b, ..., 1]`` (heads in the middle
+    axes) as ``ScaledPairs`` ``[b, q_heads * head_dim]`` of ``dtype`` activations."""
+    b = pairs.shape[0]
+    return ScaledPairs(pairs.reshape(b, -1), scales.reshape(b, -1), jnp.dtype(dtype))
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)

@@ -505,6 +505,11 @@ class _Launch:
     reads_pairs: bool  # takes ``ScaledPairs`` as they are
     reads_norm: bool  # and their sums of squares (all groups in one load)
 
+    def reads(self, norm: bool) -> bool:
+        """Whether this launch takes ``ScaledPairs`` as they are, with sums of squares
+        (``norm``) or without."""
+        return self.reads_norm if norm else self.reads_pairs
+
 
 def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: int,
             has_zero: bool, q_bytes: int, tiles: WordTiles) -> _Launch:
@@ -551,7 +556,7 @@ def reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, 
     k = q.shape[0] * 8 // bits
     q_bytes = q.shape[0] * q.shape[1]  # uint8 / int8
     launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q_bytes, tiles)
-    return launch.reads_norm if norm else launch.reads_pairs
+    return launch.reads(norm)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "offset", "flip", "interpret", "tiles",
@@ -574,15 +579,15 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     return the float32 split-K partials ``[splits, M, N]`` unsummed (for a kernel after this
     one that sums them, ``add_norm_pairs``)."""
     given = x if isinstance(x, ScaledPairs) else None
-    m, k = (x.pairs if given is not None else x).shape
+    m, k = x.shape
     groups, n = scale.shape
     group = k // groups
     launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.nbytes, tiles)
     block_n, sub, programs = launch.block_n, launch.sub, launch.programs
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
-    if given is not None and not (given.group == group and (
-            launch.reads_norm if given.sumsq is not None else launch.reads_pairs)):
+    if given is not None and not (given.group == group
+                                  and launch.reads(given.sumsq is not None)):
         x, given = given.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
     np_ = col_blocks * block_n

@@ -42,9 +42,9 @@ def _junction(splits, rows, n, seed, *, spread=3.0):
 
 @pytest.mark.parametrize("splits, rows", [(24, 1), (112, 2), (7, 1), (0, 2)])
 def test_add_norm_pairs_equals_its_reference_and_rms_norm(splits, rows):
-    """The kernel gives the reference's residual, pairs and statistics (chunks of 8, 16 or 1
-    partials, or none); ``normalized()`` is the model's ``rms_norm`` of that residual within
-    its bfloat16 rounding; every pair's two halves are equal and at most 1."""
+    """The kernel gives the reference's residual, pairs and statistics (24, 112 or 7
+    partials, one load each, or none); ``values()`` is the model's ``rms_norm`` of that
+    residual within its bfloat16 rounding; every pair's two halves are equal and at most 1."""
     p, res, w = _junction(splits, rows, 512, seed=splits)
     h, got = add_norm_pairs(p, res, w, group=128, eps=EPS, interpret=True)
     h_ref, want = add_norm_pairs_reference(p, res, w, group=128, eps=EPS)
