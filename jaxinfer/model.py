@@ -648,8 +648,8 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
                                        interpret=jax.default_backend() != "gpu")
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if isinstance(params.get("lm_head"), QuantizedWeight):
-        logits = _dense_quantized(h, params["lm_head"], jnp.float32,
-                                  kernels=jax.default_backend() == "gpu" and not model_split())
+        # The head takes no backend: the kernels where the default ("auto") runs them
+        logits = _dense_quantized(h, params["lm_head"], jnp.float32, gemv_kernels("auto"))
     elif "lm_head" in params:
         w = params["lm_head"]
         logits = jnp.einsum("...d,dv->...v", h, w.astype(h.dtype),
