@@ -179,12 +179,14 @@ class Int8Tiles:
     # H200: the wide tile (512 columns x 8 byte rows per load, ~1,024 programs, no loads
     # ahead; 8 float16 products per sum, so no float16 sum overflows below |x| of 16k,
     # ``word_gemv._HALF2_X_SCALE``) for the weights it divides: 8B layer 80.6 us at one row
-    # (r235; 256 x 8: 88.6), 8B batch 1 280.6 against 248.9 tok/s (r236); weights of 32 MiB
-    # and up (8B gate|up, down) take ``WordTiles.x_pairs`` at 2 groups per loop step: 8B
-    # batch 1 291.3 against 279.8 tok/s (r244)
+    # (r235; 256 x 8: 88.6), 8B batch 1 280.6 against 248.9 tok/s (r236). They take
+    # ``WordTiles.x_pairs`` at 2 groups per loop step: at first only those of 32 MiB and up
+    # (8B gate|up, down; 291.3 against 279.8 tok/s, r244); with the junction kernels making
+    # the pairs, the 8B qkv and o too (their junctions join: 295.7 / 295.6 against 292.8 /
+    # 293.4 tok/s, r263-r264)
     word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True,
                                 wide_tile=(512, 8), wide_programs=1024, x_pairs=True,
-                                x_pairs_min_bytes=32 << 20, x_pairs_step_rows=128)
+                                x_pairs_step_rows=128)
 
 
 def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:

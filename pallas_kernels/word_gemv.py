@@ -128,13 +128,13 @@ class WordTiles:
     # activation sum, both made by XLA once per call, instead of being converted and packed
     # per load and field in the loop (offline SASS, 70B gate|up: 1,028 loop instructions per
     # group against 1,543, 48 registers against 113; r238). The kernel is bound by issued
-    # instructions (r234-r237), so this saves time per weight byte, while XLA's pairs and
-    # sums cost a few microseconds per call: hence ``x_pairs_min_bytes``
-    x_pairs_min_bytes: int = 0  # x_pairs only for weights of at least this many bytes
-    # (``Int8Tiles``: 32 MiB; with XLA's group sums, int4 had it too: H200, 8B int4 batch 1
-    # with x_pairs on every wide-tile weight 373.7 against 406.5 tok/s, r244; one row, 8B
-    # qkv 11.0 against 8.1 us, o 10.2 against 7.2, r242; int8 down to 20 MiB, 8B qkv: 292.0
-    # against 291.3, r248)
+    # instructions (r234-r237), so this saves time per weight byte. While XLA also made the
+    # group sums (a reduction kernel per call) or the pairs, small weights lost: x_pairs only
+    # from 32 MiB had been the rule (H200, 8B int4 batch 1 with x_pairs on every wide-tile
+    # weight 373.7 against 406.5 tok/s, r244; int8 down to 20 MiB, 8B qkv: 292.0 against
+    # 291.3, r248). With ``x_pair_sums`` and the junction kernels making the pairs, every
+    # wide-tile weight gains (int4: r247; int8: 8B batch 1 295.7 / 295.6 against 292.8 /
+    # 293.4 tok/s, r263-r264), so the rule is gone
     x_pair_sums: bool = False  # with x_pairs and zeros, each program sums its groups'
     # activations itself (the pairs' float16 values widened and summed in float32 across
     # the program's threads, once per group), where XLA's group sums are a reduction kernel
@@ -512,7 +512,7 @@ class _Launch:
 
 
 def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: int,
-            has_zero: bool, q_bytes: int, tiles: WordTiles) -> _Launch:
+            has_zero: bool, tiles: WordTiles) -> _Launch:
     """The kernel, tile and step ``word_gemv`` runs ``[m, k] @ [k, n]`` (``groups`` groups of
     rows) with, from the format and ``tiles`` (their docstrings say why)."""
     group = k // groups
@@ -537,7 +537,7 @@ def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: i
                 and byte_rows % wide_sub == 0 and n % wide_n == 0
                 and steps * (n // wide_n) >= tiles.wide_min_programs):
             block_n, sub, programs, prefetch = wide_n, wide_sub, tiles.wide_programs, False
-            x_pairs = tiles.x_pairs and q_bytes >= tiles.x_pairs_min_bytes
+            x_pairs = tiles.x_pairs
             if x_pairs:
                 groups_per_step = largest_divisor(groups, tiles.x_pairs_step_rows // group)
     reads = x_pairs and (not has_zero or tiles.x_pair_sums)
@@ -554,8 +554,7 @@ def reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, 
     and a junction kernel gains nothing."""
     groups, n = scale.shape
     k = q.shape[0] * 8 // bits
-    q_bytes = q.shape[0] * q.shape[1]  # uint8 / int8
-    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q_bytes, tiles)
+    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, tiles)
     return launch.reads(norm)
 
 
@@ -582,7 +581,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     m, k = x.shape
     groups, n = scale.shape
     group = k // groups
-    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, q.nbytes, tiles)
+    launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, tiles)
     block_n, sub, programs = launch.block_n, launch.sub, launch.programs
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step

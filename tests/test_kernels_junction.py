@@ -86,7 +86,7 @@ def test_scaled_pairs_hold_an_outlier_and_a_zero_group():
 def _wide(tiles, **kw):
     """``tiles`` with the wide tile and x_pairs at test sizes."""
     return dataclasses.replace(tiles, wide_min_programs=4, wide_programs=8, x_pairs=True,
-                               x_pairs_min_bytes=0, **kw)
+                               **kw)
 
 
 @pytest.mark.parametrize("rows, group", [(1, 128), (2, 128), (1, 64)])

@@ -350,11 +350,12 @@ def _int8_grid(m: int, k: int, n: int, tiles: Int8Tiles) -> tuple[int, ...]:
 
 def test_int8_default_takes_the_wide_tile_on_8b_layers():
     """``Int8Tiles``' default runs the wide tile (512 columns, 8 byte rows per load, ~1,024
-    programs, r235-r236) on every 8B layer weight at one row; a weight of too few programs
-    at it (1B o) keeps the narrow tile (256 columns for 64-row groups, ~512 programs)."""
+    programs, r235-r236; with x_pairs two groups per loop step) on every 8B layer weight at
+    one row; a weight of too few programs at it (1B o) keeps the narrow tile (256 columns for
+    64-row groups, ~512 programs)."""
     tiles = Int8Tiles()
     assert tiles.word.wide_tile == (512, 8) and tiles.word.wide_programs == 1024
-    assert _int8_grid(1, 4096, 6144, tiles) == (12, 64)  # 8B qkv: 64 groups, 1024 // 12
+    assert _int8_grid(1, 4096, 6144, tiles) == (12, 32)  # 8B qkv: 64 groups, 2 per step
     assert _int8_grid(1, 4096, 28672, tiles) == (56, 16)  # 8B gate|up
     assert _int8_grid(1, 14336, 4096, tiles) == (8, 112)  # 8B down: 224 groups
     assert _int8_grid(1, 2048, 2048, tiles) == (8, 32)  # 1B o: 4 x 32 < 256 at 512
@@ -369,7 +370,7 @@ def test_int8_default_takes_the_wide_tile_on_8b_layers():
      (5, 13, 21, 29, 37, 45, 53, 61), 16376.0),
     # the same with the activations as pairs made by XLA (``x_pairs``)
     (Int8Tiles(word_rows=WORD_ROWS, word=dataclasses.replace(
-        Int8Tiles().word, wide_min_programs=1, wide_max_rows=WORD_ROWS, x_pairs_min_bytes=0)),
+        Int8Tiles().word, wide_min_programs=1, wide_max_rows=WORD_ROWS)),
      (5, 13, 21, 29, 37, 45, 53, 61), 16376.0)])
 def test_int8_pairs_overflow_only_past_the_documented_bound(tiles, rows, bound):
     """``_HALF2_X_SCALE``: the products of ``|q| = 128`` and ``|x| * 2^-8`` that one float16
@@ -543,12 +544,11 @@ def test_x_pairs_give_the_wide_tiles_result(m, step_rows):
     pairs made by XLA (and, for int4, group sums), where they were converted in the loop; the
     products are the same float16 arithmetic, so the result differs from the kernel's without
     them only in the float32 order of its sums (``x_pairs_step_rows``: 1 or 2 groups per loop
-    step, so other K splits; int4 at 2: 2 steps per split). The narrow tile and weights under
-    ``x_pairs_min_bytes`` ignore the flag."""
+    step, so other K splits; int4 at 2: 2 steps per split). The narrow tile ignores the
+    flag."""
     wide = dataclasses.replace(Int4Tiles().word, wide_min_programs=4, wide_programs=8,
                                x_pairs=False, x_pair_sums=False)
-    pairs = dataclasses.replace(wide, x_pairs=True, x_pairs_min_bytes=0,
-                                x_pairs_step_rows=step_rows)
+    pairs = dataclasses.replace(wide, x_pairs=True, x_pairs_step_rows=step_rows)
     x, q, scale, zero = _int4(m, 2048, 1024, 128, seed=30 + m)  # 2 x 16 groups, 4 per program
     got, plain = (word_gemv(x, q, scale, zero, interpret=True, tiles=t, **INT4)
                   for t in (pairs, wide))
@@ -561,11 +561,9 @@ def test_x_pairs_give_the_wide_tiles_result(m, step_rows):
                                                    tiles=tiles, **INT4), x)
     assert x_dtype(pairs) == "int32"
     assert x_dtype(dataclasses.replace(pairs, wide_min_programs=10_000)) == "float32"  # narrow
-    assert x_dtype(dataclasses.replace(pairs, x_pairs_min_bytes=q.nbytes)) == "int32"
-    assert x_dtype(dataclasses.replace(pairs, x_pairs_min_bytes=q.nbytes + 1)) == "float32"
     x8, q8, s8 = _int8(m, 1024, 512, seed=40 + m)
     i8 = dataclasses.replace(Int8Tiles().word, wide_min_programs=4, wide_programs=8,
-                             x_pairs_min_bytes=0, x_pairs_step_rows=step_rows // 2)
+                             x_pairs_step_rows=step_rows // 2)
     t8 = [Int8Tiles(word_rows=WORD_ROWS, word=dataclasses.replace(i8, x_pairs=on))
           for on in (True, False)]
     assert _kernel_x_dtype(lambda x: int8_matmul(x, q8, s8, interpret=True, tiles=t8[0]),
@@ -579,9 +577,8 @@ def test_x_pairs_give_the_wide_tiles_result(m, step_rows):
 def test_default_x_pairs_take_the_weights_the_defaults_name():
     """``Int4Tiles`` gives ``x_pairs`` with ``x_pair_sums`` to every wide-tile weight (every
     70B and 8B layer weight: XLA only makes the pairs, elementwise; r247), with no group-sum
-    operand; ``Int8Tiles`` gives ``x_pairs`` to wide-tile weights of 32 MiB and up (r242-r244:
-    XLA's pairs cost a few microseconds per call, more than small weights save): 8B gate|up
-    and down, not qkv or o. Traced only: nothing runs."""
+    operand; ``Int8Tiles`` gives ``x_pairs`` to every wide-tile weight too (every 8B layer
+    weight: the junction kernels make the pairs; r263-r264). Traced only: nothing runs."""
     def int4_x(k, n):
         eqn = _traced_pallas_eqn(lambda x, q, s, z: int4_matmul(x, q, s, z, interpret=True),
                                  _int4_shapes(1, k, n, 128, jnp.bfloat16))
@@ -596,7 +593,7 @@ def test_default_x_pairs_take_the_weights_the_defaults_name():
     assert [int4_x(k, n) for k, n in seventy_b] == ["int32"] * 4
     eight_b = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # qkv, o, gate|up, down
     assert [int4_x(k, n) for k, n in eight_b] == ["int32"] * 4
-    assert [int8_x(k, n) for k, n in eight_b] == ["bfloat16", "bfloat16", "int32", "int32"]
+    assert [int8_x(k, n) for k, n in eight_b] == ["int32"] * 4
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -605,8 +602,7 @@ def test_x_pair_sums_make_the_group_sums_in_the_kernel(m):
     from the pairs (float32 sums of their float16 values) instead of reading XLA's sums, so
     the pallas_call takes no sums operand; the result is within float16 rounding of the
     reference and close to the kernel with XLA's sums (they sum the unrounded activations)."""
-    base = dataclasses.replace(Int4Tiles().word, wide_min_programs=4, wide_programs=8,
-                               x_pairs_min_bytes=0)
+    base = dataclasses.replace(Int4Tiles().word, wide_min_programs=4, wide_programs=8)
     x, q, scale, zero = _int4(m, 2048, 1024, 128, seed=50 + m)
     got, xla = (word_gemv(x, q, scale, zero, interpret=True, tiles=dataclasses.replace(
         base, x_pair_sums=on), **INT4) for on in (True, False))

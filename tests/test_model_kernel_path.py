@@ -135,16 +135,15 @@ def _decides(kind, k, n, rows, norm, fused=True, kernels=True, perm=False):
 
 def test_default_tiles_give_junctions_to_the_8b_and_70b_layers():
     """With the default tiles, one and two decode rows: int4 qkv and gate|up read RMSNorm'd
-    pairs and down reads silu pairs (8B and 70B, whose down has 224 groups); int8 only from
-    32 MiB (8B gate|up and down, not qkv); four rows take the narrow tile: no junction."""
+    pairs and down reads silu pairs (8B and 70B, whose down has 224 groups); so do int8's
+    (8B); four rows take the narrow tile: no junction."""
     for k, qkv, gu, i in ((4096, 6144, 28672, 14336), (8192, 10240, 57344, 28672)):
         for rows in (1, 2):
             assert _decides("int4", k, qkv, rows, True) and _decides("int4", k, gu, rows, True)
             assert _decides("int4", i, k, rows, False, fused=False)
         assert not _decides("int4", k, gu, 4, True)
     assert not _decides("int4", 28672, 8192, 1, True, fused=False)  # 224 groups: no norm
-    assert not _decides("int8", 4096, 6144, 1, True)
-    assert _decides("int8", 4096, 28672, 1, True)
+    assert _decides("int8", 4096, 6144, 1, True) and _decides("int8", 4096, 28672, 1, True)
     assert _decides("int8", 14336, 4096, 1, False, fused=False)
 
 
