@@ -517,8 +517,14 @@ def test_full_queue_429_and_disconnects_free_pages(slow):
 
 
 def test_shutdown_drains_short_requests_and_cancels_the_rest(slow):
+    """At shutdown uvicorn's grace period lets a 5-token request finish and cuts a 400-token
+    one (8 s of 20 ms steps). A first request compiles the engine's programs, so the grace
+    period (3 s) times decoding only, never a compile: with a cold compilation cache on a
+    busy CPU a 1 s grace had cut the short request too."""
     app = slow
-    with serving(app, graceful_s=1.0) as (url, server), httpx.Client(timeout=60) as http:
+    with serving(app, graceful_s=3.0) as (url, server), httpx.Client(timeout=60) as http:
+        warm = http.post(url + "/v1/completions", json={**LONG, "max_tokens": 5})
+        assert warm.status_code == 200
         short = http.stream("POST", url + "/v1/completions",
                             json={**LONG, "max_tokens": 5, "stream": True})
         long = http.stream("POST", url + "/v1/completions", json={**LONG, "stream": True})
