@@ -107,19 +107,19 @@ def attention(
         # max_q_len only caps the query block here; 16 keeps the kernel's default block.
         return pallas_kernels.ragged_attention(q, k_pages, v_pages, block_tables, lengths,
                                                cu_q_lens, max_q_len=max(max_q_len or 1, 16),
-                                               interpret=jax.default_backend() != "gpu",
+                                               interpret=pallas_kernels.interpret_here(),
                                                **scales)
     if backend == "pallas" and max_q_len == 1 and q.shape[0] == block_tables.shape[0]:
         # Decode-only step, row s = sequence s: the split-K paged kernel (Flash-Decoding)
         # keeps the GPU busy with few sequences, where the ragged kernel has one program per
         # (sequence, kv head). Inactive rows (length 0) give zeros.
         return pallas_kernels.paged_attention(q, k_pages, v_pages, block_tables, lengths,
-                                              interpret=jax.default_backend() != "gpu",
+                                              interpret=pallas_kernels.interpret_here(),
                                               **scales)
     if backend == "pallas":
         return pallas_kernels.ragged_attention(q, k_pages, v_pages, block_tables, lengths,
                                                cu_q_lens, max_q_len=max_q_len,
-                                               interpret=jax.default_backend() != "gpu",
+                                               interpret=pallas_kernels.interpret_here(),
                                                **scales)
     # Any head_dim here (the kernels' restriction does not apply to the reference).
     return pallas_kernels.ragged_attention_reference(q, k_pages, v_pages, block_tables,
@@ -152,7 +152,7 @@ def _decode_write(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: Any, v_page
     """A decode-only step on the Pallas backend: ``pallas_kernels.paged_attention_write``
     stores each row's K/V and attends in one kernel (quantized pools: the new K/V quantized
     first, as ``write_kv`` does); ``out_pairs`` as there."""
-    kw: dict[str, Any] = {"interpret": jax.default_backend() != "gpu", "out_pairs": out_pairs}
+    kw: dict[str, Any] = {"interpret": pallas_kernels.interpret_here(), "out_pairs": out_pairs}
     if isinstance(k_pages, QuantizedPages):
         dtype = k_pages.values.dtype
         (k, k_scale), (v, v_scale) = (pallas_kernels.quantize_kv(x, dtype) for x in (k, v))

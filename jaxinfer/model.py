@@ -47,7 +47,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, deterministic: bool = 
     x32 = x.astype(jnp.float32)
     if deterministic:
         sq = (x32 * x32).reshape(-1, x.shape[-1])
-        total = pallas_kernels.row_sum(sq, interpret=jax.default_backend() != "gpu")
+        total = pallas_kernels.row_sum(sq, interpret=pallas_kernels.interpret_here())
         mean_sq = (total / x.shape[-1]).reshape(*x.shape[:-1], 1)
     else:
         mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
@@ -100,7 +100,7 @@ def _dense(x: jax.Array, w: jax.Array | QuantizedWeight, deterministic: bool = F
     if isinstance(w, QuantizedWeight):
         return _dense_quantized(x, w, x.dtype, kernels)
     if deterministic:
-        interpret = jax.default_backend() != "gpu"
+        interpret = pallas_kernels.interpret_here()
         out = pallas_kernels.matmul(x.reshape(-1, x.shape[-1]), w, interpret=interpret)
         return out.reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("...d,df->...f", x, w.astype(x.dtype))
@@ -157,7 +157,7 @@ def _dense_quantized(x: jax.Array | pallas_kernels.ScaledPairs, w: QuantizedWeig
         # Decode rows: the int8 / int4 kernels read the packed bytes only (XLA's GEMM would
         # read a bf16 copy it writes first).
         xs = x if paired else x.reshape(-1, x.shape[-1])  # [rows, in]
-        kw = {"out_dtype": out_dtype, "interpret": jax.default_backend() != "gpu",
+        kw = {"out_dtype": out_dtype, "interpret": pallas_kernels.interpret_here(),
               "partials": partials}
         out = (pallas_kernels.int8_matmul(xs, w.q, w.scale, **kw) if kernel == "int8" else
                pallas_kernels.int4_matmul(xs, w.q, w.scale, w.zero, **kw))
@@ -267,7 +267,7 @@ def _qkv(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params, c: LlamaConfig,
         qkv = pallas_kernels.sum_rope(
             parts, jnp.cos(freqs), jnp.sin(freqs), head_dim=c.head_dim,
             rotated_heads=c.num_heads + c.num_kv_heads, dtype=x.dtype,
-            interpret=jax.default_backend() != "gpu")  # [T, (nq + 2 nkv)]
+            interpret=pallas_kernels.interpret_here())  # [T, (nq + 2 nkv)]
         # Sliced by heads, not by columns: the paged kernel packs q|k|v back along the heads
         # axis, and XLA folds that concatenate of adjacent head slices away (of column
         # slices it kept a copy kernel per layer, r255 / r257).
@@ -309,7 +309,7 @@ def _gated_mlp(x: jax.Array | pallas_kernels.ScaledPairs, lp: Params,
         xs = x if isinstance(x, pallas_kernels.ScaledPairs) else x.reshape(t, x.shape[-1])
         gu = _dense_quantized(xs, w.first_shard(), dtype, kernels, partials=True)
         return pallas_kernels.silu_mul_pairs(gu, group=_group(lp["w_down"]), dtype=dtype,
-                                             interpret=jax.default_backend() != "gpu")
+                                             interpret=pallas_kernels.interpret_here())
     if "w_gate_up" in lp:
         gu = _dense_fused(x, lp["w_gate_up"], deterministic, kernels)  # [B, T, shards, ...]
         f = gu.shape[-1] // 2
@@ -348,7 +348,7 @@ def _add_norm(h: jax.Array, partials: jax.Array | None, norm: jax.Array, next_w:
     XLA's sum and ``rms_norm``. Returns ``(h, x)``."""
     if _reads_pairs(next_w, h.shape[1], kernels):
         h2, x = pallas_kernels.add_norm_pairs(partials, h[0], norm, group=_group(next_w), eps=eps,
-                                              interpret=jax.default_backend() != "gpu")
+                                              interpret=pallas_kernels.interpret_here())
         return h2[None], x
     if partials is not None:
         h = h + jnp.sum(partials, axis=0).astype(h.dtype)[None]
@@ -645,7 +645,7 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
         w = params["embed"] if tied else params["lm_head"]
         logits = pallas_kernels.matmul(h.reshape(-1, h.shape[-1]), w, transpose_w=tied,
                                        out_dtype=jnp.float32,
-                                       interpret=jax.default_backend() != "gpu")
+                                       interpret=pallas_kernels.interpret_here())
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
     if isinstance(params.get("lm_head"), QuantizedWeight):
         # The head takes no backend: the kernels where the default ("auto") runs them

@@ -268,7 +268,7 @@ def logsumexp_rows(x: jax.Array, deterministic: bool = False) -> jax.Array:
         return jax.nn.logsumexp(x, axis=-1)
     m = jnp.max(x, axis=-1)
     total = pallas_kernels.row_sum(jnp.exp(x - m[:, None]),
-                                   interpret=jax.default_backend() != "gpu")
+                                   interpret=pallas_kernels.interpret_here())
     return m + jnp.log(total)
 
 

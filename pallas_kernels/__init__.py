@@ -7,6 +7,7 @@ from pallas_kernels._common import (
     SUPPORTED_HEAD_DIMS,
     combine_splits,
     combine_splits_reference,
+    interpret_here,
     largest_divisor,
 )
 from pallas_kernels.decode_attention import (
@@ -84,6 +85,7 @@ __all__ = [
     "int8_matmul",
     "int8_matmul_reference",
     "int8_reads_pairs",
+    "interpret_here",
     "largest_divisor",
     "matmul",
     "matmul_reference",

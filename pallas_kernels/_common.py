@@ -25,6 +25,13 @@ MIN_DOT = 16
 NEG_INF = float("-inf")  # masked logits; exp2(-inf - m) is exactly 0
 
 
+def interpret_here() -> bool:
+    """Whether the GPU (Triton) kernels must run in the Pallas interpreter here: on any
+    default backend but a GPU (CPU tests; a TPU runs its own Mosaic kernels). Read at trace
+    time, like every backend choice."""
+    return jax.default_backend() != "gpu"
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
