@@ -75,6 +75,14 @@ def load_draft(args: argparse.Namespace) -> Any:
                       quantize=args.draft_quantize, kv_cache_dtype=args.kv_cache_dtype)
 
 
+def add_quantize_arg(parser: argparse.ArgumentParser) -> None:
+    """``--quantize``: the model's matmul weights quantized at load (``load_model``)."""
+    parser.add_argument("--quantize", default=None,
+                        help="quantize the matmul weights at load: int8, int4, int4-g64, "
+                        "int4-g128, fp8, or native (a GGUF's Q8_0/Q4_0/Q4_1 blocks as they "
+                        "are); default: the checkpoint's dtype")
+
+
 def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
     """``--kv-cache-dtype``: how the engine's page pool stores K/V (``load_model``)."""
     parser.add_argument("--kv-cache-dtype", default=None,
@@ -161,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_quantize_arg(g)
     add_kv_cache_arg(g)
     add_mesh_args(g)
     add_sampling_args(g)
@@ -172,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", default=None, help="system message opening the conversation")
     ch.add_argument("--dtype", default="bfloat16")
     ch.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_quantize_arg(ch)
     add_kv_cache_arg(ch)
     add_mesh_args(ch)
     add_sampling_args(ch)
@@ -183,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="the model id clients pass (default: --model)")
     sv.add_argument("--dtype", default="bfloat16")
     sv.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_quantize_arg(sv)
     add_kv_cache_arg(sv)
     add_mesh_args(sv)
     add_replicas_arg(sv)
@@ -223,7 +234,8 @@ def _generate(args: argparse.Namespace) -> None:
     SamplingParams.from_kwargs(**sampling_kwargs(args))  # bad values: before loading
     options = sampling_kwargs(args, load_draft(args))
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
+                       mesh=mesh_from_args(args), quantize=args.quantize,
+                       kv_cache_dtype=args.kv_cache_dtype)
     for piece in stream(model, args.prompt, chat=args.chat, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -307,7 +319,8 @@ def _chat(args: argparse.Namespace) -> None:
     options = sampling_kwargs(args, load_draft(args))
     print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                       mesh=mesh_from_args(args), kv_cache_dtype=args.kv_cache_dtype)
+                       mesh=mesh_from_args(args), quantize=args.quantize,
+                       kv_cache_dtype=args.kv_cache_dtype)
     if model.tokenizer is None or not model.tokenizer.chat_template:
         from jaxinfer.errors import InputError
 
@@ -337,7 +350,8 @@ def _serve(args: argparse.Namespace) -> None:
                    if args.speculative else None)
     # The model loads in the engine process (create_app starts it); this one serves HTTP.
     spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
-                      kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
+                      quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                      tp=args.tp, dp=args.dp,
                       warmup=not args.no_warmup, speculative=speculative,
                       replica_processes=replica_processes(args))
     app = create_app(spec, name=args.served_model_name or args.model,

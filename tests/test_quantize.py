@@ -165,6 +165,59 @@ def test_convert_saves_quantized_weights_that_load_as_they_are(tmp_path):
     assert main(["convert", str(src), str(tmp_path / "x"), "--quantize", "int2"]) == 2
 
 
+
+def test_cli_quantize_flag_quantizes_the_model_at_load(tmp_path, capsys, monkeypatch):
+    """``--quantize`` on ``generate``, ``chat`` and ``serve`` reaches ``load_model`` (serve:
+    the engine process's ``EngineSpec``): ``generate --quantize int8`` prints what the model
+    loaded with ``quantize="int8"`` generates; an unknown method is one line on stderr and
+    exit 2, before any model loads."""
+    import jaxinfer.cli
+    import jaxinfer.loading
+    import jaxinfer.server
+    from jaxinfer.cli import main
+    from jaxinfer.generate import stream
+    from sharding.testing import write_tiny_model
+
+    src = str(write_tiny_model(tmp_path / "src"))
+    flags = ["--model", src, "--dtype", "float32", "--backend", "reference"]
+    want = jaxinfer.load_model(src, dtype="float32", backend="reference", quantize="int8")
+    assert want.params["lm_head"].kind == "int8"
+    text = "".join(stream(want, "hello", max_new_tokens=6))
+    capsys.readouterr()
+    assert main(["generate", *flags, "--quantize", "int8", "--prompt", "hello",
+                 "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+    class Stop(Exception):
+        """Raised in place of loading the model or starting the server."""
+
+    seen = []
+
+    def fake_load(name, **kw):
+        seen.append(kw["quantize"])
+        raise Stop
+
+    def fake_create_app(spec, **_):
+        seen.append(spec.quantize)
+        raise Stop
+
+    monkeypatch.setattr(jaxinfer.loading, "load_model", fake_load)
+    monkeypatch.setattr(jaxinfer.server, "create_app", fake_create_app)
+    for command in (["generate", *flags, "--quantize", "int4", "--prompt", "hi"],
+                    ["chat", *flags, "--quantize", "int4-g64"],
+                    ["serve", *flags, "--quantize", "fp8"]):
+        with pytest.raises(Stop):
+            main(command)
+    assert seen == ["int4", "int4-g64", "fp8"]
+    monkeypatch.undo()
+    capsys.readouterr()
+    for command in ("generate", "chat", "serve"):
+        argv = [command, "--model", "no-such-model", "--quantize", "int2"]
+        assert main([*argv, "--prompt", "hi"] if command == "generate" else argv) == 2
+        err = capsys.readouterr().err  # chat says which model it loads first
+        assert "Traceback" not in err and err.splitlines()[-1].startswith(
+            "jaxinfer: error: quantize='int2' must be one of"), err
+
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
         "those used to make wine. Books became cheaper, literacy spread across Europe, and "
