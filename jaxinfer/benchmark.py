@@ -97,8 +97,8 @@ def kv_bytes_per_position(cfg: LlamaConfig, dtype_bytes: int,
 
 def workload_floor(cfg: LlamaConfig, prompt_lens: Sequence[int], output_lens: Sequence[int],
                    num_slots: int, matmul_flops_per_s: float, read_bytes_per_s: float,
-                   dtype_bytes: int, kv_cache_dtype: str | None = None, devices: int = 1
-                   ) -> dict[str, Any]:
+                   dtype_bytes: int, kv_cache_dtype: str | None = None, devices: int = 1,
+                   weight_bytes_per_step: int | None = None) -> dict[str, Any]:
     """The device time no engine can beat on a workload of prompts of ``prompt_lens`` tokens
     producing ``output_lens`` tokens each, and the output tok/s it allows.
 
@@ -115,6 +115,9 @@ def workload_floor(cfg: LlamaConfig, prompt_lens: Sequence[int], output_lens: Se
       bandwidth.
     * ``devices`` accelerators (tensor and data parallel; ``num_slots`` per data replica)
       split both the FLOPs and the bytes evenly: the times are divided by ``devices``.
+    * ``weight_bytes_per_step``: what a step reads of quantized weights
+      (``quantize.decode_weight_bytes``); None: ``roofline.weight_bytes_per_step`` of
+      ``dtype_bytes`` weights.
 
     The two times add up (the engine interleaves the phases but never overlaps their
     floors on one device).
@@ -123,7 +126,9 @@ def workload_floor(cfg: LlamaConfig, prompt_lens: Sequence[int], output_lens: Se
     decode_tokens = sum(o - 1 for o in output_lens)
     batch_eff = max(1, min(num_slots, len(prompt_lens)))
     decode_steps = decode_tokens / batch_eff
-    weight_bytes = decode_steps * roofline.weight_bytes_per_step(cfg, dtype_bytes)
+    if weight_bytes_per_step is None:
+        weight_bytes_per_step = roofline.weight_bytes_per_step(cfg, dtype_bytes)
+    weight_bytes = decode_steps * weight_bytes_per_step
     # Decode token i (1..o-1) of a prompt of p tokens attends to p + i positions.
     kv_positions = sum((o - 1) * p + o * (o - 1) // 2
                        for p, o in zip(prompt_lens, output_lens, strict=True))

@@ -210,6 +210,8 @@ class EngineInfo:
     max_seq_len: int  # longest prompt + output it holds
     stats: EngineStats  # its counters at start (after the warm-up)
     device_kind: str = ""  # jax.Device.device_kind of its devices ("NVIDIA H100 80GB HBM3")
+    weight_bytes: int | None = None  # what a decode step reads of quantized weights
+    # (``quantize.decode_weight_bytes``; None: unquantized)
 
     def model(self) -> Model:
         """A ``Model`` without weights, for ``requests.make_requests``, ``encode`` and
@@ -387,6 +389,7 @@ def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import jax
 
+    from jaxinfer.quantize import decode_weight_bytes
     from jaxinfer.replicas import replica_engines
 
     try:
@@ -399,7 +402,9 @@ def engine_main(spec: EngineSpec, commands: Connection, out: Connection,
         info = EngineInfo(config=model.config, tokenizer=model.tokenizer,
                           name=model.name or "jaxinfer", max_batch=engine.max_batch,
                           max_seq_len=min(e.max_seq_len for e in engines),
-                          stats=engine.stats(), device_kind=jax.devices()[0].device_kind)
+                          stats=engine.stats(), device_kind=jax.devices()[0].device_kind,
+                          weight_bytes=decode_weight_bytes(model.params,
+                                                           model.config.tie_word_embeddings))
     except Exception as e:  # noqa: BLE001 - reported to the HTTP process, which raises it
         if not isinstance(e, InputError):
             traceback.print_exc()

@@ -22,8 +22,8 @@ from jaxinfer.model import (
 )
 from jaxinfer.paged_cache import check_kv_cache_dtype
 from jaxinfer.quantize import (
-    QUANTIZATIONS,
     QuantizedWeight,
+    check_method,
     is_quantized,
     quantize_params,
 )
@@ -243,10 +243,8 @@ def _check_quantize(quantize: str, name_or_path: str | os.PathLike[str], packed:
     an AWQ / GPTQ folder (``packed``), or another method for such a folder (stored
     quantized already)."""
     name = str(name_or_path)
+    check_method(quantize, native=True)
     if quantize != "native":
-        if quantize not in QUANTIZATIONS:
-            raise InputError(f"quantize={quantize!r} must be one of "
-                             f"{', '.join(QUANTIZATIONS)}, native or None")
         if packed:
             raise InputError(f"{name} is an AWQ/GPTQ checkpoint, quantized already; load it "
                              f"without quantize={quantize!r} (it runs as int4 as it is)")

@@ -222,11 +222,12 @@ def _quantize_one(w: jax.Array, out_axes: int, kind: str, group: int) -> Quantiz
 _quantize_jit = jax.jit(_quantize_one, static_argnames=("out_axes", "kind", "group"))
 
 
-def check_method(method: str) -> None:
-    """``InputError`` unless ``method`` is one of ``QUANTIZATIONS``."""
-    if method not in QUANTIZATIONS:
-        raise InputError(f"quantize={method!r} must be one of {', '.join(QUANTIZATIONS)} or "
-                         "None")
+def check_method(method: str, native: bool = False) -> None:
+    """``InputError`` unless ``method`` is one of ``QUANTIZATIONS`` (or, where ``native``,
+    ``"native"``: a loader's choice, ``load_model``)."""
+    if method not in QUANTIZATIONS and not (native and method == "native"):
+        names = ", ".join((*QUANTIZATIONS, "native") if native else QUANTIZATIONS)
+        raise InputError(f"quantize={method!r} must be one of {names} or None")
 
 
 def is_quantized(params: Any) -> bool:
@@ -348,3 +349,14 @@ def param_bytes(params: Any) -> int:
     """Bytes the parameters take on their devices (per copy; quantized weights count their
     stored values, packed int4 included, and their scales)."""
     return int(sum(x.nbytes for x in jax.tree.leaves(params)))
+
+
+def decode_weight_bytes(params: Any, tie_word_embeddings: bool) -> int | None:
+    """Bytes of weights one decode step reads where ``params`` hold quantized weights: all
+    of them as stored (``param_bytes``), less the embedding table, of which a step reads its
+    tokens' rows only (a tied table is the LM head too, read whole); None for unquantized
+    weights, whose bytes ``roofline.weight_bytes_per_step`` counts from the config."""
+    if not is_quantized(params):
+        return None
+    embed = 0 if tie_word_embeddings else params["embed"].nbytes
+    return param_bytes(params) - embed

@@ -2,7 +2,7 @@
 """Generate (or score) a JSONL file of prompts across a device mesh, resumably.
 
     python scripts/batch_eval.py --model M --input prompts.jsonl --output results.jsonl \
-        [--tp N] [--dp N] [--kv-cache-dtype int8|fp8] [--max-new-tokens N] \
+        [--tp N] [--dp N] [--quantize M] [--kv-cache-dtype int8|fp8] [--max-new-tokens N] \
         [--temperature T] [sampling flags as the CLI]
 
 Input records: ``{"id": ..., "prompt": "..."}`` (``--chat`` wraps it as a user turn), or
@@ -29,7 +29,9 @@ At the end process 0 prints the throughput, each data replica's steps and tokens
 ``--dp``), TTFT and TPOT percentiles, and the run's device floor: the records run in this
 call through ``jaxinfer.benchmark.workload_floor`` (prefill FLOPs at the matmul rate, decode
 weight and K/V bytes at the read bandwidth, measured ceilings of this device kind), split
-over every device of the mesh, with the fraction of it reached.
+over every device of the mesh, with the fraction of it reached. ``--quantize M`` quantizes
+the weights at load (``load_model(quantize=M)``); the floor then counts the bytes the
+quantized weights take.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
@@ -63,6 +65,7 @@ if str(REPO) not in sys.path:  # run as a file from a checkout without installin
 from jaxinfer.cli import (  # noqa: E402
     add_kv_cache_arg,
     add_mesh_args,
+    add_quantize_arg,
     add_replicas_arg,
     add_sampling_args,
     load_draft,
@@ -190,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     add_mesh_args(p)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_quantize_arg(p)
     add_kv_cache_arg(p)
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template")
     p.add_argument("--batch-size", type=int, default=None,
@@ -269,10 +273,13 @@ def run(args: argparse.Namespace) -> int:
     options = sampling_kwargs(args)
     base_seed = options.pop("seed")
     from jaxinfer.paged_cache import check_kv_cache_dtype
+    from jaxinfer.quantize import check_method
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**options)  # reject bad flags before loading anything
     check_kv_cache_dtype(args.kv_cache_dtype)
+    if args.quantize is not None:
+        check_method(args.quantize, native=True)
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size={args.batch_size} must be >= 1")
     records = parse_records(args.input, args.score)
@@ -346,6 +353,7 @@ class Runner(Protocol):
     device_kind: str  # jax.Device.device_kind, for the floor's ceilings
     max_batch: int  # sequences running at once, all replicas together
     itemsize: int  # bytes of a weight / K/V element
+    weight_bytes: int | None  # what a decode step reads of quantized weights (None: itemsize)
     warm_s: float  # seconds loading and compiling before the timed run
     warm_what: str  # what those seconds were spent on, for the summary
 
@@ -377,6 +385,7 @@ class _InProcess:
         import jax.numpy as jnp
 
         import jaxinfer
+        from jaxinfer.quantize import decode_weight_bytes
         from jaxinfer.replicas import engine_for
         from sharding.mesh import DATA
 
@@ -388,6 +397,7 @@ class _InProcess:
             **options, "speculative": sampling_kwargs(args, draft)["speculative"]}
         self.model = jaxinfer.load_model(args.model, dtype=args.dtype, backend=args.backend,
                                          max_batch=args.batch_size, mesh=mesh_from_args(args),
+                                         quantize=args.quantize,
                                          kv_cache_dtype=args.kv_cache_dtype)
         self.engine = engine_for(self.model)
         mesh = self.model.mesh
@@ -396,6 +406,8 @@ class _InProcess:
         self.device_kind = jax.devices()[0].device_kind
         self.max_batch = self.engine.max_batch
         self.itemsize = jnp.dtype(self.model.dtype).itemsize
+        self.weight_bytes = decode_weight_bytes(self.model.params,
+                                                self.model.config.tie_word_embeddings)
         self.warm_s = 0.0
         self.warm_what = "compiling/loading step programs"
         self._args = args
@@ -452,7 +464,8 @@ class _Processes:
         from jaxinfer.loading import parse_dtype
 
         spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
-                          kv_cache_dtype=args.kv_cache_dtype, tp=args.tp, dp=args.dp,
+                          quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+                          tp=args.tp, dp=args.dp,
                           engine={} if args.batch_size is None else {"max_batch": args.batch_size},
                           warmup=work, score=args.score, sampled=options["temperature"] > 0,
                           speculative=None if args.score else options["speculative"],
@@ -467,6 +480,7 @@ class _Processes:
         self.warm_what = f"loading and compiling in {args.dp} replica processes"
         self.model = info.model()
         self.itemsize = jnp.dtype(parse_dtype(args.dtype)).itemsize
+        self.weight_bytes = info.weight_bytes
         self.devices, self.replicas = args.dp * args.tp, args.dp
         self.device_kind, self.max_batch = info.device_kind, info.max_batch
         self.options = options  # the requests' sampling options
@@ -626,7 +640,8 @@ def _floor_line(runner: Runner, stats: dict[str, Any], kv_cache_dtype: str | Non
     flops, bandwidth, note = ceilings(runner.device_kind, None, None)
     f = workload_floor(runner.model.config, stats["prompt_lens"], stats["output_lens"],
                        runner.max_batch // runner.replicas, flops, bandwidth, runner.itemsize,
-                       kv_cache_dtype, devices=runner.devices)
+                       kv_cache_dtype, devices=runner.devices,
+                       weight_bytes_per_step=runner.weight_bytes)
     return (f"floor {f['floor_s']:.4g} s on {runner.devices} device(s) (prefill "
             f"{f['prefill_s']:.4g} s at {flops / 1e12:.0f} TFLOP/s, decode {f['decode_s']:.4g} s "
             f"at {bandwidth / 1e12:.2f} TB/s, {note}): the run reached "

@@ -91,7 +91,7 @@ from jaxinfer.model import LAYOUTS, apply_layout, fp8_prefill_layout, init_param
 from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
 from jaxinfer.quantize import (
     QUANTIZATIONS,
-    is_quantized,
+    decode_weight_bytes,
     random_quantized_params,
 )
 from jaxinfer.speculative import METHODS as SPECULATIVE_METHODS
@@ -369,12 +369,10 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     s = engine.stats()
     decode_tok_per_s = 1 / m.time_per_output_token if m.time_per_output_token else None
     context = prompt_len + tokens // 2
-    step_bytes = (roofline.weight_bytes_per_step(cfg, dtype_bytes) + context
-                  * kv_bytes_per_position(cfg, dtype_bytes, engine.model.kv_cache_dtype))
-    if is_quantized(engine.model.params):
-        embed = 0 if cfg.tie_word_embeddings else engine.model.params["embed"].nbytes
-        step_bytes += (engine.model.param_bytes - embed
-                       - roofline.weight_bytes_per_step(cfg, dtype_bytes))
+    weights = decode_weight_bytes(engine.model.params, cfg.tie_word_embeddings)
+    step_bytes = ((roofline.weight_bytes_per_step(cfg, dtype_bytes) if weights is None
+                   else weights)
+                  + context * kv_bytes_per_position(cfg, dtype_bytes, engine.model.kv_cache_dtype))
     floor_tok_per_s = read_bytes_per_s / step_bytes
     verify_steps = s.verify_steps - before.verify_steps
     draft_s = s.draft_seconds - before.draft_seconds

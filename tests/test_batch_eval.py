@@ -149,6 +149,45 @@ def test_summary_states_the_device_floor_of_the_records_run(tiny_dir, tmp_path, 
     assert re.match(r"floor \S+ s on 1 device\(s\) \(prefill \S+ s .*decode 0 s", line), line
 
 
+def test_quantize_runs_the_quantized_model_and_counts_its_bytes(tiny_dir, tmp_path, capsys):
+    """``--quantize int8``: the records are what the model loaded with ``quantize="int8"``
+    generates, and the floor reads the quantized weights' bytes per step
+    (``quantize.decode_weight_bytes``), fewer than the float32 weights'; an unknown method is
+    one line and exit 2 before the input is read."""
+    import re
+
+    import jaxinfer
+    from jaxinfer import roofline
+    from jaxinfer.benchmark import ceilings, workload_floor
+    from jaxinfer.quantize import decode_weight_bytes
+
+    be = _load_script()
+    inp = tmp_path / "in.jsonl"
+    prompts = [json.loads(x)["prompt"] for x in write_input(inp, 5, bad=False)]
+    out = tmp_path / "out.jsonl"
+    assert be.main(_args(tiny_dir, inp, out, "--quantize", "int8")) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    model = jaxinfer.load_model(tiny_dir, dtype="float32", backend="reference",
+                                quantize="int8")
+    want = jaxinfer.generate(model, prompts, max_new_tokens=6)
+    assert [r["token_ids"] for r in rows] == [c.token_ids for c in want]
+    weights = decode_weight_bytes(model.params, model.config.tie_word_embeddings)
+    assert 0 < weights < roofline.weight_bytes_per_step(model.config, 4) / 2
+    plain = jaxinfer.load_model(tiny_dir, dtype="float32", backend="reference")
+    assert decode_weight_bytes(plain.params, False) is None  # the config's bytes count then
+    flops, bandwidth, _ = ceilings("cpu", None, None)
+    floor = workload_floor(model.config, [r["prompt_tokens"] for r in rows],
+                           [len(r["token_ids"]) for r in rows], 4, flops, bandwidth, 4,
+                           weight_bytes_per_step=weights)
+    line = capsys.readouterr().out.splitlines()[-1]
+    got = re.match(r"floor (\S+) s on 1 device", line)
+    assert got and float(got[1]) == pytest.approx(floor["floor_s"], rel=1e-3), line
+    assert not (tmp_path / "bad.jsonl").exists()
+    assert be.main(_args(tiny_dir, tmp_path / "absent.jsonl", tmp_path / "bad.jsonl",
+                         "--quantize", "int3")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "quantize='int3' must be one of" in err, err
+
 def test_score_mode(tiny_dir, tmp_path):
     import numpy as np
 

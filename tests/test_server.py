@@ -442,6 +442,19 @@ def test_replica_processes_serve_the_plain_tokens(folder, model, monkeypatch):
     assert total == sum(len(w.token_ids) for w in want)
 
 
+def test_the_engine_process_reports_what_a_step_reads_of_quantized_weights(folder):
+    """``EngineInfo.weight_bytes`` (batch_eval's floor with replicas as processes): the
+    engine process loading the model with ``quantize="int8"`` reports
+    ``quantize.decode_weight_bytes`` of that model, as this process computes it."""
+    from jaxinfer.quantize import decode_weight_bytes
+
+    app = create_app(dataclasses.replace(spec_of(folder), quantize="int8"), name="tiny")
+    with serving(app):
+        info = app.state.server.engine.info
+    here = jaxinfer.load_model(folder, dtype="float32", backend="reference", quantize="int8")
+    want = decode_weight_bytes(here.params, here.config.tie_word_embeddings)
+    assert want is not None and info.weight_bytes == want
+
 def test_serve_speculative_flag_checks_before_loading(capsys):
     from jaxinfer.cli import main
 
