@@ -79,8 +79,20 @@ def add_quantize_arg(parser: argparse.ArgumentParser) -> None:
     """``--quantize``: the model's matmul weights quantized at load (``load_model``)."""
     parser.add_argument("--quantize", default=None,
                         help="quantize the matmul weights at load: int8, int4, int4-g64, "
-                        "int4-g128, fp8, or native (a GGUF's Q8_0/Q4_0/Q4_1 blocks as they "
-                        "are); default: the checkpoint's dtype")
+                        "int4-g128, fp8, or native (a GGUF's Q8_0/Q4_0/Q4_1 blocks or an "
+                        "AWQ/GPTQ folder's int4 as they are); default: as stored")
+
+
+def check_load_args(args: argparse.Namespace) -> None:
+    """One-line errors for ``--quantize``, ``--draft-quantize`` and ``--kv-cache-dtype``
+    before anything loads: a draft model, the device, or an engine process."""
+    from jaxinfer.paged_cache import check_kv_cache_dtype
+    from jaxinfer.quantize import check_method
+
+    for method in (getattr(args, "quantize", None), getattr(args, "draft_quantize", None)):
+        if method is not None:
+            check_method(method, native=True)
+    check_kv_cache_dtype(args.kv_cache_dtype)
 
 
 def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +244,7 @@ def _generate(args: argparse.Namespace) -> None:
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**sampling_kwargs(args))  # bad values: before loading
+    check_load_args(args)
     options = sampling_kwargs(args, load_draft(args))
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
                        mesh=mesh_from_args(args), quantize=args.quantize,
@@ -316,6 +329,7 @@ def _chat(args: argparse.Namespace) -> None:
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**sampling_kwargs(args))  # bad values: before loading
+    check_load_args(args)
     options = sampling_kwargs(args, load_draft(args))
     print(f"jaxinfer: loading {args.model} …", file=sys.stderr, flush=True)
     model = load_model(args.model, dtype=args.dtype, backend=args.backend,
@@ -346,6 +360,7 @@ def _serve(args: argparse.Namespace) -> None:
         raise InputError(f"--max-queue={args.max_queue} must be >= 0")
     if not 0 < args.port < 65536:
         raise InputError(f"--port={args.port} must be in [1, 65535]")
+    check_load_args(args)
     speculative = (Speculative(method=args.speculative, num_tokens=args.num_speculative_tokens)
                    if args.speculative else None)
     # The model loads in the engine process (create_app starts it); this one serves HTTP.

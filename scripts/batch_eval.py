@@ -30,8 +30,8 @@ At the end process 0 prints the throughput, each data replica's steps and tokens
 call through ``jaxinfer.benchmark.workload_floor`` (prefill FLOPs at the matmul rate, decode
 weight and K/V bytes at the read bandwidth, measured ceilings of this device kind), split
 over every device of the mesh, with the fraction of it reached. ``--quantize M`` quantizes
-the weights at load (``load_model(quantize=M)``); the floor then counts the bytes the
-quantized weights take.
+the weights at load (``load_model(quantize=M)``); where the weights are quantized (so, or
+stored quantized) the floor counts the bytes they take.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I``; the mesh spans all hosts' devices and process 0 writes the
@@ -68,6 +68,7 @@ from jaxinfer.cli import (  # noqa: E402
     add_quantize_arg,
     add_replicas_arg,
     add_sampling_args,
+    check_load_args,
     load_draft,
     mesh_from_args,
     replica_processes,
@@ -272,14 +273,10 @@ def run(args: argparse.Namespace) -> int:
     """
     options = sampling_kwargs(args)
     base_seed = options.pop("seed")
-    from jaxinfer.paged_cache import check_kv_cache_dtype
-    from jaxinfer.quantize import check_method
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**options)  # reject bad flags before loading anything
-    check_kv_cache_dtype(args.kv_cache_dtype)
-    if args.quantize is not None:
-        check_method(args.quantize, native=True)
+    check_load_args(args)
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size={args.batch_size} must be >= 1")
     records = parse_records(args.input, args.score)

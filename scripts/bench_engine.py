@@ -354,8 +354,9 @@ def run_batch1(engine: jaxinfer.Engine, cfg: jaxinfer.LlamaConfig, prompt_len: i
     """One request alone: decode tok/s = (tokens - 1) / (t_last - t_first), and its roofline.
     Its prompt is ``prompt_len`` tokens drawn with ``seed``.
 
-    The roofline reads the weights (``roofline.weight_bytes_per_step``, or the model's own
-    bytes less its embedding table when the weights are quantized) and the K/V of the mean
+    The roofline reads the weights (``roofline.weight_bytes_per_step``, or when they are
+    quantized ``quantize.decode_weight_bytes``: the model's own bytes less an untied
+    embedding table) and the K/V of the mean
     context once per token (``kv_bytes_per_position``), at the read bandwidth.
     """
     vocab = [t for t in range(3, cfg.vocab_size) if t not in set(cfg.eos_token_ids)]
@@ -619,9 +620,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                           (args.output_min, args.output_max), rate, args.seed, fraction)
         engine = make_engine(model, args)
         if record["floor"] is None:  # the same prompts and lengths, slots and rates every run
-            record["floor"] = workload_floor(cfg, w.prompt_lens, w.output_lens,
-                                             engine.max_batch, flops, bandwidth, dtype_bytes,
-                                             args.kv_cache_dtype)
+            record["floor"] = workload_floor(
+                cfg, w.prompt_lens, w.output_lens, engine.max_batch, flops, bandwidth,
+                dtype_bytes, args.kv_cache_dtype, weight_bytes_per_step=decode_weight_bytes(
+                    model.params, cfg.tie_word_embeddings))
             f = record["floor"]
             print(f"floor {f['floor_s']:.4g} s -> {f['floor_output_tok_per_s']:.4g} output tok/s"
                   f" (prefill {f['prefill_flops'] / 1e12:.4g} TFLOP = {f['prefill_s']:.4g} s; "

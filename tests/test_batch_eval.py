@@ -188,6 +188,7 @@ def test_quantize_runs_the_quantized_model_and_counts_its_bytes(tiny_dir, tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "quantize='int3' must be one of" in err, err
 
+
 def test_score_mode(tiny_dir, tmp_path):
     import numpy as np
 

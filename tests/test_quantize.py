@@ -165,12 +165,12 @@ def test_convert_saves_quantized_weights_that_load_as_they_are(tmp_path):
     assert main(["convert", str(src), str(tmp_path / "x"), "--quantize", "int2"]) == 2
 
 
-
 def test_cli_quantize_flag_quantizes_the_model_at_load(tmp_path, capsys, monkeypatch):
     """``--quantize`` on ``generate``, ``chat`` and ``serve`` reaches ``load_model`` (serve:
     the engine process's ``EngineSpec``): ``generate --quantize int8`` prints what the model
     loaded with ``quantize="int8"`` generates; an unknown method is one line on stderr and
-    exit 2, before any model loads."""
+    exit 2, before a draft model, the model or an engine process loads (``load_model`` and
+    ``create_app`` are stand-ins by then that would say so)."""
     import jaxinfer.cli
     import jaxinfer.loading
     import jaxinfer.server
@@ -209,14 +209,36 @@ def test_cli_quantize_flag_quantizes_the_model_at_load(tmp_path, capsys, monkeyp
         with pytest.raises(Stop):
             main(command)
     assert seen == ["int4", "int4-g64", "fp8"]
-    monkeypatch.undo()
     capsys.readouterr()
-    for command in ("generate", "chat", "serve"):
+    seen.clear()
+    for command in ("generate", "chat", "serve"):  # before a draft model or the model loads
         argv = [command, "--model", "no-such-model", "--quantize", "int2"]
+        if command != "serve":
+            argv += ["--speculative", "draft", "--draft-model", src]
         assert main([*argv, "--prompt", "hi"] if command == "generate" else argv) == 2
-        err = capsys.readouterr().err  # chat says which model it loads first
-        assert "Traceback" not in err and err.splitlines()[-1].startswith(
-            "jaxinfer: error: quantize='int2' must be one of"), err
+        err = capsys.readouterr().err
+        assert err == "jaxinfer: error: quantize='int2' must be one of int8, int4, int4-g64, " \
+                      "int4-g128, fp8, native or None\n", err
+    assert seen == []
+
+
+def test_decode_weight_bytes_count_what_a_step_reads():
+    """``decode_weight_bytes``: every stored array of quantized params (packed values, scales,
+    norms, the LM head) but an untied embedding table, of which a step gathers a few rows;
+    a tied table is the LM head and counts; unquantized params give None (the config's
+    ``roofline.weight_bytes_per_step`` applies)."""
+    from jaxinfer.quantize import decode_weight_bytes
+
+    params = quantize_params(apply_layout(init_params(CFG, jax.random.PRNGKey(0), jnp.float32),
+                                          "stacked"), "int8")
+    stored = [x for name, v in params.items() if name != "embed"
+              for x in jax.tree.leaves(v)]
+    assert decode_weight_bytes(params, False) == sum(x.nbytes for x in stored)
+    assert decode_weight_bytes(params, True) == (sum(x.nbytes for x in stored)
+                                                 + params["embed"].nbytes)
+    assert params["lm_head"].q.dtype == jnp.int8  # the head counted as stored, int8
+    assert decode_weight_bytes(_dequantized(params), False) is None
+
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "

@@ -455,6 +455,7 @@ def test_the_engine_process_reports_what_a_step_reads_of_quantized_weights(folde
     want = decode_weight_bytes(here.params, here.config.tie_word_embeddings)
     assert want is not None and info.weight_bytes == want
 
+
 def test_serve_speculative_flag_checks_before_loading(capsys):
     from jaxinfer.cli import main
 
