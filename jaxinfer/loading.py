@@ -16,7 +16,7 @@ from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import (
     apply_layout,
-    fp8_prefill_layout,
+    one_device_layout,
     param_shapes,
     resolve_layout,
 )
@@ -231,7 +231,7 @@ def load_model(
         # (not on a data-only mesh, where a replica may share the loaded array's buffer)
         params = quantize_params(params, quantize, donate=mesh is None or split)
     if mesh is None:
-        params = fp8_prefill_layout(params, jax.devices()[0])
+        params = one_device_layout(params, jax.devices()[0])
     return Model(config=config, params=params, tokenizer=tokenizer, dtype=jdtype,
                  name=str(name_or_path), backend=backend, max_batch=max_batch, mesh=mesh,
                  deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)

@@ -606,13 +606,39 @@ def fp8_tensor_cores(device: Any) -> bool:
     return (major, minor) >= (8, 9)
 
 
-def fp8_prefill_layout(params: Params, device: Any) -> Params:
-    """``params`` for one ``device``: ``fp8_input_last(params)`` when the device has fp8
-    tensor cores (``fp8_tensor_cores``) and the params hold per-layer fp8 weights, so their
-    prefill matmuls run fp8 x fp8; else ``params`` as they are. What ``load_model`` does last
-    on one device."""
+def pad_columns(w: QuantizedWeight, multiple: int) -> QuantizedWeight:
+    """A one-device ``[in, out]`` quantized weight with its output columns padded to a
+    multiple of ``multiple`` by zero codes, scales and zeros (the padded columns' products
+    are 0); ``w`` itself where they divide already."""
+    extra = -w.shape[-1] % multiple
+    if extra == 0:
+        return w
+    pad = lambda a: None if a is None else jnp.pad(a, ((0, 0), (0, extra)))  # noqa: E731
+    return dataclasses.replace(w, q=pad(w.q), scale=pad(w.scale), zero=pad(w.zero))
+
+
+def one_device_layout(params: Params, device: Any) -> Params:
+    """``params`` for one ``device``, as ``load_model`` leaves them last on one device:
+    - with per-layer fp8 weights and fp8 tensor cores (``fp8_tensor_cores``),
+      ``fp8_input_last(params)``, so their prefill matmuls run fp8 x fp8;
+    - on a GPU, an int4 / int8 LM head whose columns ``pallas_kernels.WIDE_BLOCK_N`` does
+      not divide (Llama 3's 128,256 and 512) padded to a multiple of it (``pad_columns``;
+      ``lm_head`` slices the logits back to the vocabulary) where a one-row call then runs
+      the wide tile, as the layers' weights do: unpadded, it runs the narrow one (8B int4:
+      89.6 us a token against a 61 us floor, bench/NOTES.md r250).
+    Else ``params`` as they are."""
     fp8 = any(w.kind == "fp8" for w in _first_layer_weights(params) or ())
-    return fp8_input_last(params) if fp8 and fp8_tensor_cores(device) else params
+    if fp8 and fp8_tensor_cores(device):
+        params = fp8_input_last(params)
+    head = params.get("lm_head")
+    if device.platform == "gpu" and isinstance(head, QuantizedWeight):
+        pad = functools.partial(pad_columns, multiple=pallas_kernels.WIDE_BLOCK_N)
+        # A weight reads pairs only on the wide tile (shapes decide: no bytes moved here)
+        if head.shape[-1] % pallas_kernels.WIDE_BLOCK_N and _reads_pairs(
+                jax.eval_shape(pad, head), 1, kernels=True, norm=False):
+            # Not deleted: as in fp8_input_last, the caller's reference is the head's last
+            params = {**params, "lm_head": pad(head)}
+    return params
 
 
 def one_row_decode_weights(params: Params, platform: str) -> bool:
@@ -657,6 +683,9 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
     else:
         logits = jnp.einsum("...d,vd->...v", h, params["embed"].astype(h.dtype),
                             preferred_element_type=jnp.float32)
+    vocab = params["embed"].shape[0]
+    if logits.shape[-1] != vocab:  # a head padded at load (one_device_layout)
+        logits = logits[..., :vocab]
     return gather_vocab(logits)  # on a mesh the head is vocab-split; sampling wants whole rows
 
 

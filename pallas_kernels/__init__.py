@@ -59,6 +59,7 @@ from pallas_kernels.paged_attention import (
     store_new_tokens,
 )
 from pallas_kernels.ragged_attention import ragged_attention, ragged_attention_reference
+from pallas_kernels.word_gemv import WIDE_BLOCK_N
 
 __all__ = [
     "GEMV_ROWS",
@@ -67,6 +68,7 @@ __all__ = [
     "INT4_GEMV_ROWS",
     "ScaledPairs",
     "SUPPORTED_HEAD_DIMS",
+    "WIDE_BLOCK_N",
     "add_norm_pairs",
     "add_norm_pairs_reference",
     "combine_splits",

@@ -38,7 +38,13 @@ from pallas_kernels._common import (
     largest_divisor,
 )
 from pallas_kernels.junction import ScaledPairs
-from pallas_kernels.word_gemv import WORD_ROWS, WordTiles, reads_pairs, word_gemv
+from pallas_kernels.word_gemv import (
+    WIDE_BLOCK_N,
+    WORD_ROWS,
+    WordTiles,
+    reads_pairs,
+    word_gemv,
+)
 
 INT4_GEMV_ROWS = 64
 """Rows (tokens of a step) up to which ``model._dense`` runs an int4 weight through this
@@ -75,7 +81,7 @@ class Int4Tiles:
     # pairs, elementwise) every wide-tile weight takes them: 70B 81.8 against 81.0, 8B 416.6
     # against 408.8 (H200, r247).
     word: WordTiles = WordTiles(target_programs=1024, half2_programs=512, prefetch=True,
-                                half2_products=32, evict_first=True, wide_tile=(512, 4),
+                                half2_products=32, evict_first=True, wide_tile=(WIDE_BLOCK_N, 4),
                                 x_pairs=True, x_pair_sums=True)
 
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, check, check_dtype, gpu_params
 from pallas_kernels.junction import ScaledPairs
-from pallas_kernels.word_gemv import WordTiles, reads_pairs, word_gemv
+from pallas_kernels.word_gemv import WIDE_BLOCK_N, WordTiles, reads_pairs, word_gemv
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -185,7 +185,7 @@ class Int8Tiles:
     # the pairs, the 8B qkv and o too (their junctions join: 295.7 / 295.6 against 292.8 /
     # 293.4 tok/s, r263-r264)
     word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True,
-                                wide_tile=(512, 8), wide_programs=1024, x_pairs=True,
+                                wide_tile=(WIDE_BLOCK_N, 8), wide_programs=1024, x_pairs=True,
                                 x_pairs_step_rows=128)
 
 

@@ -88,6 +88,12 @@ WORD_ROWS = 4
 """Rows (tokens) up to which ``int4_matmul`` and ``int8_matmul`` run this kernel: each row adds
 one multiply-add per weight to the integer work of unpacking it, shared by the rows."""
 
+WIDE_BLOCK_N = 512
+"""Output columns per program of ``Int4Tiles``' and ``Int8Tiles``' wide tile
+(``WordTiles.wide_tile``), which runs only on weights whose columns it divides: a weight of
+other columns takes the narrow tile (or, padded per call, a copy of itself: r226).
+``model.one_device_layout`` pads the LM head's columns to a multiple of it once, at load."""
+
 _ONE = 0x3F800000  # float32 1.0: exponent bits of the floats the fields become
 
 

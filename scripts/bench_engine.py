@@ -87,7 +87,7 @@ from jaxinfer.benchmark import (
 )
 from jaxinfer.engine import SCHEDULES
 from jaxinfer.loading import cache_dir
-from jaxinfer.model import LAYOUTS, apply_layout, fp8_prefill_layout, init_params
+from jaxinfer.model import LAYOUTS, apply_layout, init_params, one_device_layout
 from jaxinfer.paged_cache import KV_CACHE_CHOICES, PagePool
 from jaxinfer.quantize import (
     QUANTIZATIONS,
@@ -193,7 +193,7 @@ def build_model(cfg: jaxinfer.LlamaConfig, preset: str, layout: str, backend: st
     params = (init_params(cfg, key, jnp.bfloat16) if quantize is None
               else random_quantized_params(cfg, quantize, key))
     params = apply_layout(params, layout, donate=True)
-    params = fp8_prefill_layout(params, jax.devices()[0])  # as load_model does
+    params = one_device_layout(params, jax.devices()[0])  # as load_model does
     return jaxinfer.Model(config=cfg, params=params, tokenizer=None, dtype=jnp.bfloat16,
                           name=preset, backend=backend, deterministic=deterministic,
                           kv_cache_dtype=kv_cache_dtype)

@@ -47,7 +47,7 @@ from jaxinfer.benchmark import (
     top_kernels,
     trace_events,
 )
-from jaxinfer.model import apply_layout, fp8_prefill_layout, init_params
+from jaxinfer.model import apply_layout, init_params, one_device_layout
 from jaxinfer.presets import preset_config
 from jaxinfer.quantize import QUANTIZATIONS, random_quantized_params
 from jaxinfer.requests import Model
@@ -275,7 +275,7 @@ def main() -> None:
         cfg, params = random_params(cfg, mesh, jnp.bfloat16)
     params = apply_layout(params, "auto", mesh=mesh, donate=True)
     if mesh is None:  # as load_model does
-        params = fp8_prefill_layout(params, jax.devices()[0])
+        params = one_device_layout(params, jax.devices()[0])
     model = Model(cfg, params, None, jnp.bfloat16, name=args.model, mesh=mesh)
     sizes = dict(max_batch=args.max_batch, max_tokens_per_step=args.token_budget)
     engine = jaxinfer.Engine(model, **{k: v for k, v in sizes.items() if v is not None})

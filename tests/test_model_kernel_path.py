@@ -115,19 +115,25 @@ def test_junctions_need_the_kernels_and_leave_other_weights_alone():
                        for n in names)
 
 
-def _decides(kind, k, n, rows, norm, fused=True, kernels=True, perm=False):
-    """``model._reads_pairs`` for a ``kind`` weight ``[k, (1,) n]`` (shapes only: traced;
-    ``perm``: stored rows in another order, as act-order GPTQ)."""
+def _weight_shapes(kind, k, n, fused=True, perm=False):
+    """A ``kind`` weight ``[k, (1,) n]`` of ``jax.ShapeDtypeStruct`` leaves (``perm``: stored
+    rows in another order, as act-order GPTQ)."""
     u8, f16 = jnp.uint8, jnp.float16
     mid = (1,) if fused else ()
     rows_q, dtype = (k // 2, u8) if kind == "int4" else (k, jnp.int8)
     groups = k // (128 if kind == "int4" else 64)
-    w = QuantizedWeight(
+    return QuantizedWeight(
         q=jax.ShapeDtypeStruct((rows_q, *mid, n), dtype),
         scale=jax.ShapeDtypeStruct((groups, *mid, n), f16 if kind == "int4" else jnp.float32),
         zero=jax.ShapeDtypeStruct((groups, *mid, n), f16) if kind == "int4" else None,
         perm=jax.ShapeDtypeStruct((k,), jnp.int32) if perm else None,
         out_axes=2 if fused else 1, group=128 if kind == "int4" else 64, kind=kind)
+
+
+def _decides(kind, k, n, rows, norm, fused=True, kernels=True, perm=False):
+    """``model._reads_pairs`` for a ``kind`` weight ``[k, (1,) n]`` (shapes only: traced;
+    ``perm`` as in ``_weight_shapes``)."""
+    w = _weight_shapes(kind, k, n, fused, perm)
     out = []
     jax.eval_shape(lambda w: out.append(model._reads_pairs(w, rows, kernels, norm)) or 0, w)
     return out[0]
@@ -194,3 +200,43 @@ def test_qkv_junction_needs_a_power_of_two_head_size():
     want = model._qkv(sp.values()[None], lp, cfg, pos)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def test_one_device_layout_pads_a_kernel_head_to_the_wide_tile(monkeypatch):
+    """On a GPU an int4 / int8 LM head whose columns 512 does not divide (Llama 3's 128,256:
+    the narrow tile) is padded once, at load, to a multiple of it (the wide tile); the
+    logits stay the unpadded head's, one per vocabulary entry, through XLA and through the
+    kernels. Off a GPU, with columns that divide already, or where even the padded head
+    would not run the wide tile, nothing changes."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import pallas_kernels
+
+    assert pallas_kernels.WIDE_BLOCK_N == 512
+    for kind in ("int4", "int8"):
+        assert not _decides(kind, 4096, 128256, 1, True, fused=False)
+        assert _decides(kind, 4096, 128512, 1, True, fused=False)
+    gpu = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    # What the wide tile would not run is not padded: too few programs (under 256), or
+    # columns that 512 divides already
+    for vocab in (200, 16384):
+        params = {"embed": jax.ShapeDtypeStruct((vocab, 4096), jnp.float32), "layers": [{}],
+                  "lm_head": _weight_shapes("int4", 4096, vocab, fused=False)}
+        assert model.one_device_layout(params, gpu) is params
+    # This CPU test's head is far too small for the wide tile: as if it were not
+    monkeypatch.setattr(model, "_reads_pairs", lambda w, rows, kernels, norm=True: True)
+    cfg = dataclasses.replace(CFG, vocab_size=200)
+    plain = apply_layout(init_params(cfg, jax.random.PRNGKey(8), jnp.float32), "fast")
+    h = jax.random.normal(jax.random.PRNGKey(9), (3, CFG.hidden_size), jnp.float32)
+    for method in ("int4", "int8"):
+        params = quantize_params(plain, method)
+        assert model.one_device_layout(params, jax.devices("cpu")[0]) is params
+        padded = model.one_device_layout(params, gpu)
+        assert padded["lm_head"].shape == (CFG.hidden_size, 512)
+        assert padded["layers"] is params["layers"]
+        want = model.lm_head(params, h)  # [3, 200]
+        np.testing.assert_allclose(model.lm_head(padded, h), want, rtol=1e-6, atol=1e-6)
+        got = model._dense_quantized(h[:1], padded["lm_head"], jnp.float32, True)  # [1, 512]
+        np.testing.assert_allclose(got[:, :200], want[:1], atol=2e-3 * float(jnp.max(want)))
+        np.testing.assert_array_equal(got[:, 200:], 0.0)
