@@ -749,9 +749,9 @@ def decoder_layer(
     # Stored, then attended: a chunk's queries see its own keys through the pages. Per model
     # shard under a mesh (shard_map); plain ``write_and_attend`` on one device.
     # The o GEMV reading scaled pairs takes them from the attention's combine kernel, one
-    # head per scale group.
+    # scale per head: o's groups must be a head or a part of one (int8's 64 rows).
     out_pairs = (_reads_pairs(lp["wo"], t, kernels, norm=False)
-                 and _group(lp["wo"]) == c.head_dim)
+                 and c.head_dim % _group(lp["wo"]) == 0)
     attn, k_pages, v_pages = mesh_write_and_attend(
         q[0], k[0], v[0], k_pages, v_pages, layer, batch, backend=backend, max_q_len=max_q_len,
         deterministic=deterministic, out_pairs=out_pairs)

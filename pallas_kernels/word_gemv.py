@@ -358,7 +358,7 @@ def _widen(a: jax.Array, half: int, emulate: bool) -> jax.Array:
 def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                   groups_per_step: int, steps_per_split: int, pair_scales: bool,
                   prefetch: bool, evict_first: bool, x_pairs: bool, x_pair_sums: bool,
-                  scaled: bool, norm_eps: float | None, emulate: bool) -> None:
+                  scaled: int, norm_eps: float | None, emulate: bool) -> None:
     """``_word_kernel`` with float16 pair arithmetic (module docstring) for int4 (with zeros)
     or int8 (no zeros): refs as there, except that with ``pair_scales`` the float16 scales
     and zeros come as int32 words ``[K / G, block_n / 2]`` (word ``m`` holds columns ``2m``
@@ -382,9 +382,10 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
     With ``x_pair_sums`` (``WordTiles.x_pair_sums``) there is no such ref: each group's sum
     is made from its pairs (low halves widened, summed in float32) as the group is loaded.
 
-    ``scaled`` (x given as ``ScaledPairs``, with x_pairs and, for int4, x_pair_sums): x_ref
-    holds their pairs and a ref before o_ref their group scales (float32 ``[rows, K / G]``):
-    each group's products are multiplied by its scale. With ``norm_eps`` (their ``sumsq``) a
+    ``scaled`` (x given as ``ScaledPairs``, with x_pairs and, for int4, x_pair_sums; else 0):
+    x_ref holds their pairs and a ref before o_ref their group scales (float32 ``[rows, K /
+    (scaled * G)]``, one per ``scaled`` weight groups): each group's products are multiplied
+    by its scale. With ``norm_eps`` (their ``sumsq``) a
     last ref holds the groups' sums of squares, and the result is multiplied by ``rsqrt(sum
     of squares / K + norm_eps)`` at the store."""
     *z_refs, o_ref = refs
@@ -437,7 +438,7 @@ def _half2_kernel(x_ref, q_ref, s_ref, *refs, bits: int, group: int, sub: int,
                          / sub).reshape(1, 1) for r in range(rows)]
             z = None if z_ref is None else lane_values(z_ref, g)
             gs = (None if gs_ref is None else
-                  [gs_ref[r, pl.ds(g, 1)].reshape(1, 1) for r in range(rows)])
+                  [gs_ref[r, pl.ds(g // scaled, 1)].reshape(1, 1) for r in range(rows)])
             out.append((w, xs, lane_values(s_ref, g), z, sums, gs))
         return out
 
@@ -579,7 +580,8 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
 
     ``x`` may be ``ScaledPairs`` (``junction``: activations, RMSNorm'd or not, as
     block-scaled float16 pairs): the kernel reads them as they are where it reads pairs
-    (``x_pairs`` with ``x_pair_sums``, or int8, and groups matching the weight's); elsewhere
+    (``x_pairs`` with ``x_pair_sums``, or int8, and groups of a multiple of the weight's
+    rows: one scale per head suits o's groups of half a head); elsewhere
     they are turned back into activations first (``ScaledPairs.values``). ``partials``:
     return the float32 split-K partials ``[splits, M, N]`` unsummed (for a kernel after this
     one that sums them, ``add_norm_pairs``)."""
@@ -591,7 +593,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     block_n, sub, programs = launch.block_n, launch.sub, launch.programs
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
-    if given is not None and not (given.group == group
+    if given is not None and not (given.group % group == 0
                                   and launch.reads(given.sumsq is not None)):
         x, given = given.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
@@ -616,7 +618,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
         specs[2:] = [pl.BlockSpec((groups, block_n // 2), lambda j, t: (0, j))] * 2
     if given is not None:  # the pairs as given, with their group scales (and sums of squares)
         stats = [a for a in (given.scales, given.sumsq) if a is not None]
-        specs += [pl.BlockSpec((m, groups), lambda j, t: (0, 0))] * len(stats)
+        specs += [pl.BlockSpec(a.shape, lambda j, t: (0, 0)) for a in stats]
         operands += stats
     elif x_pairs:  # XLA makes the pairs (and, without x_pair_sums, the group sums), fused
         # into x's producer where it can
@@ -631,7 +633,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=launch.prefetch,
             evict_first=tiles.evict_first, x_pairs=x_pairs,
             x_pair_sums=x_pairs and tiles.x_pair_sums,
-            scaled=given is not None,
+            scaled=0 if given is None else given.group // group,
             norm_eps=None if given is None or given.sumsq is None else given.eps,
             emulate=interpret)
     else:

@@ -119,13 +119,15 @@ def test_word_gemv_reads_pairs_as_rms_norm_then_matmul(rows, group):
         assert dtypes[0] == "int32" and len(dtypes) == 4  # XLA's pairs of the rebuilt x
 
 
-def test_word_gemv_norm_pairs_int8_and_partials():
-    """int8 (no zeros) reads ``ScaledPairs`` the same way; ``partials=True`` returns the float32
-    split-K partials, whose sum is the result (the junction after an o or down GEMV takes
-    them)."""
+@pytest.mark.parametrize("pair_group", [64, 128])
+def test_word_gemv_norm_pairs_int8_and_partials(pair_group):
+    """int8 (no zeros) reads ``ScaledPairs`` the same way, also with one pair scale per two of
+    its 64-row groups (the attention's combine scales a 128-value head at once, for o);
+    ``partials=True`` returns the float32 split-K partials, whose sum is the result (the
+    junction after an o or down GEMV takes them)."""
     k, n = 1024, 512
     _, res, w = _junction(0, 1, k, seed=20)
-    _, pairs = add_norm_pairs(None, res, w, group=64, eps=EPS, interpret=True)
+    _, pairs = add_norm_pairs(None, res, w, group=pair_group, eps=EPS, interpret=True)
     rng = np.random.default_rng(20)
     q = jnp.asarray(rng.integers(-128, 128, size=(k, n)), jnp.int8)
     scale = jnp.asarray(rng.random((k // 64, n)) * 0.02, jnp.float32)

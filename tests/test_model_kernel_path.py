@@ -154,9 +154,10 @@ def test_default_tiles_give_junctions_to_the_8b_and_70b_layers():
 
 
 def test_attention_hands_the_o_matmul_scaled_pairs(monkeypatch):
-    """Where o's groups are one head (int4-g64 here, head_dim 64) and its kernel reads pairs,
-    the decode step's attention returns ``ScaledPairs`` (``out_pairs``) and o reads them: the
-    hidden state still matches the XLA path; with groups of 32 it gets the plain output."""
+    """Where o's groups are one head or a part of one (int4-g64, and int4's 32 rows; head_dim 64)
+    and its kernel reads pairs, the decode step's attention returns ``ScaledPairs``
+    (``out_pairs``, one scale per head) and o reads them: the hidden state still matches the
+    XLA path; with groups of 128, more than a head, it gets the plain output."""
     import pallas_kernels
 
     _force_junctions(monkeypatch)
@@ -168,7 +169,7 @@ def test_attention_hands_the_o_matmul_scaled_pairs(monkeypatch):
         return write(*a, **kw)
     monkeypatch.setattr(pallas_kernels, "paged_attention_write", spy)
     plain = apply_layout(init_params(CFG, jax.random.PRNGKey(3), jnp.float32), "fast")
-    for method, pairs in (("int4-g64", True), ("int4", False)):
+    for method, pairs in (("int4-g64", True), ("int4", True), ("int4-g128", False)):
         params = quantize_params(plain, method)
         asked.clear()
         got, names = _decode_one(params, "pallas")
