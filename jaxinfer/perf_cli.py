@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
@@ -36,7 +37,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--bandwidth", type=float, default=None, help="override, TB/s")
     p.add_argument("--flops", type=float, default=None, help="override, dense TFLOP/s")
     p.add_argument("--memory", type=float, default=None, help="override, GB")
-    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/cache element")
+    p.add_argument("--dtype-bytes", type=int, default=2,
+                   help="bytes per weight/cache element where not quantized (default 2: bf16)")
+    p.add_argument("--quantize", default=None,
+                   help="plan with the matmul weights quantized as load_model(quantize=) "
+                   "stores them: int8, int4, int4-g64, int4-g128 or fp8")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="plan with K/V stored as int8 or fp8 (load_model(kv_cache_dtype=))")
     p.set_defaults(perf_handler=run_plan)
 
     from jaxinfer.benchmark import add_bench_args
@@ -65,12 +72,52 @@ def run_plan(args: argparse.Namespace) -> None:
         bandwidth=None if args.bandwidth is None else args.bandwidth * 1e12,
         flops=None if args.flops is None else args.flops * 1e12,
         memory=None if args.memory is None else args.memory * 1e9)
-    if args.dtype_bytes not in (1, 2, 4):
+    if args.dtype_bytes not in _DTYPES:
         raise InputError(f"--dtype-bytes {args.dtype_bytes} must be 1, 2 or 4")
+    storage = plan_storage(config, args.dtype_bytes, args.quantize, args.kv_cache_dtype)
     batches = args.batch or roofline.default_batches(
-        roofline.max_batch(config, device, args.context, args.dtype_bytes))
-    rows = roofline.plan(config, device, batches, args.context, args.dtype_bytes)
-    print(roofline.format_plan(args.model, config, device, rows, args.dtype_bytes))
+        roofline.max_batch(config, device, args.context, storage))
+    rows = roofline.plan(config, device, batches, args.context, storage)
+    print(roofline.format_plan(args.model, config, device, rows, storage))
+
+
+_DTYPES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}  # by --dtype-bytes
+
+
+def plan_storage(config: Any, dtype_bytes: int, quantize: str | None,
+                 kv_cache_dtype: str | None) -> Any:
+    """``roofline.Storage`` of ``config`` with weights and K/V of ``dtype_bytes`` per element,
+    or, with ``quantize`` / ``kv_cache_dtype``, as ``load_model`` stores them: the quantized
+    model's bytes from its shapes (``jax.eval_shape``; nothing is made), scales included,
+    and a quantized page pool's bytes per position. ``InputError`` for an unknown method
+    or K/V dtype."""
+    import jax
+
+    from jaxinfer import roofline
+    from jaxinfer.benchmark import kv_bytes_per_position
+    from jaxinfer.paged_cache import check_kv_cache_dtype
+    from jaxinfer.quantize import (
+        check_method,
+        decode_weight_bytes,
+        param_bytes,
+        random_quantized_params,
+    )
+
+    storage = roofline.Storage.of(config, dtype_bytes)
+    if quantize is None and kv_cache_dtype is None:
+        return storage
+    if quantize is not None:
+        check_method(quantize)
+    check_kv_cache_dtype(kv_cache_dtype)
+    if quantize is not None:
+        shapes = jax.eval_shape(lambda: random_quantized_params(
+            config, quantize, jax.random.PRNGKey(0), dtype=_DTYPES[dtype_bytes]))
+        storage = dataclasses.replace(
+            storage, params=param_bytes(shapes),
+            step_weights=decode_weight_bytes(shapes, config.tie_word_embeddings))
+    return dataclasses.replace(
+        storage, kv_per_position=kv_bytes_per_position(config, dtype_bytes, kv_cache_dtype),
+        label=f"{quantize or storage.label} weights, {kv_cache_dtype or storage.label} K/V")
 
 
 def run_bench(args: argparse.Namespace) -> None:

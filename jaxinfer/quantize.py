@@ -347,8 +347,10 @@ def _draw_stacked(shape: tuple[int, ...], key: jax.Array, kind: str, group: int
 
 def param_bytes(params: Any) -> int:
     """Bytes the parameters take on their devices (per copy; quantized weights count their
-    stored values, packed int4 included, and their scales)."""
-    return int(sum(x.nbytes for x in jax.tree.leaves(params)))
+    stored values, packed int4 included, and their scales). Leaves may be arrays or
+    ``jax.ShapeDtypeStruct`` (``jax.eval_shape``'s: a model's bytes without making it)."""
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # shapes suffice
+                   for x in jax.tree.leaves(params)))
 
 
 def decode_weight_bytes(params: Any, tie_word_embeddings: bool) -> int | None:
@@ -358,5 +360,5 @@ def decode_weight_bytes(params: Any, tie_word_embeddings: bool) -> int | None:
     weights, whose bytes ``roofline.weight_bytes_per_step`` counts from the config."""
     if not is_quantized(params):
         return None
-    embed = 0 if tie_word_embeddings else params["embed"].nbytes
+    embed = 0 if tie_word_embeddings else param_bytes(params["embed"])
     return param_bytes(params) - embed

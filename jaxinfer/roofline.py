@@ -19,6 +19,8 @@ Formulas (``bytes`` = bytes per element of weights and cache, 2 for bf16):
 * Prefill of ``T`` tokens: ``2 * B * T * layer_params`` plus causal attention
   ``2 * B * T^2 * layers * heads * head_dim`` (half of the full square) plus the LM head
   on one token per sequence; bytes: the weights once plus the K/V written.
+* Quantized weights or K/V (``jaxinfer plan --quantize``, ``--kv-cache-dtype``): the plan
+  counts the bytes they take as stored, scales included (``Storage``); FLOPs do not change.
 * Decode latency = max(bytes / bandwidth, FLOPs / rate); throughput = ``B / latency``.
   Arithmetic intensity = FLOPs / bytes; above the device's ridge point (rate / bandwidth)
   a phase is compute-bound.
@@ -116,6 +118,30 @@ def weight_bytes_per_step(config: LlamaConfig, dtype_bytes: int = 2) -> int:
     return (config.num_params() - untied_embed) * dtype_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """What a model's weights and K/V take in device memory, in bytes: what a plan's memory
+    and read floors count (``Storage.of`` for weights and cache of one element size;
+    ``jaxinfer plan`` measures quantized ones from their stored shapes)."""
+
+    params: int  # every weight as stored
+    step_weights: int  # what one decode step reads of them (``weight_bytes_per_step``)
+    kv_per_position: int  # K and V of one cached position, all layers
+    label: str = "bf16"  # how they are stored, for the plan's report
+
+    @classmethod
+    def of(cls, config: LlamaConfig, dtype_bytes: int = 2) -> Storage:
+        """Weights and K/V at ``dtype_bytes`` bytes per element."""
+        return cls(param_bytes(config, dtype_bytes), weight_bytes_per_step(config, dtype_bytes),
+                   kv_bytes_per_seq(config, 1, dtype_bytes),
+                   {1: "1-byte", 2: "bf16", 4: "float32"}.get(dtype_bytes, f"{dtype_bytes}-byte"))
+
+    def step_bytes(self, batch: int, positions: int) -> int:
+        """Bytes of a step over ``batch`` sequences of ``positions`` K/V positions each: the
+        weights once plus that K/V (read by decode, written by prefill)."""
+        return self.step_weights + batch * positions * self.kv_per_position
+
+
 def _attention_flops_per_key(config: LlamaConfig) -> int:
     # QK^T and PV: 2 FLOPs each per (query head, key, dim), every layer.
     c = config
@@ -165,8 +191,7 @@ def decode_step_flops(config: LlamaConfig, batch: int, context: int) -> int:
 def decode_step_bytes(config: LlamaConfig, batch: int, context: int,
                       dtype_bytes: int = 2) -> int:
     """Bytes one decode step must read: weights once plus each sequence's live K/V."""
-    return (weight_bytes_per_step(config, dtype_bytes)
-            + batch * kv_bytes_per_seq(config, context, dtype_bytes))
+    return Storage.of(config, dtype_bytes).step_bytes(batch, context)
 
 
 def decode_step(config: LlamaConfig, device: DeviceSpec, batch: int, context: int,
@@ -188,8 +213,7 @@ def prefill_flops(config: LlamaConfig, batch: int, prompt_len: int) -> int:
 
 def prefill_bytes(config: LlamaConfig, batch: int, prompt_len: int, dtype_bytes: int = 2) -> int:
     """Bytes prefill must move: weights read once plus the K/V it writes."""
-    return (weight_bytes_per_step(config, dtype_bytes)
-            + batch * kv_bytes_per_seq(config, prompt_len, dtype_bytes))
+    return Storage.of(config, dtype_bytes).step_bytes(batch, prompt_len)
 
 
 def prefill(config: LlamaConfig, device: DeviceSpec, batch: int, prompt_len: int,
@@ -221,29 +245,34 @@ class PlanRow:
 
 
 def max_batch(config: LlamaConfig, device: DeviceSpec, context: int,
-              dtype_bytes: int = 2) -> int:
-    """Largest batch whose weights plus KV cache fit in device memory (0 if none)."""
-    free = device.memory - param_bytes(config, dtype_bytes)
+              storage: Storage | None = None) -> int:
+    """Largest batch whose weights plus KV cache fit in device memory (0 if none);
+    ``storage`` default: ``Storage.of(config)`` (bf16)."""
+    storage = storage or Storage.of(config)
+    free = device.memory - storage.params
     if free <= 0:
         return 0
-    return int(free // kv_bytes_per_seq(config, context, dtype_bytes))
+    return int(free // (context * storage.kv_per_position))
 
 
 def plan(config: LlamaConfig, device: DeviceSpec, batches: Sequence[int], context: int,
-         dtype_bytes: int = 2) -> list[PlanRow]:
-    """Memory, decode and prefill floors for each batch size at ``context`` positions."""
+         storage: Storage | None = None) -> list[PlanRow]:
+    """Memory, decode and prefill floors for each batch size at ``context`` positions, with
+    weights and K/V as ``storage`` says (default ``Storage.of(config)``: bf16)."""
     if context < 1:
         raise InputError(f"context={context} must be >= 1")
+    storage = storage or Storage.of(config)
     rows = []
     for b in batches:
         if b < 1:
             raise InputError(f"batch={b} must be >= 1")
-        kv = b * kv_bytes_per_seq(config, context, dtype_bytes)
-        mem = kv + param_bytes(config, dtype_bytes)
+        kv = b * context * storage.kv_per_position
+        mem = kv + storage.params
+        step = storage.step_bytes(b, context)
         rows.append(PlanRow(batch=b, context=context, kv_bytes=kv, memory_bytes=mem,
                             fits=mem <= device.memory,
-                            decode=decode_step(config, device, b, context, dtype_bytes),
-                            prefill=prefill(config, device, b, context, dtype_bytes)))
+                            decode=_estimate(decode_step_flops(config, b, context), step, device),
+                            prefill=_estimate(prefill_flops(config, b, context), step, device)))
     return rows
 
 
@@ -256,15 +285,17 @@ def default_batches(limit: int) -> list[int]:
 
 
 def format_plan(name: str, config: LlamaConfig, device: DeviceSpec, rows: list[PlanRow],
-                dtype_bytes: int = 2) -> str:
-    """The plan as a short text report (what ``jaxinfer plan`` prints)."""
+                storage: Storage | None = None) -> str:
+    """The plan as a short text report (what ``jaxinfer plan`` prints); ``storage`` as the
+    rows were planned with (default ``Storage.of(config)``)."""
+    storage = storage or Storage.of(config)
     context = rows[0].context
-    kv1 = kv_bytes_per_seq(config, context, dtype_bytes)
-    best = max_batch(config, device, context, dtype_bytes)
+    kv1 = context * storage.kv_per_position
+    best = max_batch(config, device, context, storage)
     lines = [
-        f"model {name}: {config.num_params() / 1e9:.3f} B params = "
-        f"{param_bytes(config, dtype_bytes) / 1e9:.2f} GB; KV cache "
-        f"{kv_bytes_per_seq(config, 1, dtype_bytes) / 1e3:.1f} kB/token, "
+        f"model {name} ({storage.label}): {config.num_params() / 1e9:.3f} B params = "
+        f"{storage.params / 1e9:.2f} GB; KV cache "
+        f"{storage.kv_per_position / 1e3:.1f} kB/token, "
         f"{kv1 / 1e9:.3f} GB per sequence of {context} tokens",
         f"device {device.name}: {device.bandwidth / 1e12:.2f} TB/s, "
         f"{device.flops / 1e12:.0f} TFLOP/s, {device.memory / 1e9:.0f} GB; ridge "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxinfer import roofline
@@ -127,3 +129,44 @@ def test_plan_cli(capsys):
     assert "largest batch that fits at context 8192: 59" in out
     assert " NO " in out  # batch 60 does not fit
     assert main(["plan", "--model", "nope"]) == 2
+
+
+def test_plan_counts_quantized_weights_and_kv_as_stored(capsys):
+    """``--quantize`` / ``--kv-cache-dtype``: the plan counts the bytes load_model's storage
+    takes: the quantized model's (from its shapes: the same as a made one's, scales
+    included; a step reads all but the untied embedding table) and a quantized page pool's
+    per position, so more sequences fit; FLOPs are the bf16 plan's."""
+    import jax
+
+    from jaxinfer.benchmark import kv_bytes_per_position
+    from jaxinfer.perf_cli import plan_storage
+    from jaxinfer.quantize import param_bytes, random_quantized_params
+
+    tiny = dataclasses.replace(TINY, vocab_size=64, hidden_size=64, intermediate_size=128,
+                               head_dim=32, num_heads=2, num_kv_heads=1)
+    made = random_quantized_params(tiny, "int4", jax.random.PRNGKey(0))
+    storage = plan_storage(tiny, 2, "int4", "int8")
+    assert storage.params == param_bytes(made)
+    assert storage.step_weights == param_bytes(made) - param_bytes(made["embed"])
+    assert storage.kv_per_position == kv_bytes_per_position(tiny, 2, "int8")
+    assert storage.label == "int4 weights, int8 K/V"
+    assert plan_storage(tiny, 2, None, None) == roofline.Storage.of(tiny)
+
+    cfg = preset_config("llama-3.1-8b")
+    h100 = roofline.device_spec("h100")
+    q = plan_storage(cfg, 2, "int4-g128", "int8")
+    bf16 = roofline.Storage.of(cfg)
+    # int4 + a float16 scale and zero per 128 rows: 4.25 bits a weight, against 16
+    assert 0.25 < q.params / bf16.params < 0.32
+    # one byte per K/V element plus a scale per head and token, against two bytes
+    assert q.kv_per_position == bf16.kv_per_position // 2 + 2 * cfg.num_layers * 8 * 2
+    assert roofline.max_batch(cfg, h100, 8192, q) == int((80e9 - q.params)
+                                                         // (8192 * q.kv_per_position))
+    row, plain = (roofline.plan(cfg, h100, [8], 8192, s)[0] for s in (q, bf16))
+    assert row.decode.bytes == q.step_weights + 8 * 8192 * q.kv_per_position
+    assert row.decode.flops == plain.decode.flops and row.decode.bytes < plain.decode.bytes
+    assert main(["plan", "--model", "llama-3.1-8b", "--context", "8192", "--device", "h100",
+                 "--quantize", "int4-g128", "--kv-cache-dtype", "int8", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(int4-g128 weights, int8 K/V)" in out
+    assert f"fits at context 8192: {roofline.max_batch(cfg, h100, 8192, q)}" in out

@@ -185,6 +185,9 @@ def test_engine_rejects_sizes_below_one(model, option, value):
     (["--flops", "inf"], "--flops"),
     (["--context", "0"], "--context"),
     (["--batch", "0,4"], "--batch"),
+    (["--quantize", "int3"], "quantize"),
+    (["--quantize", "native"], "quantize"),
+    (["--kv-cache-dtype", "int4"], "kv_cache_dtype"),
 ])
 def test_plan_rejects_bad_device_numbers(flags, option, capsys):
     from jaxinfer.cli import main
