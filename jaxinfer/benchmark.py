@@ -50,7 +50,13 @@ import numpy as np
 
 from jaxinfer import roofline, runner
 from jaxinfer.config import LlamaConfig
-from jaxinfer.model import Params, init_params, pool_is_stacked, prepare_params
+from jaxinfer.model import (
+    Params,
+    init_params,
+    one_device_layout,
+    pool_is_stacked,
+    prepare_params,
+)
 from jaxinfer.paged_cache import PagePool
 from jaxinfer.presets import resolve_config
 from jaxinfer.quantize import quantize_params
@@ -286,9 +292,13 @@ def quantized_copy(model: Model, method: str) -> Model:
     """``model`` with its weights quantized by ``method`` (``jaxinfer.quantize``), as a draft
     for speculation: named after the method, and running the fast kernels even when
     ``model`` is deterministic (a draft's numerics decide which proposals are accepted,
-    never the output)."""
+    never the output). On one device its params get ``load_model``'s last layout step
+    (``model.one_device_layout``), as a draft loaded with ``quantize=method`` would."""
+    params = quantize_params(model.params, method)
+    if model.mesh is None:
+        params = one_device_layout(params, jax.devices()[0])
     return dataclasses.replace(model, name=f"{model.name}-{method}", deterministic=False,
-                               params=quantize_params(model.params, method))
+                               params=params)
 
 
 def log(msg: str) -> None:

@@ -9,7 +9,9 @@ loop is one ``lax.scan`` and compile time does not grow with depth)::
     layers/wk   [L, hidden, kv_heads*hd]  layers/wv     [L, hidden, kv_heads*hd]
     layers/w_gate, layers/w_up [L, hidden, inter]     layers/w_down [L, inter, hidden]
     final_norm  [hidden]
-    lm_head     [hidden, vocab]           (absent when embeddings are tied)
+    lm_head     [hidden, vocab]           (absent when embeddings are tied; on one GPU, int4 /
+                                          int8 columns padded to a multiple of 512 at load:
+                                          one_device_layout)
 
 Q/K weights use HF's non-interleaved ("rotate half") RoPE convention.
 
@@ -610,11 +612,16 @@ def pad_columns(w: QuantizedWeight, multiple: int) -> QuantizedWeight:
     """A one-device ``[in, out]`` quantized weight with its output columns padded to a
     multiple of ``multiple`` by zero codes, scales and zeros (the padded columns' products
     are 0); ``w`` itself where they divide already."""
-    extra = -w.shape[-1] % multiple
-    if extra == 0:
-        return w
-    pad = lambda a: None if a is None else jnp.pad(a, ((0, 0), (0, extra)))  # noqa: E731
-    return dataclasses.replace(w, q=pad(w.q), scale=pad(w.scale), zero=pad(w.zero))
+    if w.in_last or w.out_axes != 1 or w.q.ndim != 2:
+        raise ValueError(f"pad_columns takes one device's [in, out] weight, got q {w.q.shape}"
+                         f" with {w.out_axes} output axes" + (", input last" if w.in_last else ""))
+    extra = -w.q.shape[-1] % multiple
+
+    def pad(a: jax.Array | None) -> jax.Array | None:  # [rows, out] -> [rows, out + extra]
+        return None if a is None else jnp.pad(a, ((0, 0), (0, extra)))
+
+    return w if extra == 0 else dataclasses.replace(w, q=pad(w.q), scale=pad(w.scale),
+                                                    zero=pad(w.zero))
 
 
 def one_device_layout(params: Params, device: Any) -> Params:
@@ -631,10 +638,11 @@ def one_device_layout(params: Params, device: Any) -> Params:
     if fp8 and fp8_tensor_cores(device):
         params = fp8_input_last(params)
     head = params.get("lm_head")
-    if device.platform == "gpu" and isinstance(head, QuantizedWeight):
+    if (device.platform == "gpu" and (int4_kernel_weight(head) or int8_kernel_weight(head))
+            and head.perm is None and head.out_axes == 1):
         pad = functools.partial(pad_columns, multiple=pallas_kernels.WIDE_BLOCK_N)
         # A weight reads pairs only on the wide tile (shapes decide: no bytes moved here)
-        if head.shape[-1] % pallas_kernels.WIDE_BLOCK_N and _reads_pairs(
+        if head.q.shape[-1] % pallas_kernels.WIDE_BLOCK_N and _reads_pairs(
                 jax.eval_shape(pad, head), 1, kernels=True, norm=False):
             # Not deleted: as in fp8_input_last, the caller's reference is the head's last
             params = {**params, "lm_head": pad(head)}
@@ -672,8 +680,8 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
         logits = pallas_kernels.matmul(h.reshape(-1, h.shape[-1]), w, transpose_w=tied,
                                        out_dtype=jnp.float32,
                                        interpret=pallas_kernels.interpret_here())
-        return logits.reshape(*h.shape[:-1], logits.shape[-1])
-    if isinstance(params.get("lm_head"), QuantizedWeight):
+        logits = logits.reshape(*h.shape[:-1], logits.shape[-1])
+    elif isinstance(params.get("lm_head"), QuantizedWeight):
         # The head takes no backend: the kernels where the default ("auto") runs them
         logits = _dense_quantized(h, params["lm_head"], jnp.float32, gemv_kernels("auto"))
     elif "lm_head" in params:
@@ -686,6 +694,8 @@ def lm_head(params: Params, h: jax.Array, deterministic: bool = False) -> jax.Ar
     vocab = params["embed"].shape[0]
     if logits.shape[-1] != vocab:  # a head padded at load (one_device_layout)
         logits = logits[..., :vocab]
+    if deterministic:  # one device per replica (check_deterministic): rows are whole
+        return logits
     return gather_vocab(logits)  # on a mesh the head is vocab-split; sampling wants whole rows
 
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.errors import InputError
+
+if TYPE_CHECKING:
+    from jaxinfer.config import LlamaConfig
+    from jaxinfer.roofline import Storage
 
 
 def _int_list(text: str) -> list[int]:
@@ -72,7 +76,7 @@ def run_plan(args: argparse.Namespace) -> None:
         bandwidth=None if args.bandwidth is None else args.bandwidth * 1e12,
         flops=None if args.flops is None else args.flops * 1e12,
         memory=None if args.memory is None else args.memory * 1e9)
-    if args.dtype_bytes not in _DTYPES:
+    if args.dtype_bytes not in roofline.DTYPE_NAMES:
         raise InputError(f"--dtype-bytes {args.dtype_bytes} must be 1, 2 or 4")
     storage = plan_storage(config, args.dtype_bytes, args.quantize, args.kv_cache_dtype)
     batches = args.batch or roofline.default_batches(
@@ -81,16 +85,14 @@ def run_plan(args: argparse.Namespace) -> None:
     print(roofline.format_plan(args.model, config, device, rows, storage))
 
 
-_DTYPES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}  # by --dtype-bytes
-
-
-def plan_storage(config: Any, dtype_bytes: int, quantize: str | None,
-                 kv_cache_dtype: str | None) -> Any:
+def plan_storage(config: LlamaConfig, dtype_bytes: int, quantize: str | None,
+                 kv_cache_dtype: str | None) -> Storage:
     """``roofline.Storage`` of ``config`` with weights and K/V of ``dtype_bytes`` per element,
     or, with ``quantize`` / ``kv_cache_dtype``, as ``load_model`` stores them: the quantized
     model's bytes from its shapes (``jax.eval_shape``; nothing is made), scales included,
-    and a quantized page pool's bytes per position. ``InputError`` for an unknown method
-    or K/V dtype."""
+    and a quantized page pool's bytes per position (not the few columns ``load_model`` pads
+    an LM head with on a GPU: ``model.one_device_layout``). ``InputError`` for an unknown
+    method, or a K/V dtype unknown or unfit for the model's head size."""
     import jax
 
     from jaxinfer import roofline
@@ -108,10 +110,10 @@ def plan_storage(config: Any, dtype_bytes: int, quantize: str | None,
         return storage
     if quantize is not None:
         check_method(quantize)
-    check_kv_cache_dtype(kv_cache_dtype)
+    check_kv_cache_dtype(kv_cache_dtype, config.head_dim)
     if quantize is not None:
         shapes = jax.eval_shape(lambda: random_quantized_params(
-            config, quantize, jax.random.PRNGKey(0), dtype=_DTYPES[dtype_bytes]))
+            config, quantize, jax.random.PRNGKey(0), dtype=roofline.DTYPE_NAMES[dtype_bytes]))
         storage = dataclasses.replace(
             storage, params=param_bytes(shapes),
             step_weights=decode_weight_bytes(shapes, config.tie_word_embeddings))

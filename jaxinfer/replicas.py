@@ -46,8 +46,10 @@ def replica_model(model: Model, index: int) -> Model:
     """Data replica ``index`` of a model on a ``(data, model)`` mesh, as a ``Model`` of its own.
 
     Its weights are the buffers the replica's devices already hold (no copy). A replica of one
-    device runs without a mesh, like a single-device model; a tensor-parallel replica runs on
-    the ``(1, model)`` mesh of its row.
+    device runs without a mesh, like a single-device model, but its LM head is not padded
+    for the GEMV's wide tile (``model.one_device_layout`` would copy it on every device;
+    batch-1 decode pays ~1%); a tensor-parallel replica runs on the ``(1, model)`` mesh of
+    its row.
     """
     row = model.mesh.devices[index]  # [model] devices of this replica
     sub = None if len(row) == 1 else Mesh(row[None, :], (DATA, MODEL),

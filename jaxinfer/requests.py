@@ -33,7 +33,9 @@ class Model:
     ``params`` are in an execution layout (``jaxinfer.model.LAYOUTS``): the stored, stacked
     layout of ``model.param_shapes``, or one made by ``model.prepare_params`` (e.g. the
     ``"fast"`` layout that ``load_model`` picks on a single GPU). Every entry point runs
-    either, through one ``jaxinfer.Engine`` per model (``engine_for``).
+    either, through one ``jaxinfer.Engine`` per model (``engine_for``). On one GPU an int4 /
+    int8 ``lm_head`` may hold more columns than the vocabulary (``model.one_device_layout``
+    pads it for the GEMV's wide tile): the vocabulary is ``config.vocab_size``.
     """
 
     config: Any  # LlamaConfig

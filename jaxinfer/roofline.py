@@ -118,6 +118,10 @@ def weight_bytes_per_step(config: LlamaConfig, dtype_bytes: int = 2) -> int:
     return (config.num_params() - untied_embed) * dtype_bytes
 
 
+DTYPE_NAMES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+"""The dtype a plan's ``dtype_bytes`` stands for (``jaxinfer plan --dtype-bytes``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Storage:
     """What a model's weights and K/V take in device memory, in bytes: what a plan's memory
@@ -127,14 +131,13 @@ class Storage:
     params: int  # every weight as stored
     step_weights: int  # what one decode step reads of them (``weight_bytes_per_step``)
     kv_per_position: int  # K and V of one cached position, all layers
-    label: str = "bf16"  # how they are stored, for the plan's report
+    label: str = "bfloat16"  # how they are stored, for the plan's report
 
     @classmethod
     def of(cls, config: LlamaConfig, dtype_bytes: int = 2) -> Storage:
-        """Weights and K/V at ``dtype_bytes`` bytes per element."""
+        """Weights and K/V at ``dtype_bytes`` bytes per element (a key of ``DTYPE_NAMES``)."""
         return cls(param_bytes(config, dtype_bytes), weight_bytes_per_step(config, dtype_bytes),
-                   kv_bytes_per_seq(config, 1, dtype_bytes),
-                   {1: "1-byte", 2: "bf16", 4: "float32"}.get(dtype_bytes, f"{dtype_bytes}-byte"))
+                   kv_bytes_per_seq(config, 1, dtype_bytes), DTYPE_NAMES[dtype_bytes])
 
     def step_bytes(self, batch: int, positions: int) -> int:
         """Bytes of a step over ``batch`` sequences of ``positions`` K/V positions each: the
@@ -195,10 +198,12 @@ def decode_step_bytes(config: LlamaConfig, batch: int, context: int,
 
 
 def decode_step(config: LlamaConfig, device: DeviceSpec, batch: int, context: int,
-                dtype_bytes: int = 2) -> PhaseEstimate:
-    """The floor of one decode step at ``batch`` sequences of ``context`` cached positions."""
+                storage: Storage | None = None) -> PhaseEstimate:
+    """The floor of one decode step at ``batch`` sequences of ``context`` cached positions,
+    weights and K/V as ``storage`` says (default ``Storage.of(config)``: bf16)."""
+    storage = storage or Storage.of(config)
     return _estimate(decode_step_flops(config, batch, context),
-                     decode_step_bytes(config, batch, context, dtype_bytes), device)
+                     storage.step_bytes(batch, context), device)
 
 
 def prefill_flops(config: LlamaConfig, batch: int, prompt_len: int) -> int:
@@ -217,10 +222,12 @@ def prefill_bytes(config: LlamaConfig, batch: int, prompt_len: int, dtype_bytes:
 
 
 def prefill(config: LlamaConfig, device: DeviceSpec, batch: int, prompt_len: int,
-            dtype_bytes: int = 2) -> PhaseEstimate:
-    """The floor of prefilling ``batch`` prompts of ``prompt_len`` tokens (the TTFT floor)."""
+            storage: Storage | None = None) -> PhaseEstimate:
+    """The floor of prefilling ``batch`` prompts of ``prompt_len`` tokens (the TTFT floor),
+    weights and K/V as ``storage`` says (default ``Storage.of(config)``: bf16)."""
+    storage = storage or Storage.of(config)
     return _estimate(prefill_flops(config, batch, prompt_len),
-                     prefill_bytes(config, batch, prompt_len, dtype_bytes), device)
+                     storage.step_bytes(batch, prompt_len), device)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -268,11 +275,10 @@ def plan(config: LlamaConfig, device: DeviceSpec, batches: Sequence[int], contex
             raise InputError(f"batch={b} must be >= 1")
         kv = b * context * storage.kv_per_position
         mem = kv + storage.params
-        step = storage.step_bytes(b, context)
         rows.append(PlanRow(batch=b, context=context, kv_bytes=kv, memory_bytes=mem,
                             fits=mem <= device.memory,
-                            decode=_estimate(decode_step_flops(config, b, context), step, device),
-                            prefill=_estimate(prefill_flops(config, b, context), step, device)))
+                            decode=decode_step(config, device, b, context, storage),
+                            prefill=prefill(config, device, b, context, storage)))
     return rows
 
 

@@ -555,10 +555,10 @@ def _launch(m: int, k: int, n: int, groups: int, bits: int, offset: int, flip: i
 def reads_pairs(m: int, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
                 bits: int, offset: int, flip: int, tiles: WordTiles, norm: bool) -> bool:
     """Whether ``word_gemv`` of ``m`` rows by this weight (``q``, ``scale``, ``zero`` as
-    there; shapes suffice) reads ``ScaledPairs`` with groups of ``K / scale.shape[0]`` rows as
-    they are (``norm``: with sums of squares, ``add_norm_pairs``): the wide tile with
-    ``x_pairs``, and ``x_pair_sums`` for int4. Elsewhere it would rebuild the activations,
-    and a junction kernel gains nothing."""
+    there; shapes suffice) reads ``ScaledPairs`` with groups of ``K / scale.shape[0]`` rows
+    (or a power-of-two multiple of them) as they are (``norm``: with sums of squares,
+    ``add_norm_pairs``): the wide tile with ``x_pairs``, and ``x_pair_sums`` for int4.
+    Elsewhere it would rebuild the activations, and a junction kernel gains nothing."""
     groups, n = scale.shape
     k = q.shape[0] * 8 // bits
     launch = _launch(m, k, n, groups, bits, offset, flip, zero is not None, tiles)
@@ -580,8 +580,8 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
 
     ``x`` may be ``ScaledPairs`` (``junction``: activations, RMSNorm'd or not, as
     block-scaled float16 pairs): the kernel reads them as they are where it reads pairs
-    (``x_pairs`` with ``x_pair_sums``, or int8, and groups of a multiple of the weight's
-    rows: one scale per head suits o's groups of half a head); elsewhere
+    (``x_pairs`` with ``x_pair_sums``, or int8, and groups of a power-of-two multiple of
+    the weight's rows: one scale per head suits o's groups of half a head); elsewhere
     they are turned back into activations first (``ScaledPairs.values``). ``partials``:
     return the float32 split-K partials ``[splits, M, N]`` unsummed (for a kernel after this
     one that sums them, ``add_norm_pairs``)."""
@@ -593,7 +593,8 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     block_n, sub, programs = launch.block_n, launch.sub, launch.programs
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
-    if given is not None and not (given.group % group == 0
+    per = given.group // group if given is not None else 0  # weight groups per pair scale
+    if given is not None and not (given.group == per * group and (per & (per - 1)) == 0
                                   and launch.reads(given.sumsq is not None)):
         x, given = given.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
@@ -633,7 +634,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
             steps_per_split=steps // splits, pair_scales=pair_scales, prefetch=launch.prefetch,
             evict_first=tiles.evict_first, x_pairs=x_pairs,
             x_pair_sums=x_pairs and tiles.x_pair_sums,
-            scaled=0 if given is None else given.group // group,
+            scaled=0 if given is None else per,
             norm_eps=None if given is None or given.sumsq is None else given.eps,
             emulate=interpret)
     else:

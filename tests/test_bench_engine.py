@@ -351,18 +351,26 @@ def test_profile_engine_timeline_names_the_host_events_behind_long_gaps(tmp_path
     assert [ln.split()[-1] for ln in lines[4:]] == ["launch", "outer"]  # "brief" covers 5 of 40
 
 
-def test_quantized_copy_is_a_fast_draft_of_the_target():
+def test_quantized_copy_is_a_fast_draft_of_the_target(monkeypatch):
     """``benchmark.quantized_copy`` (bench_engine's and profile_engine's quantized drafts):
     the target's weights quantized, named after the method, on the fast kernels even for a
-    deterministic target; the target itself keeps its weights."""
+    deterministic target, and laid out for one device as ``load_model`` leaves them
+    (``model.one_device_layout``); the target itself keeps its weights."""
     import dataclasses
 
-    from jaxinfer.benchmark import quantized_copy
+    import jax
+
+    from jaxinfer import benchmark
     from jaxinfer.quantize import is_quantized
     from tests.conftest import tiny_engine_model
 
+    laid = []
+    layout = benchmark.one_device_layout
+    monkeypatch.setattr(benchmark, "one_device_layout",
+                        lambda p, device: laid.append(device) or layout(p, device))
     target = dataclasses.replace(tiny_engine_model(), name="tiny", deterministic=True)
-    draft = quantized_copy(target, "fp8")
+    draft = benchmark.quantized_copy(target, "fp8")
+    assert laid == [jax.devices()[0]]
     assert is_quantized(draft.params) and not is_quantized(target.params)
     assert draft.name == "tiny-fp8" and not draft.deterministic and target.deterministic
     assert draft.config == target.config

@@ -145,6 +145,30 @@ def test_word_gemv_norm_pairs_int8_and_partials(pair_group):
     np.testing.assert_allclose(jnp.sum(parts, 0), got, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("pair_group, read", [(128, True), (192, False)])
+def test_word_gemv_reads_pairs_of_a_power_of_two_multiple_of_its_groups(pair_group, read):
+    """Plain ``ScaledPairs`` (one scale per ``pair_group`` values, as the attention's combine
+    makes per head) reach the int8 kernel as they are where their group is a power-of-two
+    multiple of the weight's 64 rows; three groups' worth is rebuilt into activations
+    first. Either way the product is the activations'."""
+    from pallas_kernels._common import scaled_pairs
+
+    k, n = 768, 512
+    rng = np.random.default_rng(40)
+    x = jnp.asarray(rng.normal(size=(1, k)), jnp.float32)
+    pairs, scales = scaled_pairs(x.reshape(1, k // pair_group, pair_group))
+    given = ScaledPairs(pairs.reshape(1, k), scales.reshape(1, -1), jnp.dtype(jnp.float32))
+    q = jnp.asarray(rng.integers(-128, 128, size=(k, n)), jnp.int8)
+    scale = jnp.asarray(rng.random((k // 64, n)) * 0.02, jnp.float32)
+    tiles = _wide(Int8Tiles().word, x_pairs_step_rows=64)
+    want = word_gemv_reference(given.values(), q, scale, None, **INT8)
+    got = word_gemv(given, q, scale, None, interpret=True, tiles=tiles, **INT8)
+    assert float(jnp.max(jnp.abs(got - want))) <= 3e-3 * float(jnp.max(jnp.abs(want)))
+    eqn = _pallas_eqn(lambda a: word_gemv(a, q, scale, None, interpret=True, tiles=tiles,
+                                          **INT8), given)
+    assert len(eqn.invars) == (4 if read else 3)  # with the pair scales, or XLA's pairs
+
+
 def test_gemv_partials_into_the_junction_into_the_next_gemv():
     """Two GEMVs joined by the junction: ``h + x @ W1`` (int4, partials unsummed), RMSNorm, then
     ``@ W2``, against the same in float32 jnp."""

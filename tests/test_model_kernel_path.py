@@ -154,10 +154,11 @@ def test_default_tiles_give_junctions_to_the_8b_and_70b_layers():
 
 
 def test_attention_hands_the_o_matmul_scaled_pairs(monkeypatch):
-    """Where o's groups are one head or a part of one (int4-g64, and int4's 32 rows; head_dim 64)
-    and its kernel reads pairs, the decode step's attention returns ``ScaledPairs``
-    (``out_pairs``, one scale per head) and o reads them: the hidden state still matches the
-    XLA path; with groups of 128, more than a head, it gets the plain output."""
+    """Where o's kernel reads pairs (forced here: at default tiles, int8 and int4-g128 at
+    one row) and its groups are one head or a part of one (int4-g64, and int4's 32 rows;
+    head_dim 64), the decode step's attention returns ``ScaledPairs`` (``out_pairs``, one
+    scale per head) and o reads them: the hidden state still matches the XLA path; with
+    groups of 128, more than a head, it gets the plain output."""
     import pallas_kernels
 
     _force_junctions(monkeypatch)
@@ -205,20 +206,24 @@ def test_qkv_junction_needs_a_power_of_two_head_size():
 
 def test_one_device_layout_pads_a_kernel_head_to_the_wide_tile(monkeypatch):
     """On a GPU an int4 / int8 LM head whose columns 512 does not divide (Llama 3's 128,256:
-    the narrow tile) is padded once, at load, to a multiple of it (the wide tile); the
-    logits stay the unpadded head's, one per vocabulary entry, through XLA and through the
-    kernels. Off a GPU, with columns that divide already, or where even the padded head
-    would not run the wide tile, nothing changes."""
+    the narrow tile) is padded once, at load, to a multiple of it (the wide tile). Its
+    logits (``lm_head``, XLA's path on CPU) are the unpadded head's, one per vocabulary
+    entry, and the kernel's padded columns are 0. Off a GPU, with columns that divide
+    already, or where even the padded head would not run the wide tile, nothing changes."""
     import dataclasses
     from types import SimpleNamespace
 
     import pallas_kernels
 
     assert pallas_kernels.WIDE_BLOCK_N == 512
-    for kind in ("int4", "int8"):
-        assert not _decides(kind, 4096, 128256, 1, True, fused=False)
-        assert _decides(kind, 4096, 128512, 1, True, fused=False)
     gpu = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    for kind in ("int4", "int8"):  # Llama 3 8B's head, shapes only
+        assert not _decides(kind, 4096, 128256, 1, False, fused=False)
+        assert _decides(kind, 4096, 128512, 1, False, fused=False)
+        params = {"embed": jax.ShapeDtypeStruct((128256, 4096), jnp.bfloat16), "layers": [{}],
+                  "lm_head": _weight_shapes(kind, 4096, 128256, fused=False)}
+        laid = jax.eval_shape(lambda p: model.one_device_layout(p, gpu), params)
+        assert laid["lm_head"].shape == (4096, 128512)
     # What the wide tile would not run is not padded: too few programs (under 256), or
     # columns that 512 divides already
     for vocab in (200, 16384):
