@@ -224,6 +224,8 @@ def test_one_device_layout_pads_a_kernel_head_to_the_wide_tile(monkeypatch):
                   "lm_head": _weight_shapes(kind, 4096, 128256, fused=False)}
         laid = jax.eval_shape(lambda p: model.one_device_layout(p, gpu), params)
         assert laid["lm_head"].shape == (4096, 128512)
+    with pytest.raises(ValueError, match="one device's"):  # a fused [in, 1, out] weight
+        jax.eval_shape(lambda w: model.pad_columns(w, 512), _weight_shapes("int4", 256, 200))
     # What the wide tile would not run is not padded: too few programs (under 256), or
     # columns that 512 divides already
     for vocab in (200, 16384):
