@@ -639,9 +639,10 @@ def one_device_layout(params: Params, device: Any) -> Params:
         params = fp8_input_last(params)
     head = params.get("lm_head")
     if (device.platform == "gpu" and (int4_kernel_weight(head) or int8_kernel_weight(head))
-            and head.perm is None and head.out_axes == 1):
+            and head.out_axes == 1):
         pad = functools.partial(pad_columns, multiple=pallas_kernels.WIDE_BLOCK_N)
-        # A weight reads pairs only on the wide tile (shapes decide: no bytes moved here)
+        # A weight reads pairs only on the wide tile (and never with a row order, ``perm``;
+        # shapes decide: no bytes moved here)
         if head.q.shape[-1] % pallas_kernels.WIDE_BLOCK_N and _reads_pairs(
                 jax.eval_shape(pad, head), 1, kernels=True, norm=False):
             # Not deleted: as in fp8_input_last, the caller's reference is the head's last

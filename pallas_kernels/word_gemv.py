@@ -594,7 +594,7 @@ def word_gemv(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array,
     groups_per_step, half2, x_pairs = launch.groups_per_step, launch.half2, launch.x_pairs
     steps = groups // groups_per_step
     per = given.group // group if given is not None else 0  # weight groups per pair scale
-    if given is not None and not (given.group == per * group and (per & (per - 1)) == 0
+    if given is not None and not (given.group == per * group and per & (per - 1) == 0
                                   and launch.reads(given.sumsq is not None)):
         x, given = given.values(), None  # this launch does not read them
     col_blocks = cdiv(n, block_n)
