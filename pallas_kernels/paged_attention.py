@@ -64,7 +64,8 @@ from pallas_kernels.kv_quant import dequantize_kv
 # blocks take much of an SM's shared memory, which would explain the waves. One H200, the
 # engine's batch 1 (r219): within ~1 us of the best split count at 192-1,000 keys, the best
 # at 4,000; one split costs ~4.5 us plus ~2.3 us per 128-key block, so even a 192-key row
-# gains nothing from skipping the combine.
+# gains nothing from skipping the combine. Fewer splits (8 at batch 1) shorten the combine
+# (1.7 against 2.6 us) but not a long row (4,000 keys: 11.6 against 6.3 us, r277).
 _TARGET_PROGRAMS = 132
 # Keys per inner step when pages_per_block is not given (as the contiguous decode kernel).
 _BLOCK_KEYS = 128
@@ -85,6 +86,13 @@ _BLOCK_KEYS = 128
 _MANY_PROGRAMS = 128
 _MANY_TARGET_PROGRAMS = 2048
 _BLOCK_KEYS_MANY = 64
+# Software pipeline stages of the default launch at any batch: one, so each block's page
+# numbers are loaded a step ahead instead (``_paged_gpu_kernel``'s ``prefetch_pages``).
+# Below 128 pairs it was 3 stages; one H200, the kernel alone at batch 1 (64 query / 8 KV
+# heads, 32 splits, bench/NOTES.md r277): 384 keys 6.2 -> 4.9 us, 1,000 keys 6.4 -> 5.1,
+# 4,000 keys 9.0 -> 6.3; in the engine at batch 1, 8B int4-g128 460.0 -> 465.0 tok/s (r276),
+# 70B 85.0 -> 85.1 (r277).
+_STAGES = 1
 
 
 def paged_decode_launch(batch: int, kv_heads: int, page_size: int, pages_per_seq: int,
@@ -93,9 +101,9 @@ def paged_decode_launch(batch: int, kv_heads: int, page_size: int, pages_per_seq
     """``(pages_per_block, num_splits, num_stages)`` as the GPU kernel runs them over block
     tables of ``pages_per_seq`` pages, from the caller's values where given.
 
-    Defaults: below 128 (sequence, kv head) pairs, 128 keys per step, splits for at least 132
-    programs (about one per H100 SM), 3 stages; from 128 pairs on, 64 keys per step, splits
-    for at least 2,048 programs (16 at 128 pairs, 4 at 512, 1 from 2,048), one stage. Pages
+    Defaults: below 128 (sequence, kv head) pairs, 128 keys per step and splits for at least
+    132 programs (about one per H100 SM); from 128 pairs on, 64 keys per step and splits for
+    at least 2,048 programs (16 at 128 pairs, 4 at 512, 1 from 2,048); one stage. Pages
     per block are rounded to a power of two of at least 16 keys and at most the table's
     pages; default splits are capped at the blocks a table row holds; splits are powers of
     two."""
@@ -115,7 +123,7 @@ def paged_decode_launch(batch: int, kv_heads: int, page_size: int, pages_per_seq
     # splits get no keys and drop out of the combine.
     num_splits = next_pow2(max(1, num_splits))
     if num_stages is None:
-        num_stages = 1 if many else 3
+        num_stages = _STAGES
     return pages_per_block, num_splits, num_stages
 
 

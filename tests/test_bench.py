@@ -346,7 +346,7 @@ def test_bench_kernels_config_sweep_records_each_launch_setting(checked_bench_ke
     bench_kernels.bench_configs(quick=True)
     rows = bench_kernels.RESULTS["configs"]
     assert [(r["default"], r["splits"], r["num_stages"], r["pages_per_block"])
-            for r in rows] == [(True, 8, 3, 8), (False, 1, 1, 4), (False, 8, 3, 8)]
+            for r in rows] == [(True, 8, 1, 8), (False, 1, 1, 4), (False, 8, 3, 8)]
     assert all((r["batch"], r["kv_heads"], r["ctx"]) == (8, 4, "mixed")
                and r["mean_keys"] == lens.mean() and r["frac_of_copy_bw"] == r["TBps"]
                for r in rows)

@@ -435,11 +435,12 @@ def test_paged_attention_write(backend, dtype, kv_dtype, b, hq, hkv, d, page_siz
 
 def test_paged_decode_launch_splits_a_batch_that_fills_the_gpu():
     """Below 128 (sequence, kv head) pairs: 128 keys per step, splits (a power of two) for at
-    least 132 programs, 3 stages; from 128 pairs on (batch 16 x 8 kv heads, batch 64 x 2):
-    64 keys, splits for at least 2,048 programs, 1 stage (tables of 512 pages: no cap)."""
-    assert paged_decode_launch(1, 8, 16, 512) == (8, 32, 3)
-    assert paged_decode_launch(15, 8, 16, 512) == (8, 2, 3)
-    assert paged_decode_launch(127, 1, 16, 512) == (8, 2, 3)
+    least 132 programs; from 128 pairs on (batch 16 x 8 kv heads, batch 64 x 2): 64 keys,
+    splits for at least 2,048 programs (tables of 512 pages: no cap); one stage at every
+    batch."""
+    assert paged_decode_launch(1, 8, 16, 512) == (8, 32, 1)
+    assert paged_decode_launch(15, 8, 16, 512) == (8, 2, 1)
+    assert paged_decode_launch(127, 1, 16, 512) == (8, 2, 1)
     assert paged_decode_launch(128, 1, 16, 512) == (4, 16, 1)
     assert paged_decode_launch(64, 2, 16, 512) == (4, 16, 1)
     assert paged_decode_launch(32, 8, 16, 512) == (4, 8, 1)
@@ -451,17 +452,17 @@ def test_paged_decode_launch_splits_a_batch_that_fills_the_gpu():
     assert paged_decode_launch(64, 8, 128, 512) == (1, 4, 1)
     # A 16-page table holds two 8-page blocks: the default splits stop there; given values
     # are rounded up to powers of two (pages per block to at least 16 keys), not capped.
-    assert paged_decode_launch(1, 8, 16, 16) == (8, 2, 3)
+    assert paged_decode_launch(1, 8, 16, 16) == (8, 2, 1)
     assert paged_decode_launch(1, 8, 4, 512, pages_per_block=3, num_splits=3,
                                num_stages=2) == (4, 4, 2)
 
 
-@pytest.mark.parametrize("b,splits,stages", [(2, 8, 3), (64, 4, 1)])
+@pytest.mark.parametrize("b,splits,stages", [(2, 8, 1), (64, 4, 1)])
 def test_paged_decode_default_launch_reaches_triton(b, splits, stages):
     """Lowered for a GPU (jax.export on this CPU machine), ``paged_attention_write``'s
     default launch is ``paged_decode_launch``'s: at 2 rows (the engine's batch 1) 32 splits
-    capped at the 8 blocks of 128 keys a 1,024-key table holds, and 3 stages; at 64 rows x
-    8 kv heads 4 splits and one stage."""
+    capped at the 8 blocks of 128 keys a 1,024-key table holds; at 64 rows x 8 kv heads 4
+    splits; one stage at both."""
     import re
 
     from jax import export
