@@ -415,9 +415,10 @@ def bench_splits(quick: bool) -> None:
     or as wide as an 8k-token engine table: the data behind the split-count rule. The keys
     per step and the stages are the default launch's (``paged_decode_launch``: from 128
     (sequence, kv head) pairs, 64 keys; one stage everywhere since r277; before r203, 128
-    keys and 3 stages everywhere). Each row gives the K/V bytes read per second and their share of the copy
-    test's rate. Times are the kernels' own (``time_in_jit``): the launch gaps that made a
-    batch-1 call read ~25-40 us of wall time whatever the split (r178) are not in them."""
+    keys and 3 stages everywhere). Each row gives the K/V bytes read per second and their
+    share of the copy test's rate. Times are the kernels' own (``time_in_jit``): the launch
+    gaps that made a batch-1 call read ~25-40 us of wall time whatever the split (r178) are
+    not in them."""
     rows = RESULTS.setdefault("splits", [])
     d, ps = 128, 16
     key = jax.random.PRNGKey(3)
