@@ -97,6 +97,7 @@ def check_kv_scales(k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array 
 
 
 def check_head_dim(head_dim: int) -> None:
+    """Refuse, in one line, a head size the attention kernels have no tiling for."""
     check(
         head_dim in SUPPORTED_HEAD_DIMS,
         f"unsupported head_dim {head_dim}; supported: {SUPPORTED_HEAD_DIMS}",
@@ -104,6 +105,7 @@ def check_head_dim(head_dim: int) -> None:
 
 
 def check_dtype(name: str, x: jax.Array) -> None:
+    """Refuse, in one line naming the operand, a dtype the kernels do not take."""
     check(
         jnp.dtype(x.dtype) in SUPPORTED_DTYPES,
         f"{name} has unsupported dtype {x.dtype}; use bfloat16, float16 or float32",
@@ -121,14 +123,17 @@ def check_gqa(q_heads: int, kv_heads: int) -> int:
 
 
 def check_backend(backend: str) -> None:
+    """Refuse a backend other than ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Mosaic TPU)."""
     check(backend in ("gpu", "tpu"), f"backend must be 'gpu' or 'tpu', got {backend!r}")
 
 
 def default_scale(sm_scale: float | None, head_dim: int) -> float:
+    """The logit scale: ``sm_scale`` where given, else ``1 / sqrt(head_dim)``."""
     return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 def gpu_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    """A Pallas Triton launch's compiler parameters (warps per program, pipeline stages)."""
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -138,6 +143,8 @@ def tpu_interpret(interpret: bool) -> Any:
 
 
 def tpu_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+    """A Mosaic TPU launch's compiler parameters: each grid axis' ``"parallel"`` or
+    ``"arbitrary"`` semantics."""
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 

@@ -64,10 +64,12 @@ RESULTS: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0
 
 
 def log(msg: str) -> None:
+    """Print a progress line now (the device run's log is read as it goes)."""
     print(msg, flush=True)
 
 
 def rand(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Standard-normal values of ``shape``, drawn in float32 and cast to ``dtype``."""
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
@@ -109,6 +111,8 @@ def time_in_jit(fn: Callable[..., Any], arg_sets: list[tuple], calls: int = 16,
 
 
 def max_err(a: jax.Array, b: jax.Array) -> float:
+    """Largest ``|a - b|`` in float32; NaN where ``a`` holds a NaN (a kernel that read a
+    masked slot or an unused page)."""
     a32 = np.asarray(a, np.float32)
     b32 = np.asarray(b, np.float32)
     if np.isnan(a32).any():
@@ -120,6 +124,8 @@ def max_err(a: jax.Array, b: jax.Array) -> float:
 
 
 def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device copy (read and write counted), the ceiling the
+    decode kernels' K/V rates are compared with; recorded as ``copy_bw_TBps``."""
     x = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
     f = jax.jit(lambda x: x + 1)
     t = time_fn(f, [(x,)], reps=5, trials=5)
@@ -133,6 +139,9 @@ def copy_bandwidth() -> float:
 
 
 def check_correctness() -> None:
+    """Each kernel (flash, decode, paged, ragged) against its float32 jnp reference on fresh
+    inputs whose masked cache slots and unused pages hold NaN; the largest errors go to
+    ``correctness_max_abs_err``."""
     key = jax.random.PRNGKey(1)
     errs: dict[str, float] = {}
     ks = jax.random.split(key, 16)
@@ -191,6 +200,8 @@ def check_correctness() -> None:
 
 
 def bench_flash(quick: bool) -> None:
+    """Causal bf16 flash attention: ours at several tilings against cuDNN, XLA and JAX's
+    Pallas ``mha``, in TFLOP/s by sequence length (``quick``: fewer lengths)."""
     from jax.experimental.pallas.ops.gpu import attention as jax_attn
 
     rows = []
@@ -247,6 +258,9 @@ def _n_sets(bytes_per_set: int) -> int:
 
 
 def bench_decode(quick: bool) -> None:
+    """Decode attention over a contiguous cache and paged attention (32 q / 8 kv heads of
+    128), ours against JAX's ``decode_attention.gqa`` / ``paged_attention``, in K/V bytes
+    read per second by batch and context (``quick``: fewer cases)."""
     from jax.experimental.pallas.ops.gpu import decode_attention as jax_dec
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
@@ -354,6 +368,9 @@ def ragged_inputs(key: jax.Array, q_lens: tuple[int, ...], kv_lens: tuple[int, .
 
 
 def bench_ragged(quick: bool) -> None:
+    """The engine's ragged paged attention on a decode-only step (K/V bytes per second)
+    and on a mixed step of decode rows and prefill chunks (TFLOP/s of the causal work), at
+    head sizes 128 and 64 (``quick``: fewer tilings)."""
     rows = []
     hq, hkv, ps = 32, 8, 16
     key = jax.random.PRNGKey(3)
@@ -536,6 +553,7 @@ def bench_configs(quick: bool) -> None:
 
 
 def main() -> None:
+    """Check the kernels, run the sections not in ``--skip``, write the JSON record."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_kernels.json")
     p.add_argument("--quick", action="store_true")

@@ -51,6 +51,7 @@ def _normal(key: jax.Array, k: int, n: int) -> jax.Array:
 
 
 def make_bf16(key, k, n):
+    """The bf16 baseline: a random ``[K, N]`` weight."""
     return dict(w=_normal(key, k, n).astype(jnp.bfloat16))
 
 
@@ -87,6 +88,7 @@ def make_s4(group: int) -> Make:
 
 
 def make_fp8(key, k, n):
+    """e4m3 ``[K, N]`` with a float32 scale per output column (its largest value at 448)."""
     w = _normal(key, k, n)
     s = jnp.max(jnp.abs(w), axis=0) / 448  # [N]
     return dict(q=(w / s).astype(jnp.float8_e4m3fn), s=s)
@@ -117,6 +119,8 @@ def _grouped_batched(x, q, s, z=None):
 
 
 def apply_u4_xla(x, w):
+    """The packed int4 weight (two rows per byte, group scales and zeros) dequantized to
+    bf16 by jnp, then ``x @ w``: whatever XLA fuses of it."""
     groups, n = w["s"].shape
     half = w["q"].shape[0] // groups
     v = w["q"].reshape(groups, half, n)

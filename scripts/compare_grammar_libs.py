@@ -43,6 +43,8 @@ Lib = tuple[Callable[[], Any], Callable[[Any, int], None], Callable[[Any, np.nda
 
 
 def llguidance_libs(tok: Tokenizer, vocab: int) -> dict[str, Lib]:
+    """llguidance's matchers for each format (JSON schema, any JSON object, regex) over
+    ``tok``'s vocabulary of ``vocab`` tokens."""
     import llguidance
     import llguidance.numpy
 
@@ -62,6 +64,8 @@ def llguidance_libs(tok: Tokenizer, vocab: int) -> dict[str, Lib]:
 
 
 def xgrammar_libs(tok: Tokenizer, vocab: int) -> dict[str, Lib]:
+    """xgrammar's matchers for each format, its tokenizer info built from ``tok``'s HF
+    tokenizer (one compile thread, as the others)."""
     import torch
     import xgrammar
     from transformers import PreTrainedTokenizerFast
@@ -86,6 +90,8 @@ def xgrammar_libs(tok: Tokenizer, vocab: int) -> dict[str, Lib]:
 
 
 def outlines_core_libs(tok: Tokenizer, vocab: int) -> dict[str, Lib]:
+    """outlines-core's guides for the JSON schema (as its regex) and the regex: it has no
+    "any JSON object" grammar. Its vocabulary is ``tok``'s tokens as bytes."""
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
     from tokenizers import decoders
@@ -122,6 +128,8 @@ def _byte_level_symbols() -> list[str]:
 
 
 def measure(lib: Lib, tok: Tokenizer, vocab: int, text: str, repeats: int) -> dict[str, Any]:
+    """Walk ``text``'s tokens through a fresh matcher ``repeats`` times: the median compile
+    time and the per-token mask time (median, p90, mean), each token checked as allowed."""
     make, consume, fill = lib
     ids = tok.encode(text, add_bos=False)
     out = np.zeros((1, mask_words(vocab)), np.int32)
@@ -144,6 +152,7 @@ def measure(lib: Lib, tok: Tokenizer, vocab: int, text: str, repeats: int) -> di
 
 
 def main() -> None:
+    """Measure every importable library on every format it has; print one JSON line each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()

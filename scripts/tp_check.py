@@ -55,6 +55,7 @@ rec: dict = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="se
 
 
 def save(**item):
+    """Record one result (seconds since the start added), print it, rewrite the JSON."""
     item["t"] = round(time.perf_counter() - T0, 1)
     rec["items"].append(item)
     print(json.dumps(item), flush=True)
@@ -68,6 +69,8 @@ mesh = make_mesh(data=1, model=2)
 
 
 def models(dtype, backend):
+    """The preset's random model in ``dtype`` on one device and on the 2-way model mesh,
+    by tensor-parallel size."""
     p = init_params(cfg, jax.random.PRNGKey(0), dtype)
     m1 = Model(cfg, p, None, dtype, backend=backend)
     cfg2, p2 = shard_params(cfg, p, mesh, dtype)
@@ -76,11 +79,15 @@ def models(dtype, backend):
 
 
 def gen(m, batch):
+    """Greedy completions of the first ``batch`` prompts."""
     outs = jaxinfer.generate(m, prompts[:batch], max_new_tokens=args.new)
     return outs
 
 
 def run(dtype, backend):
+    """Compare tp=1 with tp=2 in ``dtype`` on ``backend``: in float32 the greedy tokens and
+    the prompt's logits; otherwise decode speed and TTFT at batch 1 and 64 (within the time
+    budget) and where the two sizes' greedy tokens first differ."""
     ms = models(dtype, backend)
     name = jnp.dtype(dtype).name
     if dtype == jnp.float32:

@@ -96,6 +96,7 @@ rec: dict = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="se
 
 
 def save(**item):
+    """Record one result (seconds since the start added), print it, rewrite the JSON."""
     item["t"] = round(time.perf_counter() - T0, 1)
     rec["items"].append(item)
     print(json.dumps(item), flush=True)
@@ -137,6 +138,7 @@ def profile_call(gen: Callable[[], Any], steps: int) -> dict[str, Any]:
 
 
 def config_of(name: str) -> jaxinfer.LlamaConfig:
+    """The config a ``--cases`` model name stands for (``tiny``: a small GQA test config)."""
     if name == "tiny":
         return tiny_config(num_heads=8, num_kv_heads=2)
     return preset_config(MODELS[name])
