@@ -250,6 +250,25 @@ set when ``jaxinfer`` is imported). Without either, an iteration ran as ~34 grap
 against 259.6-262.8 tok/s; 70B tp=2 46.7 against 45.5-46.4."""
 
 
+TP_UNSPLIT_K_ROWS = 64
+"""Rows from which a tensor-parallel decode loop compiles with XLA's split-K off
+(``tp_decode_options``)."""
+
+
+def tp_decode_options(rows: int) -> dict[str, Any]:
+    """XLA options of ``decode_steps`` over tensor-parallel params at ``rows`` rows:
+    ``TP_DEVICE_LOOP_GRAPHS``, and from ``TP_UNSPLIT_K_ROWS`` rows XLA's split-K off
+    (``xla_gpu_experimental_force_split_k=1``). With split-K, each layer's o and down GEMMs
+    end in a reduce kernel of their partial sums before the all-reduce. Without it, XLA's
+    autotuner picks unsplit GEMMs instead. 2x H200, 8B tp=2 at 64 rows (bench/NOTES.md
+    r286-r287): 13,955 against 13,485 tok/s on one machine, with 427 kernels a step against
+    491. At one row it picks cuBLAS kernels that split K themselves: 278.8 against 297.7
+    (8B), 49.7 against 50.9 (70B)."""
+    if rows >= TP_UNSPLIT_K_ROWS:
+        return {**TP_DEVICE_LOOP_GRAPHS, "xla_gpu_experimental_force_split_k": 1}
+    return TP_DEVICE_LOOP_GRAPHS
+
+
 def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any] | None:
     """The XLA compiler options of a program over ``params`` (one model's, or several:
     target and draft) whose largest matmuls take ``rows`` rows: ``CUBLAS_GEMMS`` where its
@@ -283,7 +302,7 @@ def tensor_parallel(params: Params | Sequence[Params]) -> bool:
 
 class StepProgram:
     """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) with the XLA options a call
-    needs: ``base`` (None: XLA's defaults), or ``tp_base`` where the models are
+    needs: ``base`` (None: XLA's defaults), or ``tp_base(rows)`` where the models are
     ``tensor_parallel`` (when given), each with ``CUBLAS_GEMMS`` added where
     ``gemm_options`` picks it for those params and ``rows(*args, **kwargs)``; ``models`` are
     the first ``num_models`` arguments (model params), their fp8 matmuls set to match
@@ -291,8 +310,8 @@ class StepProgram:
     other). Each program is compiled on first use."""
 
     def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], num_models: int = 1,
-                 base: dict[str, Any] | None = None, tp_base: dict[str, Any] | None = None,
-                 **jit_kwargs: Any):
+                 base: dict[str, Any] | None = None,
+                 tp_base: Callable[[int], dict[str, Any]] | None = None, **jit_kwargs: Any):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._rows = rows
@@ -310,14 +329,18 @@ class StepProgram:
     def _options(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  gemms: dict[str, Any] | None) -> dict[str, Any] | None:
         models = args[:self._num_models]
-        base = (self._tp_base if self._tp_base is not None and tensor_parallel(models)
-                else self._base)
+        base = self._base
+        if self._tp_base is not None and tensor_parallel(models):
+            base = self._tp_base(self._rows_of(args, kwargs))
         return {**(base or {}), **gemms} if gemms else base
+
+    def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The rows of a call's largest matmuls (``rows`` of the non-model arguments)."""
+        return self._rows(*args[self._num_models:], **kwargs)
 
     def _gemm_options(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                       ) -> dict[str, Any] | None:
-        models, rest = args[:self._num_models], args[self._num_models:]
-        return gemm_options(models, self._rows(*rest, **kwargs))
+        return gemm_options(args[:self._num_models], self._rows_of(args, kwargs))
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far: ``{"default": n, "cublas": m}`` (``cublas``: those with
@@ -358,7 +381,8 @@ class StepProgram:
 
 
 def step_program(rows: Callable[..., int], num_models: int = 1,
-                 base: dict[str, Any] | None = None, tp_base: dict[str, Any] | None = None,
+                 base: dict[str, Any] | None = None,
+                 tp_base: Callable[[int], dict[str, Any]] | None = None,
                  **jit_kwargs: Any) -> Callable[[Callable[..., Any]], StepProgram]:
     """Decorator: ``StepProgram(fn, rows, num_models, base, tp_base, **jit_kwargs)``."""
     return lambda fn: StepProgram(fn, rows, num_models, base, tp_base, **jit_kwargs)
@@ -430,7 +454,7 @@ def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
 
 
 @step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0], base=DEVICE_LOOP_GRAPHS,
-              tp_base=TP_DEVICE_LOOP_GRAPHS,
+              tp_base=tp_decode_options,
               static_argnames=("config", "backend", "dtype", "max_steps", "chunk", "stochastic",
                                "deterministic", "num_top"),
               donate_argnums=(1, 2))
