@@ -262,8 +262,8 @@ def tp_decode_options(rows: int) -> dict[str, Any]:
     end in a reduce kernel of their partial sums before the all-reduce. Without it, XLA's
     autotuner picks unsplit GEMMs (cuBLAS's, at 64 rows), and the reduces go. 2x H200, 8B
     tp=2 at 64 rows (bench/NOTES.md r286-r287): 13,955 against 13,485 tok/s on one machine,
-    with 427 kernels a step against 491. At one row it picks cuBLAS kernels that split K themselves: 278.8 against 297.7
-    (8B), 49.7 against 50.9 (70B)."""
+    with 427 kernels a step against 491. At one row it picks cuBLAS kernels that split K
+    themselves: 278.8 against 297.7 (8B), 49.7 against 50.9 (70B)."""
     if rows >= TP_UNSPLIT_K_ROWS:
         return {**TP_DEVICE_LOOP_GRAPHS, "xla_gpu_experimental_force_split_k": 1}
     return TP_DEVICE_LOOP_GRAPHS
