@@ -324,23 +324,19 @@ class StepProgram:
     def options(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
         """The compiler options of the program a call with these arguments runs (None:
         XLA's defaults)."""
-        return self._options(args, kwargs, self._gemm_options(args, kwargs))
+        return self._options(args, kwargs)[0]
 
-    def _options(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 gemms: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _options(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """``(options, gemms)`` of a call: its program's compiler options, and the part of
+        them ``gemm_options`` adds (None: none), from the call's rows counted once."""
         models = args[:self._num_models]
+        rows = self._rows(*args[self._num_models:], **kwargs)
+        gemms = gemm_options(models, rows)
         base = self._base
         if self._tp_base is not None and tensor_parallel(models):
-            base = self._tp_base(self._rows_of(args, kwargs))
-        return {**(base or {}), **gemms} if gemms else base
-
-    def _rows_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """The rows of a call's largest matmuls (``rows`` of the non-model arguments)."""
-        return self._rows(*args[self._num_models:], **kwargs)
-
-    def _gemm_options(self, args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> dict[str, Any] | None:
-        return gemm_options(args[:self._num_models], self._rows_of(args, kwargs))
+            base = self._tp_base(rows)
+        return ({**(base or {}), **gemms} if gemms else base), gemms
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far: ``{"default": n, "cublas": m}`` (``cublas``: those with
@@ -358,8 +354,7 @@ class StepProgram:
 
     def _program(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[Any, tuple[Any, ...]]:
-        gemms = self._gemm_options(args, kwargs)
-        options = self._options(args, kwargs, gemms)
+        options, gemms = self._options(args, kwargs)
         models = tuple(m if not fp8_gemms(m) else with_fp8_activations(m, gemms is not None)
                        for m in args[:self._num_models])
         key = tuple(sorted((options or {}).items()))
