@@ -250,23 +250,34 @@ set when ``jaxinfer`` is imported). Without either, an iteration ran as ~34 grap
 against 259.6-262.8 tok/s; 70B tp=2 46.7 against 45.5-46.4."""
 
 
-TP_UNSPLIT_K_ROWS = 64
-"""Rows from which a tensor-parallel decode loop compiles with XLA's split-K off
-(``tp_decode_options``)."""
+UNSPLIT_K_ROWS = 64
+"""Rows from which a decode loop compiles with XLA's split-K off (``UNSPLIT_K``)."""
+
+UNSPLIT_K = {"xla_gpu_experimental_force_split_k": 1}
+"""XLA's split-K off (``decode_options``, ``tp_decode_options``). With split-K, XLA splits
+a GEMM's K over programs and sums their partials in a reduce kernel after it (before the
+all-reduce, tensor-parallel). From ``UNSPLIT_K_ROWS`` rows its autotuner then picks unsplit
+GEMMs (cuBLAS's, at 64 rows), and the reduces go. At one row it picks cuBLAS kernels that
+split K themselves and run slower: 2x H200, tp=2, 278.8 against 297.7 tok/s (8B), 49.7
+against 50.9 (70B) (bench/NOTES.md r286)."""
+
+
+def decode_options(rows: int) -> dict[str, Any]:
+    """XLA options of ``decode_steps`` over params on one device (or split over ``data``
+    only) at ``rows`` rows: ``DEVICE_LOOP_GRAPHS``, and from ``UNSPLIT_K_ROWS`` rows
+    ``UNSPLIT_K``. One H200, 8B bf16 engine at 64 slots, 400 requests (bench/NOTES.md r289,
+    two runs a side): 4,941 against 4,857 output tok/s, its decode calls 7.40 against 7.62 s
+    of device time."""
+    return {**DEVICE_LOOP_GRAPHS, **UNSPLIT_K} if rows >= UNSPLIT_K_ROWS else DEVICE_LOOP_GRAPHS
 
 
 def tp_decode_options(rows: int) -> dict[str, Any]:
     """XLA options of ``decode_steps`` over tensor-parallel params at ``rows`` rows:
-    ``TP_DEVICE_LOOP_GRAPHS``, and from ``TP_UNSPLIT_K_ROWS`` rows XLA's split-K off
-    (``xla_gpu_experimental_force_split_k=1``). With split-K, each layer's o and down GEMMs
-    end in a reduce kernel of their partial sums before the all-reduce. Without it, XLA's
-    autotuner picks unsplit GEMMs (cuBLAS's, at 64 rows), and the reduces go. 2x H200, 8B
+    ``TP_DEVICE_LOOP_GRAPHS``, and from ``UNSPLIT_K_ROWS`` rows ``UNSPLIT_K``. 2x H200, 8B
     tp=2 at 64 rows (bench/NOTES.md r286-r287): 13,955 against 13,485 tok/s on one machine,
-    with 427 kernels a step against 491. At one row it picks cuBLAS kernels that split K
-    themselves: 278.8 against 297.7 (8B), 49.7 against 50.9 (70B)."""
-    if rows >= TP_UNSPLIT_K_ROWS:
-        return {**TP_DEVICE_LOOP_GRAPHS, "xla_gpu_experimental_force_split_k": 1}
-    return TP_DEVICE_LOOP_GRAPHS
+    with 427 kernels a step against 491."""
+    return ({**TP_DEVICE_LOOP_GRAPHS, **UNSPLIT_K} if rows >= UNSPLIT_K_ROWS
+            else TP_DEVICE_LOOP_GRAPHS)
 
 
 def gemm_options(params: Params | Sequence[Params], rows: int) -> dict[str, Any] | None:
@@ -302,15 +313,15 @@ def tensor_parallel(params: Params | Sequence[Params]) -> bool:
 
 class StepProgram:
     """``fn(*models, *args, **kwargs)`` jitted (``jit_kwargs``) with the XLA options a call
-    needs: ``base`` (None: XLA's defaults), or ``tp_base(rows)`` where the models are
-    ``tensor_parallel`` (when given), each with ``CUBLAS_GEMMS`` added where
+    needs: ``base(rows)`` (no ``base``: XLA's defaults), or ``tp_base(rows)`` where the
+    models are ``tensor_parallel`` (when given), each with ``CUBLAS_GEMMS`` added where
     ``gemm_options`` picks it for those params and ``rows(*args, **kwargs)``; ``models`` are
     the first ``num_models`` arguments (model params), their fp8 matmuls set to match
     (``model.with_fp8_activations``: fp8 x fp8 in the cuBLAS program, weight-only in the
     other). Each program is compiled on first use."""
 
     def __init__(self, fn: Callable[..., Any], rows: Callable[..., int], num_models: int = 1,
-                 base: dict[str, Any] | None = None,
+                 base: Callable[[int], dict[str, Any]] | None = None,
                  tp_base: Callable[[int], dict[str, Any]] | None = None, **jit_kwargs: Any):
         functools.update_wrapper(self, fn)
         self._fn = fn
@@ -333,7 +344,7 @@ class StepProgram:
         models = args[:self._num_models]
         rows = self._rows(*args[self._num_models:], **kwargs)
         gemms = gemm_options(models, rows)
-        base = self._base
+        base = self._base(rows) if self._base is not None else None
         if self._tp_base is not None and tensor_parallel(models):
             base = self._tp_base(rows)
         return ({**(base or {}), **gemms} if gemms else base), gemms
@@ -376,7 +387,7 @@ class StepProgram:
 
 
 def step_program(rows: Callable[..., int], num_models: int = 1,
-                 base: dict[str, Any] | None = None,
+                 base: Callable[[int], dict[str, Any]] | None = None,
                  tp_base: Callable[[int], dict[str, Any]] | None = None,
                  **jit_kwargs: Any) -> Callable[[Callable[..., Any]], StepProgram]:
     """Decorator: ``StepProgram(fn, rows, num_models, base, tp_base, **jit_kwargs)``."""
@@ -448,7 +459,7 @@ def load_counts(counts: jax.Array, row: jax.Array, prompt_ids: jax.Array,
     return counts.at[row, generated_ids].add(2, mode="drop")
 
 
-@step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0], base=DEVICE_LOOP_GRAPHS,
+@step_program(lambda pool, counts, inp, **_: inp.tokens.shape[0], base=decode_options,
               tp_base=tp_decode_options,
               static_argnames=("config", "backend", "dtype", "max_steps", "chunk", "stochastic",
                                "deterministic", "num_top"),

@@ -157,7 +157,11 @@ def int8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *,
     return matmul_reference(x, w.astype(x.dtype), out_dtype=out_dtype)
 
 
-GEMV_ROWS = 64  # at most this many rows take the split-K path (decode batches)
+# At most this many rows take the split-K path (decode batches). From 17 rows its 64-row tile
+# reads the int8 weight at ~1.4 TB/s on one H200 (8B layer at 64 rows: 173 us against a bf16
+# GEMM's 133), whatever the launch settings, the conversion (float16, by a magic-number add),
+# the operand order or the groups per loop step (bench/NOTES.md r290-r294); 16 rows: 2.3 TB/s.
+GEMV_ROWS = 64
 GEMV_BLOCK_N = 128
 _TARGET_PROGRAMS = 512  # about 4 per H100 SM
 

@@ -96,11 +96,11 @@ tp = runner.tensor_parallel
 class Inp:
     tokens = np.zeros(2, np.int32)
 class Wide:
-    tokens = np.zeros(runner.TP_UNSPLIT_K_ROWS, np.int32)
+    tokens = np.zeros(runner.UNSPLIT_K_ROWS, np.int32)
 class Narrower:
-    tokens = np.zeros(runner.TP_UNSPLIT_K_ROWS - 1, np.int32)
+    tokens = np.zeros(runner.UNSPLIT_K_ROWS - 1, np.int32)
 options = runner.decode_steps.options
-unsplit = {**runner.TP_DEVICE_LOOP_GRAPHS, "xla_gpu_experimental_force_split_k": 1}
+off = {"xla_gpu_experimental_force_split_k": 1}
 wide = options({"w": split}, None, None, Wide())
 # XLA takes the wide options (their names and values) on this backend too
 jax.jit(lambda x: x @ x, compiler_options=wide).lower(one).compile()
@@ -111,10 +111,15 @@ print({
     "tp_options": options({"w": split}, None, None, Inp()) == runner.TP_DEVICE_LOOP_GRAPHS,
     "data_options": options({"w": by_data}, None, None, Inp()) == runner.DEVICE_LOOP_GRAPHS,
     "one_options": options({"w": one}, None, None, Inp()) == runner.DEVICE_LOOP_GRAPHS,
-    "tp_wide_options": wide == unsplit,
+    "tp_wide_options": wide == {**runner.TP_DEVICE_LOOP_GRAPHS, **off},
     "tp_narrower_options": (options({"w": split}, None, None, Narrower())
                             == runner.TP_DEVICE_LOOP_GRAPHS),
-    "data_wide_options": options({"w": by_data}, None, None, Wide()) == runner.DEVICE_LOOP_GRAPHS})
+    "one_wide_options": (options({"w": one}, None, None, Wide())
+                         == {**runner.DEVICE_LOOP_GRAPHS, **off}),
+    "one_narrower_options": (options({"w": one}, None, None, Narrower())
+                             == runner.DEVICE_LOOP_GRAPHS),
+    "data_wide_options": (options({"w": by_data}, None, None, Wide())
+                          == {**runner.DEVICE_LOOP_GRAPHS, **off})})
 """
 
 
@@ -123,8 +128,8 @@ def test_tensor_parallel_reads_the_model_axis():
     tensor-parallel; one split over ``data`` only, replicated, or on one device is not, and
     a one-device model listed first does not hide a split one after it. ``decode_steps``
     picks ``TP_DEVICE_LOOP_GRAPHS`` for the first and ``DEVICE_LOOP_GRAPHS`` for the rest;
-    from ``TP_UNSPLIT_K_ROWS`` rows the tensor-parallel loop also turns XLA's split-K off
-    (``tp_decode_options``), and XLA compiles with those options."""
+    from ``UNSPLIT_K_ROWS`` rows either loop also turns XLA's split-K off (``UNSPLIT_K``:
+    ``tp_decode_options``, ``decode_options``), and XLA compiles with those options."""
     import ast
     import os
     import subprocess
@@ -140,7 +145,8 @@ def test_tensor_parallel_reads_the_model_axis():
     assert got == {"split": True, "data_only": False, "replicated": False,
                    "one_device": False, "one_device_first": True, "tp_options": True,
                    "data_options": True, "one_options": True, "tp_wide_options": True,
-                   "tp_narrower_options": True, "data_wide_options": True}, got
+                   "tp_narrower_options": True, "one_wide_options": True,
+                   "one_narrower_options": True, "data_wide_options": True}, got
 
 
 def _workload(n: int = 14) -> list[tuple[list[int], int, int]]:

@@ -363,7 +363,8 @@ def test_step_programs_choose_fp8_matmuls_and_cublas_for_the_whole_program():
     # The engine's step programs count their rows as their bodies do.
     tokens = types.SimpleNamespace(tokens=np.zeros(FP8_ACTIVATION_ROWS, np.int32))
     spec = types.SimpleNamespace(decode=types.SimpleNamespace(tokens=np.zeros(32, np.int32)))
-    loop = runner.DEVICE_LOOP_GRAPHS  # the decode loop's options, kept beside cuBLAS's
+    # the decode loop's options at 128 rows (split-K off from 64), kept beside cuBLAS's
+    loop = {**runner.DEVICE_LOOP_GRAPHS, **runner.UNSPLIT_K}
     assert runner.decode_steps.options(last, None, None, tokens) == {**loop,
                                                                       **runner.CUBLAS_GEMMS}
     assert runner.decode_steps.options(fast, None, None, tokens) == loop
@@ -398,13 +399,13 @@ def test_step_program_compiles_both_programs_with_its_base_options():
     for rows in (1, runner.FP8_ACTIVATION_ROWS):  # the default program, then cuBLAS's
         x = jax.random.normal(jax.random.PRNGKey(rows), (rows, CFG.hidden_size), jnp.float32)
         bad = runner.StepProgram(fn, lambda x, **_: x.shape[0],
-                                 base={"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
+                                 base=lambda _: {"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"})
         with pytest.raises(jaxlib.xla_client.XlaRuntimeError, match="NOT_A_COMMAND"):
             bad(last, x)
-        good = runner.StepProgram(fn, lambda x, **_: x.shape[0], base=runner.DEVICE_LOOP_GRAPHS)
+        good = runner.StepProgram(fn, lambda x, **_: x.shape[0], base=runner.decode_options)
         assert good(last, x).shape == (rows, CFG.hidden_size)
         cublas = runner.CUBLAS_GEMMS if rows > 1 else {}
-        assert good.options(last, x) == {**runner.DEVICE_LOOP_GRAPHS, **cublas}
+        assert good.options(last, x) == {**runner.decode_options(rows), **cublas}
 
 
 def test_load_model_lays_fp8_weights_out_for_fp8_tensor_cores(tmp_path, monkeypatch):
