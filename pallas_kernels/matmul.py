@@ -191,21 +191,34 @@ class Int8Tiles:
     word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True,
                                 wide_tile=(WIDE_BLOCK_N, 8), wide_programs=1024, x_pairs=True,
                                 x_pairs_step_rows=128)
+    # Rows per dot in the tensor-core kernel's row tile (a power of two, at least 16): each
+    # converted weight tile feeds ``tile / dot_rows`` dots. 64 (one dot per tile) by default;
+    # 16 keeps 64-row tiles on 16-row MMAs, which the 16-row tile runs 1.6x faster per
+    # weight byte than the 64-row one (one H200, bench/NOTES.md r290-r294; 16 not timed).
+    dot_rows: int = 64
 
 
-def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int) -> None:
-    """One ``[rows, block_n]`` float32 partial: this program's split of the K blocks."""
+def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int, dot_rows: int) -> None:
+    """One ``[rows, block_n]`` float32 partial: this program's split of the K blocks, each
+    group's converted weight tile multiplied by ``rows / dot_rows`` row blocks of x."""
     split = pl.program_id(2)
+    parts = o_ref.shape[0] // dot_rows
 
-    def body(i, acc):
+    def body(i, accs):
         kb = split * blocks_per_split + i
-        x = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]  # [rows, BLOCK_K]
-        w = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :].astype(x.dtype)  # [BLOCK_K, block_n]
-        w = w * s_ref[pl.ds(kb, 1), :].astype(x.dtype)  # this group's scales: [1, block_n]
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+        q = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :]  # [BLOCK_K, block_n]
+        w = q.astype(x_ref.dtype) * s_ref[pl.ds(kb, 1), :].astype(x_ref.dtype)  # group scales
+        return tuple(
+            acc + lax.dot_general(x_ref[pl.ds(p * dot_rows, dot_rows),
+                                        pl.ds(kb * BLOCK_K, BLOCK_K)],  # [dot_rows, BLOCK_K]
+                                  w, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+            for p, acc in enumerate(accs))
 
-    o_ref[...] = lax.fori_loop(0, blocks_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
+    zeros = tuple(jnp.zeros((dot_rows, o_ref.shape[1]), jnp.float32) for _ in range(parts))
+    accs = lax.fori_loop(0, blocks_per_split, body, zeros)
+    for p, acc in enumerate(accs):
+        o_ref[pl.ds(p * dot_rows, dot_rows), :] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles", "partials"))
@@ -233,7 +246,8 @@ def _int8_jit(x, q, scale, *, out_dtype, interpret, tiles, partials):
     qp = jnp.pad(q, ((0, 0), (0, np_ - n)))
     sp = jnp.pad(scale.astype(jnp.float32), ((0, 0), (0, np_ - n)))
     partial = pl.pallas_call(
-        functools.partial(_int8_kernel, blocks_per_split=k_blocks // splits),
+        functools.partial(_int8_kernel, blocks_per_split=k_blocks // splits,
+                          dot_rows=min(tiles.dot_rows, rows)),
         grid=(mp // rows, np_ // block_n, splits),
         in_specs=[pl.BlockSpec((rows, k), lambda i, j, t: (i, 0)),
                   pl.BlockSpec((k, block_n), lambda i, j, t: (0, j)),
@@ -282,6 +296,8 @@ def int8_matmul(x: jax.Array | ScaledPairs, q: jax.Array, scale: jax.Array, *,
           and scale.shape == (q.shape[0] // BLOCK_K, q.shape[1]),
           f"int8_matmul needs K a multiple of {BLOCK_K} and scale [K / {BLOCK_K}, N]; got x "
           f"{x.shape}, q {q.shape}, scale {scale.shape}")
+    check(tiles.dot_rows in (16, 32, 64),
+          f"Int8Tiles.dot_rows must be 16, 32 or 64, got {tiles.dot_rows}")
     if not isinstance(x, ScaledPairs):
         check_dtype("x", x)
     dtype = out_dtype or x.dtype

@@ -27,8 +27,9 @@ below), the float32 kernel at every group size (``half2_min_group=0``) and the d
 ``--int8`` times ``int8_matmul`` instead, on the same shapes and ``--rows`` (``q [K, N]`` int8,
 float32 scales per 64 rows; floor: those bytes at ``--read-tbps``): ``word_gemv``'s float16
 pairs (``Int8Tiles(word_rows=WORD_ROWS)``; one row by default) against its tensor-core kernel
-(``Int8Tiles(word_rows=0)``), checked against ``int8_matmul_reference``; the JSON is
-rewritten after each candidate. A record for bench/NOTES.md, not a test.
+(``Int8Tiles(word_rows=0)``) and, above 16 rows, that kernel with 32- and 16-row dots
+(``Int8Tiles.dot_rows``), checked against ``int8_matmul_reference``; the JSON is rewritten
+after each candidate. A record for bench/NOTES.md, not a test.
 """
 
 from __future__ import annotations
@@ -310,8 +311,13 @@ def main() -> None:
         # time, both kernels, the JSON rewritten after each
         candidates = []
         for m in row_counts:
-            for label, tiles in (("int8 float16 pairs", Int8Tiles(word_rows=WORD_ROWS)),
-                                 ("int8 tensor-core (word_rows=0)", Int8Tiles(word_rows=0))):
+            for label, tiles in (
+                    ("int8 float16 pairs", Int8Tiles(word_rows=WORD_ROWS)),
+                    ("int8 tensor-core (word_rows=0)", Int8Tiles(word_rows=0)),
+                    ("int8 tensor-core, 32-row dots", Int8Tiles(word_rows=0, dot_rows=32)),
+                    ("int8 tensor-core, 16-row dots", Int8Tiles(word_rows=0, dot_rows=16))):
+                if m <= 16 and tiles.dot_rows < 64:
+                    continue  # a 16-row tile is one 16-row dot already
                 cand = dataclasses.replace(for_tiles(tiles), label=label)
                 candidates.append(layer(cand, m, groups=(64,)))
                 write(candidates, [])

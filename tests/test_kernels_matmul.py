@@ -61,8 +61,9 @@ def test_row_sum_equals_reference_and_is_batch_invariant():
 @pytest.mark.parametrize("m", [1, 20, 70])
 def test_int8_matmul_equals_reference(m):
     """The tensor-core kernel at every row count (``word_rows=0``; by default up to
-    WORD_ROWS rows run word_gemv's float16 pairs: tests/test_kernels_word_gemv.py), then
-    the default, within float16 rounding at one row."""
+    WORD_ROWS rows run word_gemv's float16 pairs: tests/test_kernels_word_gemv.py), with one
+    dot per row tile or 2-4 sharing each converted weight tile (``dot_rows``), then the
+    default, within float16 rounding at one row."""
     from pallas_kernels.matmul import Int8Tiles, int8_matmul, int8_matmul_reference
     from pallas_kernels.word_gemv import WORD_ROWS
 
@@ -71,8 +72,12 @@ def test_int8_matmul_equals_reference(m):
     q = jnp.asarray(rng.integers(-127, 128, size=(128, 96)), jnp.int8)
     scale = jnp.asarray(rng.random((2, 96)) * 0.01, jnp.float32)
     want = int8_matmul_reference(x, q, scale)
-    got = int8_matmul(x, q, scale, interpret=True, tiles=Int8Tiles(word_rows=0))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for dot_rows in (64, 32, 16):  # one dot per row tile, or several sharing its weight
+        got = int8_matmul(x, q, scale, interpret=True,
+                          tiles=Int8Tiles(word_rows=0, dot_rows=dot_rows))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="dot_rows must be 16, 32 or 64"):
+        int8_matmul(x, q, scale, interpret=True, tiles=Int8Tiles(dot_rows=24))
     got = int8_matmul(x, q, scale, interpret=True)
     if m > WORD_ROWS:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
