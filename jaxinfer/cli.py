@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -24,8 +25,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=METHODS, default=None,
                         help="speculative decoding (same output): ngram = prompt lookup, "
                         "draft = a smaller model's proposals (--draft-model)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
-                        help="tokens proposed per verification (with --speculative)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="tokens proposed per verification (with --speculative; default "
+                        f"{Speculative.num_tokens})")
     parser.add_argument("--draft-model", default=None,
                         help="with --speculative draft: the draft model (a name or path, "
                         "loaded like --model; same tokenizer)")
@@ -49,9 +51,8 @@ def sampling_kwargs(args: argparse.Namespace, draft: Any = None) -> dict[str, ob
     if args.draft_quantize is not None and args.draft_model is None:
         raise InputError("--draft-quantize needs --speculative draft --draft-model M")
     speculative = None
-    if args.speculative and (args.speculative != "draft" or draft is not None):
-        speculative = Speculative(method=args.speculative,
-                                  num_tokens=args.num_speculative_tokens, draft=draft)
+    if args.speculative != "draft" or draft is not None:
+        speculative = speculative_settings(args, draft)
     return {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
@@ -61,13 +62,36 @@ def sampling_kwargs(args: argparse.Namespace, draft: Any = None) -> dict[str, ob
     }
 
 
+def speculative_settings(args: argparse.Namespace, draft: Any = None) -> Speculative | None:
+    """The ``Speculative`` that ``--speculative`` and ``--num-speculative-tokens`` name (with
+    the loaded ``draft`` model for ``draft``), or None without ``--speculative``; a one-line
+    error for ``--num-speculative-tokens`` without it."""
+    from jaxinfer.errors import InputError
+
+    num = args.num_speculative_tokens
+    if not args.speculative:
+        if num is not None:
+            raise InputError("--num-speculative-tokens needs --speculative (it sets the "
+                             "tokens proposed per verification)")
+        return None
+    return Speculative(method=args.speculative, draft=draft,
+                       **({} if num is None else {"num_tokens": num}))
+
+
 def load_draft(args: argparse.Namespace) -> Any:
     """The ``--draft-model`` of ``--speculative draft``, loaded like the target (``--dtype``,
     ``--backend``, ``--kv-cache-dtype``) and quantized with ``--draft-quantize``; None
-    without one. Load it before the target's engine sizes its page pool (first use)."""
+    without one. Load it before the target's engine sizes its page pool (first use).
+    A one-line error first, before anything loads, where ``--tp``/``--dp`` put the target on
+    a mesh: speculation with a draft model runs on one device."""
     if args.draft_model is None:
         return None
+    from jaxinfer.errors import InputError
     from jaxinfer.loading import load_model
+
+    if getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1:
+        raise InputError("--speculative draft runs on one device; drop --tp/--dp, or use "
+                         "--speculative ngram on a mesh")
 
     print(f"jaxinfer: loading the draft model {args.draft_model} …", file=sys.stderr,
           flush=True)
@@ -219,8 +243,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--speculative", choices=["ngram"], default=None,
                     help="n-gram speculative decoding for every request (same outputs; the "
                          "engine runs it only while it is faster)")
-    sv.add_argument("--num-speculative-tokens", type=int, default=4,
-                    help="tokens proposed per verification (with --speculative)")
+    sv.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="tokens proposed per verification (with --speculative; default "
+                    f"{Speculative.num_tokens})")
     sv.add_argument("--no-warmup", action="store_true",
                     help="on an accelerator, compile the engine's step programs on first use "
                          "instead of at start (on CPU they always are)")
@@ -239,10 +264,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from jaxinfer.errors import InputError
     from jaxinfer.generate import stream
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import SamplingParams
 
+    if not args.prompt:
+        raise InputError("--prompt is empty; give the text to continue")
     SamplingParams.from_kwargs(**sampling_kwargs(args))  # bad values: before loading
     check_load_args(args)
     options = sampling_kwargs(args, load_draft(args))
@@ -278,6 +306,7 @@ def chat_session(
     """
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import stream
+    from jaxinfer.sampling import offset_seed
 
     opening = [{"role": "system", "content": system}] if system else []
     history: list[dict[str, str]] = list(opening)
@@ -302,7 +331,7 @@ def chat_session(
         history.append({"role": "user", "content": line})
         turn_options = dict(options)
         if turn_options.get("seed") is not None:
-            turn_options["seed"] = int(turn_options["seed"]) + turn
+            turn_options["seed"] = offset_seed(int(turn_options["seed"]), turn)
         pieces: list[str] = []
         try:
             for piece in stream(model, history, **turn_options):
@@ -360,9 +389,11 @@ def _serve(args: argparse.Namespace) -> None:
         raise InputError(f"--max-queue={args.max_queue} must be >= 0")
     if not 0 < args.port < 65536:
         raise InputError(f"--port={args.port} must be in [1, 65535]")
+    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):
+        raise InputError(f"--shutdown-grace={args.shutdown_grace} must be a number of "
+                         "seconds >= 0")
     check_load_args(args)
-    speculative = (Speculative(method=args.speculative, num_tokens=args.num_speculative_tokens)
-                   if args.speculative else None)
+    speculative = speculative_settings(args)
     # The model loads in the engine process (create_app starts it); this one serves HTTP.
     spec = EngineSpec(args.model, dtype=args.dtype, backend=args.backend,
                       quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,

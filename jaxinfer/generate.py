@@ -9,6 +9,7 @@ sampling and stop rules serve one prompt or thousands.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -218,14 +219,18 @@ def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | 
     token has no context and is not scored. ``exp(-logprob / len(token_logprobs))`` is the
     perplexity.
     """
-    ids = encode(model, text)
     context = model.config.max_position_embeddings
-    max_length = max_length or context
-    stride = stride or max(1, max_length // 2)
+    for name, value in (("max_length", max_length), ("stride", stride)):
+        if value is not None and (not isinstance(value, numbers.Integral)
+                                  or isinstance(value, bool | np.bool_)):
+            raise InputError(f"{name}={value!r} must be a whole number of tokens or None")
+    max_length = context if max_length is None else int(max_length)
     if not 1 < max_length <= context:
         raise InputError(f"max_length={max_length} must be in [2, {context}]")
+    stride = max(1, max_length // 2) if stride is None else int(stride)
     if not 1 <= stride < max_length:
         raise InputError(f"stride={stride} must be in [1, max_length={max_length})")
+    ids = encode(model, text)
     if len(ids) < 2:
         raise InputError("score_rolling needs at least 2 tokens; nothing to score")
     pairs, scored = [], 1

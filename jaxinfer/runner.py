@@ -228,7 +228,7 @@ _XLA_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 # XLA's default command-buffer contents, which both decode-loop option sets extend.
 
 DEVICE_LOOP_GRAPHS = {"xla_gpu_enable_command_buffer": _XLA_COMMANDS + ",WHILE,CONDITIONAL"}
-"""XLA options of ``decode_steps``: XLA's default command-buffer contents plus ``WHILE`` and
+"""The base of ``decode_options``: XLA's default command-buffer contents plus ``WHILE`` and
 ``CONDITIONAL``, so the whole decode loop (its chunks and their check for active rows) runs
 inside one CUDA graph, its predicates read on the device. By default each chunk ends with the
 host reading the predicate, and the next chunk's graph launch then starts on an idle GPU
@@ -255,19 +255,22 @@ UNSPLIT_K_ROWS = 64
 
 UNSPLIT_K = {"xla_gpu_experimental_force_split_k": 1}
 """XLA's split-K off (``decode_options``, ``tp_decode_options``). With split-K, XLA splits
-a GEMM's K over programs and sums their partials in a reduce kernel after it (before the
-all-reduce, tensor-parallel). From ``UNSPLIT_K_ROWS`` rows its autotuner then picks unsplit
-GEMMs (cuBLAS's, at 64 rows), and the reduces go. At one row it picks cuBLAS kernels that
-split K themselves and run slower: 2x H200, tp=2, 278.8 against 297.7 tok/s (8B), 49.7
-against 50.9 (70B) (bench/NOTES.md r286)."""
+a GEMM's K over programs and sums their partials in a reduce kernel after it. At 64 rows its
+autotuner then picks unsplit GEMMs (cuBLAS's), and the reduces go (profiled at tp=2, 427
+against 491 kernels a step, bench/NOTES.md r287; one device not profiled). At one row it
+picks cuBLAS kernels that split K themselves and run slower: 2x H200, tp=2, 278.8 against
+297.7 tok/s (8B), 49.7 against 50.9 (70B) (r286)."""
 
 
 def decode_options(rows: int) -> dict[str, Any]:
     """XLA options of ``decode_steps`` over params on one device (or split over ``data``
     only) at ``rows`` rows: ``DEVICE_LOOP_GRAPHS``, and from ``UNSPLIT_K_ROWS`` rows
-    ``UNSPLIT_K``. One H200, 8B bf16 engine at 64 slots, 400 requests (bench/NOTES.md r289,
-    two runs a side): 4,941 against 4,857 output tok/s, its decode calls 7.40 against 7.62 s
-    of device time."""
+    ``UNSPLIT_K``. One H200, 8B engine at 64 slots, 400 requests (bench/NOTES.md r289, two
+    runs a side): bf16 4,941 against 4,857 output tok/s, its decode calls 7.40 against 7.62 s
+    of device time; int8, whose matmuls at up to 64 rows are all Pallas kernels that the
+    option does not reach, 4,034 against 4,078 (0.989x, the size of the run-to-run spread).
+    ``rows`` counts every row of the program (with params split over ``data``, all the
+    replicas' together)."""
     return {**DEVICE_LOOP_GRAPHS, **UNSPLIT_K} if rows >= UNSPLIT_K_ROWS else DEVICE_LOOP_GRAPHS
 
 
@@ -344,9 +347,10 @@ class StepProgram:
         models = args[:self._num_models]
         rows = self._rows(*args[self._num_models:], **kwargs)
         gemms = gemm_options(models, rows)
-        base = self._base(rows) if self._base is not None else None
         if self._tp_base is not None and tensor_parallel(models):
             base = self._tp_base(rows)
+        else:
+            base = self._base(rows) if self._base is not None else None
         return ({**(base or {}), **gemms} if gemms else base), gemms
 
     def compiled(self) -> dict[str, int]:

@@ -109,7 +109,7 @@ class SamplingParams:
             (_is_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
              f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 "
              "(1 disables it)"),
-            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEEDS),
              f"seed={self.seed!r} must be an integer in [0, 2**63) or None"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop={self.stop!r} must be non-empty strings"),
@@ -151,6 +151,18 @@ class SamplingParams:
         """Whether any penalty reads the request's row of the token-count table."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+SEEDS = 2**63
+"""Seeds are integers in ``[0, SEEDS)``."""
+
+
+def offset_seed(seed: int, offset: int) -> int:
+    """``seed + offset`` wrapped into ``[0, SEEDS)``: the seed of a run's ``offset``-th
+    request (a batch record's line, a chat's turn, a completion's choice), so that a seeded
+    run draws other tokens per request and every valid base seed stays valid. A ``seed``
+    outside ``[0, SEEDS)`` comes back as it is, for ``SamplingParams`` to refuse as given."""
+    return (seed + offset) % SEEDS if 0 <= seed < SEEDS else seed
 
 
 def prng_key_data(seed: int) -> np.ndarray:

@@ -56,7 +56,7 @@ from jaxinfer.requests import (
 from jaxinfer.requests import (
     Request as EngineRequest,
 )
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, offset_seed
 
 DEFAULT_MAX_QUEUE = 1024
 """Requests that may wait for a slot (beyond those the engine runs) before new ones get 429."""
@@ -513,8 +513,10 @@ class Server:
                            f"{self.name!r}", param="model", code="model_not_found")
 
     def sampling(self, body: _Sampling, max_tokens: int, index: int) -> SamplingParams:
-        """The ``SamplingParams`` of choice ``index`` (its seed is ``seed + index``)."""
-        seed = None if body.seed is None else body.seed + index  # None: make_requests draws
+        """The ``SamplingParams`` of choice ``index`` (its seed is ``seed + index``, modulo
+        2**63: ``offset_seed``)."""
+        # None: make_requests draws one
+        seed = None if body.seed is None else offset_seed(body.seed, index)
         options = dict(max_new_tokens=max_tokens, seed=seed,
                        stop=() if body.stop is None else body.stop,
                        ignore_eos=body.ignore_eos,

@@ -158,7 +158,7 @@ def int8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array, *,
 
 
 # At most this many rows take the split-K path (decode batches). From 17 rows its 64-row tile
-# reads the int8 weight at ~1.4 TB/s on one H200 (8B layer at 64 rows: 173 us against a bf16
+# reads the int8 weight at ~1.4 TB/s on one H200 (8B layer at 64 rows: 174 us against a bf16
 # GEMM's 133), whatever the launch settings, the conversion (float16, by a magic-number add),
 # the operand order or the groups per loop step (bench/NOTES.md r290-r294); 16 rows: 2.3 TB/s.
 GEMV_ROWS = 64
@@ -168,7 +168,8 @@ _TARGET_PROGRAMS = 512  # about 4 per H100 SM
 
 @dataclasses.dataclass(frozen=True)
 class Int8Tiles:
-    """Which kernel ``int8_matmul`` runs for a few rows (``scripts/bench_int4.py --int8``)."""
+    """Which kernel ``int8_matmul`` runs for a few rows, and how its tensor-core kernel
+    splits a row tile into dots (``scripts/bench_int4.py --int8``)."""
 
     # Up to this many rows ``word_gemv`` runs (0: always the tensor-core kernel). Per 8B
     # layer on an H100 its float16-pair kernel takes 113.9 us at one row against the
@@ -191,7 +192,7 @@ class Int8Tiles:
     word: WordTiles = WordTiles(step_rows=64, prefetch=True, evict_first=True,
                                 wide_tile=(WIDE_BLOCK_N, 8), wide_programs=1024, x_pairs=True,
                                 x_pairs_step_rows=128)
-    # Rows per dot in the tensor-core kernel's row tile (a power of two, at least 16): each
+    # Rows per dot in the tensor-core kernel's row tile (16, 32 or 64; at most the tile): each
     # converted weight tile feeds ``tile / dot_rows`` dots. 64 (one dot per tile) by default;
     # 16 keeps 64-row tiles on 16-row MMAs, which the 16-row tile runs 1.6x faster per
     # weight byte than the 64-row one (one H200, bench/NOTES.md r290-r294; 16 not timed).
@@ -207,7 +208,8 @@ def _int8_kernel(x_ref, q_ref, s_ref, o_ref, *, blocks_per_split: int, dot_rows:
     def body(i, accs):
         kb = split * blocks_per_split + i
         q = q_ref[pl.ds(kb * BLOCK_K, BLOCK_K), :]  # [BLOCK_K, block_n]
-        w = q.astype(x_ref.dtype) * s_ref[pl.ds(kb, 1), :].astype(x_ref.dtype)  # group scales
+        # [BLOCK_K, block_n] times this group's scales [1, block_n]
+        w = q.astype(x_ref.dtype) * s_ref[pl.ds(kb, 1), :].astype(x_ref.dtype)
         return tuple(
             acc + lax.dot_general(x_ref[pl.ds(p * dot_rows, dot_rows),
                                         pl.ds(kb * BLOCK_K, BLOCK_K)],  # [dot_rows, BLOCK_K]

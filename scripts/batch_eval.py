@@ -15,15 +15,17 @@ then ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``, ``ttft_s``, 
 ``logprob``, ``token_logprobs``, ``num_tokens``, ``greedy``, ``cached_tokens`` (scoring, the
 engine path of ``jaxinfer.score``), or ``error`` for a bad record. Bad records
 (not JSON, no prompt, wrong types, too long for the model) are reported on stderr with their
-line number and written as error records, or stop the run before any work with
-``--on-bad-record fail``. Blank lines are not records.
+line number and written as error records, or stop the run before any generation with
+``--on-bad-record fail`` (those the model's tokenizer and context decide, after loading it;
+the rest before). Blank lines are not records.
 
 All records go to the model's engine at once (continuous batching over a paged KV cache).
 Resuming: finished records are appended as soon as they extend the written prefix (flushed
 and fsynced), so after an interruption the finished records are a prefix of the input.
 Running the same command again checks that prefix against the input, drops a torn last line,
-and continues with the next record. With ``--seed``, record ``i`` samples with seed
-``seed + line``, so a resumed run draws the same tokens as an uninterrupted one.
+and continues with the next record. With ``--seed``, each record samples with seed
+``seed + line`` (modulo 2**63: ``jaxinfer.sampling.offset_seed``), so a resumed run draws the
+same tokens as an uninterrupted one.
 
 At the end process 0 prints the throughput, each data replica's steps and tokens (with
 ``--dp``), TTFT and TPOT percentiles, and the run's device floor: the records run in this
@@ -153,7 +155,10 @@ def check_output(output: Path) -> None:
 
 
 def resume_point(output: Path, records: Sequence[Record]) -> int:
-    """Number of records already in ``output`` (a verified prefix); truncates a torn tail."""
+    """Number of records already in ``output`` (a verified prefix); truncates a torn last
+    line (no newline: an interrupted write). Raises ``InputError``, leaving the file as it
+    is, where any whole line is not this input's next record (another file, or another
+    input's output)."""
     if not output.exists():
         return 0
     data = output.read_bytes()
@@ -163,10 +168,10 @@ def resume_point(output: Path, records: Sequence[Record]) -> int:
             break  # torn last line from an interrupted write: dropped and redone
         try:
             obj = json.loads(raw)
-        except json.JSONDecodeError:
-            break
-        if done >= len(records) or obj.get("line") != records[done].line \
-                or obj.get("id") != records[done].id:
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = None
+        if not isinstance(obj, dict) or done >= len(records) \
+                or obj.get("line") != records[done].line or obj.get("id") != records[done].id:
             raise InputError(f"{output} does not match {len(records)} records of the input at "
                              f"output line {done + 1}; use a new --output or delete it")
         keep += len(raw)
@@ -222,7 +227,7 @@ def _requests(model: Any, good: Sequence[Record], args: argparse.Namespace,
     with the reason, like a malformed line, instead of stopping the run.
     """
     from jaxinfer.requests import encode_chat, make_requests, make_score_requests
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling import SamplingParams, offset_seed
 
     out: dict[int, Any] = {}
     for r in good:
@@ -236,7 +241,7 @@ def _requests(model: Any, good: Sequence[Record], args: argparse.Namespace,
                 (req,) = make_score_requests(model, [(ctx, r.completion)])
             else:
                 sp = SamplingParams.from_kwargs(
-                    **options, seed=None if base_seed is None else base_seed + r.line)
+                    **options, seed=None if base_seed is None else offset_seed(base_seed, r.line))
                 (req,) = make_requests(model, r.prompt, args.chat, sp, {})
             out[r.line] = req
         except InputError as e:
@@ -264,6 +269,12 @@ def _record(result: Any, speculative: bool) -> dict[str, Any]:
     return out
 
 
+GENERATION_ONLY = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p",
+                   "repetition_penalty", "seed", "stop", "speculative",
+                   "num_speculative_tokens", "draft_model", "draft_quantize")
+"""``add_sampling_args`` flags (as ``args`` names) that ``--score`` has no use for."""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the evaluation described by parsed ``args``; returns the exit status.
 
@@ -271,11 +282,18 @@ def run(args: argparse.Namespace) -> int:
     are written as soon as they form a prefix of the input, so the output is always
     resumable.
     """
+    if args.score:  # flags that only shape generation would be silently ignored
+        defaults = _parser()
+        ignored = [f"--{name.replace('_', '-')}" for name in GENERATION_ONLY
+                   if getattr(args, name) != defaults.get_default(name)]
+        if ignored:
+            raise InputError(f"--score computes the log-likelihood of each record's "
+                             f"completion; {', '.join(ignored)} only apply to generation")
     options = sampling_kwargs(args)
-    base_seed = options.pop("seed")
     from jaxinfer.sampling import SamplingParams
 
     SamplingParams.from_kwargs(**options)  # reject bad flags before loading anything
+    base_seed = options.pop("seed")
     check_load_args(args)
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size={args.batch_size} must be >= 1")
@@ -530,10 +548,15 @@ def _evaluate(args: argparse.Namespace, runner: Runner, records: Sequence[Record
     the summary."""
     reqs = _requests(runner.model, [r for r in todo if not r.error], args, runner.options,
                      base_seed)
+    refused = []  # records the model cannot take (too long for its context, ...)
     for r in todo:
         if isinstance(reqs.get(r.line), str):
             r.error = reqs.pop(r.line)
+            refused.append(r)
             print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
+    if refused and args.on_bad_record == "fail":
+        raise InputError(f"{len(refused)} bad record(s) in {args.input} for this model (first "
+                         f"at line {refused[0].line}); fix them or pass --on-bad-record skip")
     runner.prepare(reqs)
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
              "ttft": [], "tpot": [], "prompt_lens": [], "output_lens": []}

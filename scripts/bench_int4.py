@@ -308,7 +308,7 @@ def main() -> None:
         run_once(SHAPES[args.shapes])
         return
     if args.int8 and not (args.sweep_pairs or args.sweep_wide):  # one row count at a
-        # time, both kernels, the JSON rewritten after each
+        # time, each kernel and dot_rows, the JSON rewritten after each
         candidates = []
         for m in row_counts:
             for label, tiles in (

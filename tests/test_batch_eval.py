@@ -45,10 +45,19 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def _args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+def _run_args(model: Path, inp: Path, out: Path) -> list[str]:
     return ["--model", str(model), "--input", str(inp), "--output", str(out), "--dtype",
-            "float32", "--backend", "reference", "--max-new-tokens", "6", "--batch-size", "4",
-            "--no-progress", "--compile-cache", "", *extra]  # no cache in the user's home
+            "float32", "--backend", "reference", "--batch-size", "4", "--no-progress",
+            "--compile-cache", ""]  # no cache in the user's home
+
+
+def _args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+    return [*_run_args(model, inp, out), "--max-new-tokens", "6", *extra]
+
+
+def _score_args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+    """``--score`` arguments (no generation flags: --score refuses them)."""
+    return [*_run_args(model, inp, out), "--score", *extra]
 
 
 def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -64,10 +73,18 @@ def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatc
     assert "error" in rows[3] and "error" in rows[6] and rows[0]["id"] == "r0"
     assert all(len(r["token_ids"]) == 6 for i, r in enumerate(rows) if i not in (3, 6))
 
-    # --on-bad-record fail stops before any generation and writes nothing.
+    # --on-bad-record fail stops before any generation and writes nothing: records bad as
+    # JSON before loading, a prompt too long for the model's context after.
     failed = tmp_path / "failed.jsonl"
     assert be.main(_args(tiny_dir, inp, failed, "--on-bad-record", "fail")) == 2
     assert "2 bad record(s)" in capsys.readouterr().err and not failed.exists()
+    long_inp = tmp_path / "long.jsonl"
+    long_inp.write_text(json.dumps({"id": "ok", "prompt": "hi"}) + "\n"
+                        + json.dumps({"id": "long", "prompt": "word " * 5000}) + "\n")
+    assert be.main(_args(tiny_dir, long_inp, failed, "--on-bad-record", "fail")) == 2
+    err = capsys.readouterr().err
+    assert "long.jsonl:2:" in err and "1 bad record(s)" in err and "for this model" in err
+    assert not failed.exists()
 
     # Interrupt once some records have finished (all of them go to the engine at once and
     # finished ones are written as they extend the prefix), then tear the next line as a
@@ -118,6 +135,27 @@ def test_bad_records_resume_and_interrupt(tiny_dir, tmp_path, capsys, monkeypatc
     assert "does not match" in capsys.readouterr().err
 
 
+def test_resume_point_keeps_only_a_verified_prefix_and_never_clobbers_other_files(tmp_path):
+    """``resume_point``: records of this input in order are kept and a torn last line (no
+    newline) is cut; a file whose whole lines are anything else (text, JSON that is not an
+    object, a bad line before good ones, another input's records) is refused with the
+    one-line error and left exactly as it was."""
+    be = _load_script()
+    records = [be.Record(line=i + 1, id=f"r{i}") for i in range(4)]
+    good = [json.dumps({"id": f"r{i}", "line": i + 1, "text": "x"}) + "\n" for i in range(3)]
+    out = tmp_path / "out.jsonl"
+    assert be.resume_point(out, records) == 0  # no file yet
+    out.write_text("".join(good[:2]) + '{"id": "r2", "li')
+    assert be.resume_point(out, records) == 2
+    assert out.read_text() == "".join(good[:2])
+    for text in ("my notes\n", "[1, 2]\n", good[0] + "not json\n" + good[1],
+                 good[1] + good[0], "".join(good) + good[0]):
+        out.write_text(text)
+        with pytest.raises(be.InputError, match="does not match 4 records"):
+            be.resume_point(out, records)
+        assert out.read_text() == text
+
+
 def test_summary_states_the_device_floor_of_the_records_run(tiny_dir, tmp_path, capsys):
     """The last summary line is the floor of exactly the records this run generated (their
     prompt and output tokens from the output file), at this device kind's ceilings; scoring
@@ -144,7 +182,7 @@ def test_summary_states_the_device_floor_of_the_records_run(tiny_dir, tmp_path, 
     assert want["decode_s"] > 0 and 0 < float(got[2])
     # Scoring: the floor of the contexts' prefill alone.
     inp.write_text(json.dumps({"id": 1, "prompt": "The sky is", "completion": " blue"}) + "\n")
-    assert be.main(_args(tiny_dir, inp, tmp_path / "scored.jsonl", "--score")) == 0
+    assert be.main(_score_args(tiny_dir, inp, tmp_path / "scored.jsonl")) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert re.match(r"floor \S+ s on 1 device\(s\) \(prefill \S+ s .*decode 0 s", line), line
 
@@ -189,7 +227,7 @@ def test_quantize_runs_the_quantized_model_and_counts_its_bytes(tiny_dir, tmp_pa
     assert err.count("\n") == 1 and "quantize='int3' must be one of" in err, err
 
 
-def test_score_mode(tiny_dir, tmp_path):
+def test_score_mode(tiny_dir, tmp_path, capsys):
     import numpy as np
 
     import jaxinfer
@@ -198,7 +236,12 @@ def test_score_mode(tiny_dir, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": 1, "prompt": "The sky is", "completion": " blue"}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert be.main(_args(tiny_dir, inp, out, "--score")) == 0
+    # Flags that only shape generation are refused, not silently dropped, before loading.
+    assert be.main(_score_args(tiny_dir, inp, out, "--temperature", "0.5", "--seed", "3")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--temperature, --seed only apply to generation" in err
+    assert not out.exists()
+    assert be.main(_score_args(tiny_dir, inp, out)) == 0
     (row,) = [json.loads(x) for x in out.read_text().splitlines()]
     model = jaxinfer.load_model(tiny_dir, dtype="float32", backend="reference")
     p = model.tokenizer.encode("The sky is", add_bos=True)

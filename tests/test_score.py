@@ -75,5 +75,12 @@ def test_score_bad_input_is_one_line_error(model):
         jaxinfer.score(model, [(list(range(3, 90)), list(range(3, 20)))])
     with pytest.raises(InputError, match="stride"):
         jaxinfer.score_rolling(model, list(range(3, 50)), max_length=32, stride=32)
+    # 0 is refused, not read as "the default"; a float or bool is no token count.
+    for kwargs, why in (({"max_length": 0}, r"max_length=0 must be in \[2, 96\]"),
+                        ({"stride": 0}, r"stride=0 must be in \[1, max_length=96\)"),
+                        ({"max_length": 64.0}, "max_length=64.0 must be a whole number"),
+                        ({"stride": True}, "stride=True must be a whole number")):
+        with pytest.raises(InputError, match=why):
+            jaxinfer.score_rolling(model, list(range(3, 50)), **kwargs)
     with pytest.raises(InputError, match="vocabulary"):
         jaxinfer.score(model, [([3, 4], [500])])

@@ -656,6 +656,12 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
     assert "--max-queue=-1 must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--port", "0"]) == 2
     capsys.readouterr()
+    for grace in ("-1", "nan"):
+        assert main(["serve", "--shutdown-grace", grace]) == 2
+        assert f"--shutdown-grace={float(grace)} must be a number of seconds >= 0" in (
+            capsys.readouterr().err)
+    assert main(["serve", "--num-speculative-tokens", "3"]) == 2
+    assert "--num-speculative-tokens needs --speculative" in capsys.readouterr().err
     assert main(["serve", "--replicas", "processes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "replica processes serve --dp replicas; give --dp 2" in err[0]

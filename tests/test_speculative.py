@@ -443,6 +443,11 @@ def test_a_draft_shares_the_pool_budget_and_attaches_to_an_idle_engine():
     (["--speculative", "draft"], "--speculative draft needs --draft-model M"),
     (["--draft-model", "smollm2-135m-instruct"], "--speculative draft needs --draft-model M"),
     (["--speculative", "ngram", "--draft-quantize", "int4"], "--draft-quantize needs"),
+    (["--speculative", "draft", "--draft-model", "no-such-draft", "--tp", "2"],
+     "--speculative draft runs on one device"),
+    (["--speculative", "draft", "--draft-model", "no-such-draft", "--dp", "2"],
+     "--speculative draft runs on one device"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative"),
 ])
 def test_cli_draft_flags_are_checked_before_loading(capsys, flags, message):
     from jaxinfer import cli

@@ -197,6 +197,19 @@ def test_plan_rejects_bad_device_numbers(flags, option, capsys):
     assert "\n" not in err and option in err
 
 
+def test_generate_rejects_an_empty_prompt_before_loading(capsys, monkeypatch):
+    from jaxinfer import loading
+    from jaxinfer.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    assert main(["generate", "--prompt", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--prompt is empty" in err
+
+
 # --- convert --------------------------------------------------------------------------------
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -298,6 +311,27 @@ def test_batch_eval_bad_output_reported_before_loading(tiny_dir, tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "--output" in err and why in err
     assert afile.read_text() == "x"
+    # A seed out of range is refused as given, before loading (each record's seed is
+    # ``offset_seed(seed, line)``, so the largest valid seed stays valid on every line).
+    out = tmp_path / "out.jsonl"
+    assert be.main(["--model", str(tiny_dir), "--input", str(inp), "--output", str(out),
+                    "--seed", "-5", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "seed=-5 must be an integer in [0, 2**63)" in err
+
+
+def test_offset_seed_wraps_valid_seeds_and_keeps_invalid_ones_for_refusal():
+    """``offset_seed``: a record's / turn's / choice's seed, ``seed + offset`` modulo 2**63,
+    so the largest seed plus an offset is still a seed; an invalid base comes back as it is,
+    and ``SamplingParams`` refuses it."""
+    from jaxinfer.sampling import SEEDS, offset_seed
+
+    assert offset_seed(7, 3) == 10 and offset_seed(SEEDS - 1, 2) == 1
+    SamplingParams(seed=offset_seed(SEEDS - 1, 5))
+    for bad in (-5, SEEDS):
+        assert offset_seed(bad, 1) == bad
+        with pytest.raises(InputError, match="must be an integer in"):
+            SamplingParams(seed=offset_seed(bad, 1))
 
 
 def test_batch_eval_keeps_unicode_line_separators_in_records(tmp_path):
