@@ -161,22 +161,30 @@ def resume_point(output: Path, records: Sequence[Record]) -> int:
     input's output)."""
     if not output.exists():
         return 0
-    data = output.read_bytes()
+
+    def mismatch() -> InputError:
+        return InputError(f"{output} does not match {len(records)} records of the input at "
+                          f"output line {done + 1}; use a new --output or delete it")
+
+    *lines, tail = output.read_bytes().split(b"\n")  # tail: b"" after a whole last line
     keep, done = 0, 0
-    for raw in data.splitlines(keepends=True):
-        if not raw.endswith(b"\n"):
-            break  # torn last line from an interrupted write: dropped and redone
+    for raw in lines:
         try:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             obj = None
         if not isinstance(obj, dict) or done >= len(records) \
                 or obj.get("line") != records[done].line or obj.get("id") != records[done].id:
-            raise InputError(f"{output} does not match {len(records)} records of the input at "
-                             f"output line {done + 1}; use a new --output or delete it")
-        keep += len(raw)
+            raise mismatch()
+        keep += len(raw) + 1
         done += 1
-    if keep < len(data):
+    if tail:  # a torn write of the next record (its start, as _evaluate writes it): redone
+        if done >= len(records):
+            raise mismatch()
+        start = json.dumps({"id": records[done].id, "line": records[done].line},
+                           ensure_ascii=False)[:-1].encode()
+        if not (tail.startswith(start) or start.startswith(tail)):
+            raise mismatch()
         with output.open("r+b") as f:
             f.truncate(keep)
     return done
@@ -318,14 +326,23 @@ def run(args: argparse.Namespace) -> int:
 
         initialize(args.coordinator, args.num_processes, args.process_id)
         primary = is_primary()
+    refused, done = None, 0
     if primary:
-        check_output(args.output)
-    done = resume_point(args.output, records) if primary else 0
+        try:
+            check_output(args.output)
+            done = resume_point(args.output, records)
+        except InputError as e:
+            refused, done = e, -1
     if args.num_processes and args.num_processes > 1:
         from jax.experimental import multihost_utils
 
-        # Every process must run the same requests: agree on process 0's resume point.
+        # Every process must run the same requests: agree on process 0's resume point (-1:
+        # it refused the output, and every process stops).
         done = int(multihost_utils.broadcast_one_to_all(done))
+    if refused is not None:
+        raise refused
+    if done < 0:
+        raise InputError(f"process 0 refused --output {args.output}; see its error")
     if done:
         print(f"batch_eval: resuming after {done} finished record(s) in {args.output}",
               file=sys.stderr)
@@ -353,9 +370,8 @@ def _check_process_args(args: argparse.Namespace) -> None:
         raise InputError("--replicas processes runs on one host; drop --coordinator/"
                          "--num-processes (a multi-host run is one process per host)")
     if args.speculative == "draft":
-        raise InputError("--speculative draft cannot run with --replicas processes (the draft "
-                         "model is loaded in this process); use --speculative ngram or "
-                         "--replicas threads")
+        raise InputError("--speculative draft cannot run with --replicas processes (a draft "
+                         "model runs on one device); use --speculative ngram, or drop --dp")
 
 
 class Runner(Protocol):

@@ -142,18 +142,42 @@ def test_resume_point_keeps_only_a_verified_prefix_and_never_clobbers_other_file
     one-line error and left exactly as it was."""
     be = _load_script()
     records = [be.Record(line=i + 1, id=f"r{i}") for i in range(4)]
-    good = [json.dumps({"id": f"r{i}", "line": i + 1, "text": "x"}) + "\n" for i in range(3)]
+    good = [json.dumps({"id": f"r{i}", "line": i + 1, "text": "x"}) + "\n" for i in range(4)]
     out = tmp_path / "out.jsonl"
     assert be.resume_point(out, records) == 0  # no file yet
     out.write_text("".join(good[:2]) + '{"id": "r2", "li')
     assert be.resume_point(out, records) == 2
     assert out.read_text() == "".join(good[:2])
-    for text in ("my notes\n", "[1, 2]\n", good[0] + "not json\n" + good[1],
-                 good[1] + good[0], "".join(good) + good[0]):
-        out.write_text(text)
+    out.write_text("".join(good))
+    assert be.resume_point(out, records) == 4 and out.read_text() == "".join(good)
+    for text in ("my notes\n", "my notes", "a\rb\n", "[1, 2]\n",
+                 good[0] + "not json\n" + good[1], good[0] + '{"id": "r9", "li',
+                 good[1] + good[0], "".join(good[:3]) + good[0], "".join(good) + '{"id"'):
+        out.write_bytes(text.encode())
         with pytest.raises(be.InputError, match="does not match 4 records"):
             be.resume_point(out, records)
-        assert out.read_text() == text
+        assert out.read_bytes() == text.encode()
+
+
+def test_seeds_of_records_wrap_below_2_63(tiny_dir, tmp_path):
+    """``--seed`` S: record line ``i`` samples with ``offset_seed(S, i)``, so the largest seed
+    runs every record (its lines' seeds wrap to 0, 1, ...) instead of refusing them."""
+    import jaxinfer
+    from jaxinfer.sampling import offset_seed
+
+    be = _load_script()
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                           for i, p in enumerate(["The sky", "A cat"])))
+    out = tmp_path / "out.jsonl"
+    seed = 2**63 - 1
+    assert be.main(_args(tiny_dir, inp, out, "--seed", str(seed), "--temperature", "1")) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    model = jaxinfer.load_model(tiny_dir, dtype="float32", backend="reference")
+    want = jaxinfer.generate(model, ["The sky", "A cat"], sampling=[
+        jaxinfer.SamplingParams(max_new_tokens=6, temperature=1.0, seed=offset_seed(seed, line))
+        for line in (1, 2)])
+    assert [r["token_ids"] for r in rows] == [w.token_ids for w in want]
 
 
 def test_summary_states_the_device_floor_of_the_records_run(tiny_dir, tmp_path, capsys):

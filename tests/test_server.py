@@ -200,6 +200,12 @@ def test_n_seed_and_stop(model, client):
         for _ in prompts for s in (7, 8)])
     assert [c.text for c in a.choices] == [w.text for w in want]
     assert len({w.token_ids[0] for w in want}) > 2  # the seeds draw different tokens
+    # The largest seed: choice 1 wraps to seed 0 (offset_seed) rather than being refused.
+    top = client.completions.create(**{**kwargs, "prompt": prompts[0], "seed": 2**63 - 1})
+    want = jaxinfer.generate(model, [prompts[0]] * 2, sampling=[
+        jaxinfer.SamplingParams(max_new_tokens=1, temperature=1.0, seed=s)
+        for s in (2**63 - 1, 0)])
+    assert [c.text for c in top.choices] == [w.text for w in want]
 
     # A stop string cuts the text before it, streamed or not.
     full = client.completions.create(model="tiny", prompt="abc", max_tokens=16, temperature=0)
