@@ -555,9 +555,9 @@ class Engine(StepLoop):
         self._quiet_compiles = False
 
     # ------------------------------------------------------------------ public API
-    def add_request(self, req: Request) -> int:
-        """Queue a validated ``Request`` (``requests.make_requests`` or
-        ``make_score_requests``); returns its id. Checks that it fits this engine."""
+    def check_fits(self, req: Request) -> None:
+        """Raise ``InputError`` unless ``req`` fits this engine: its prompt and output within
+        ``max_seq_len``, its prompt within one step without chunked prefill."""
         need = len(req.prompt_ids) + (0 if req.is_score else req.sampling.max_new_tokens)
         if need > self.max_seq_len:
             raise InputError(f"prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
@@ -568,6 +568,12 @@ class Engine(StepLoop):
             raise InputError(f"prompt of {len(req.prompt_ids)} tokens exceeds "
                              f"max_tokens_per_step={self.max_tokens} without chunked prefill; "
                              "raise it or use chunked_prefill=True")
+
+    def add_request(self, req: Request) -> int:
+        """Queue a validated ``Request`` (``requests.make_requests`` or
+        ``make_score_requests``); returns its id. Checks that it fits this engine
+        (``check_fits``)."""
+        self.check_fits(req)
         if req.sampling.seed is None:
             raise InputError("requests reach the engine with a resolved seed; build them with "
                              "requests.make_requests")

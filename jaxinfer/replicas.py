@@ -106,6 +106,10 @@ class DataParallelEngine(StepLoop):
         self._running: dict[int, concurrent.futures.Future[list[Event]]] = {}
 
     # ---------------------------------------------------------------- requests
+    def check_fits(self, req: Request) -> None:
+        """``Engine.check_fits`` (every replica is sized alike)."""
+        self.replicas[0].check_fits(req)
+
     def add_request(self, req: Request) -> int:
         """Queue a validated ``Request`` on the replica with the least work left."""
         i = int(np.argmin(self._load))

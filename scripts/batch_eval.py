@@ -16,8 +16,10 @@ then ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``, ``ttft_s``, 
 engine path of ``jaxinfer.score``), or ``error`` for a bad record. Bad records
 (not JSON, no prompt, wrong types, too long for the model) are reported on stderr with their
 line number and written as error records, or stop the run before any generation with
-``--on-bad-record fail`` (those the model's tokenizer and context decide, after loading it;
-the rest before). Blank lines are not records.
+``--on-bad-record fail`` (those the model's tokenizer and context or its engine's
+``max_seq_len`` decide, after loading it; the rest before). With ``--replicas processes``
+the engine processes check their limits as they take each record, so a record they refuse is
+always written as an error record. Blank lines are not records.
 
 All records go to the model's engine at once (continuous batching over a paged KV cache).
 Resuming: finished records are appended as soon as they extend the written prefix (flushed
@@ -391,6 +393,9 @@ class Runner(Protocol):
     def prepare(self, reqs: dict[int, Any]) -> None:
         """Compile what the requests (line -> Request) need before the timed run."""
 
+    def check(self, req: Any) -> str | None:
+        """Why the engine(s) cannot take this ``Request``, or None (where known up front)."""
+
     def submit(self, reqs: dict[int, Any]) -> None:
         """Hand the requests (line -> Request) to the engine(s)."""
 
@@ -453,6 +458,14 @@ class _InProcess:
             self.warm_s = self.engine.warmup(
                 generate=not args.score, score=args.score, sampled=sampled,
                 speculative=None if args.score else self.options["speculative"])
+
+    def check(self, req: Any) -> str | None:
+        """Why the engine cannot take this ``Request`` (``check_fits``), or None."""
+        try:
+            self.engine.check_fits(req)
+        except InputError as e:
+            return str(e)
+        return None
 
     def submit(self, reqs: dict[int, Any]) -> None:
         """Queue the requests (line -> Request)."""
@@ -519,6 +532,11 @@ class _Processes:
     def prepare(self, reqs: dict[int, Any]) -> None:
         """Nothing: each engine process compiled its programs before it was ready."""
 
+    def check(self, req: Any) -> str | None:
+        """None: the engine processes check each request as they take it, and a refused one
+        comes back from ``results`` with why."""
+        return None
+
     def submit(self, reqs: dict[int, Any]) -> None:
         """Queue the requests (line -> Request), each on the replica with the least work."""
         for line, req in reqs.items():
@@ -564,7 +582,10 @@ def _evaluate(args: argparse.Namespace, runner: Runner, records: Sequence[Record
     the summary."""
     reqs = _requests(runner.model, [r for r in todo if not r.error], args, runner.options,
                      base_seed)
-    refused = []  # records the model cannot take (too long for its context, ...)
+    for line, req in reqs.items():
+        if not isinstance(req, str):
+            reqs[line] = runner.check(req) or req  # the engine's own limits (max_seq_len)
+    refused = []  # records the model or its engine cannot take (too long, ...)
     for r in todo:
         if isinstance(reqs.get(r.line), str):
             r.error = reqs.pop(r.line)

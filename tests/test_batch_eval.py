@@ -159,6 +159,34 @@ def test_resume_point_keeps_only_a_verified_prefix_and_never_clobbers_other_file
         assert out.read_bytes() == text.encode()
 
 
+def test_records_the_engine_cannot_take_are_bad_records(tiny_dir, tmp_path, capsys,
+                                                         monkeypatch):
+    """A record within the model's context that the engine refuses (``Engine.check_fits``:
+    here, every prompt of over 5 tokens) is a bad record: an error record with ``skip``, the
+    rest of the run going on; with ``fail`` the run stops before any generation."""
+    from jaxinfer.engine import Engine
+    from jaxinfer.errors import InputError
+
+    real = Engine.check_fits
+
+    def small(self, req):
+        if len(req.prompt_ids) > 5:
+            raise InputError("prompt too long for this engine")
+        real(self, req)
+
+    monkeypatch.setattr(Engine, "check_fits", small)
+    be = _load_script()
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "short", "prompt": "Hi"}) + "\n"
+                   + json.dumps({"id": "long", "prompt": "one two three four five six"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert be.main(_args(tiny_dir, inp, out, "--on-bad-record", "fail")) == 2
+    assert "1 bad record(s)" in capsys.readouterr().err and not out.exists()
+    assert be.main(_args(tiny_dir, inp, out)) == 0
+    short, long = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(short["token_ids"]) == 6 and long["error"] == "prompt too long for this engine"
+
+
 def test_seeds_of_records_wrap_below_2_63(tiny_dir, tmp_path):
     """``--seed`` S: record line ``i`` samples with ``offset_seed(S, i)``, so the largest seed
     runs every record (its lines' seeds wrap to 0, 1, ...) instead of refusing them."""
