@@ -23,6 +23,14 @@ from pallas_kernels import SUPPORTED_HEAD_DIMS
 Backend = Literal["reference", "pallas", "auto"]
 
 
+def check_backend(backend: Any) -> None:
+    """Raise ``InputError`` unless ``backend`` names an attention backend (``Backend``);
+    needs no config, so callers check before any I/O."""
+    if backend not in ("reference", "pallas", "auto"):
+        raise InputError(f"unknown attention backend {backend!r}; use 'reference', 'pallas' "
+                         "or 'auto'")
+
+
 def resolve_backend(backend: Backend, head_dim: int, deterministic: bool = False,
                     tensor_parallel: bool = False) -> Literal["reference", "pallas"]:
     """Map ``"auto"`` to the best backend for the default JAX platform and head size.
@@ -34,12 +42,10 @@ def resolve_backend(backend: Backend, head_dim: int, deterministic: bool = False
     """
     if deterministic:
         backend = check_deterministic(backend, tensor_parallel)
+    check_backend(backend)
     if backend == "auto":
         use = jax.default_backend() == "gpu" and head_dim in SUPPORTED_HEAD_DIMS
         return "pallas" if use else "reference"
-    if backend not in ("reference", "pallas"):
-        raise InputError(f"unknown attention backend {backend!r}; use 'reference', 'pallas' "
-                         "or 'auto'")
     if backend == "pallas" and head_dim not in SUPPORTED_HEAD_DIMS:
         raise InputError(f"the pallas attention backend supports head_dim {SUPPORTED_HEAD_DIMS}, "
                          f"not {head_dim}; use backend='reference'")

@@ -122,6 +122,25 @@ SPECULATION_RETRY = 16
 again."""
 
 
+def _whole(value: Any, least: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= least
+
+
+def _positive_seconds(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (not a bool) above 0."""
+    return (isinstance(value, int | float | np.integer | np.floating)
+            and not isinstance(value, bool) and math.isfinite(value) and value > 0)
+
+
+def check_max_decode_steps(max_decode_steps: Any) -> None:
+    """Raise ``InputError`` unless ``max_decode_steps`` (``step``'s cap) is None or an
+    integer >= 1."""
+    if max_decode_steps is not None and not _whole(max_decode_steps, 1):
+        raise InputError(f"max_decode_steps={max_decode_steps!r} must be an integer >= 1 (or "
+                         "None: the engine's own call length)")
+
+
 def step_workspace_bytes(config: Any, slots: int, max_tokens: int,
                          kv_cache_dtype: str | None = None) -> int:
     """Device bytes the steps need besides weights and pool: kept free when sizing the pool.
@@ -412,18 +431,23 @@ class Engine(StepLoop):
         self.model = dataclasses.replace(model)
         check_kv_cache_dtype(model.kv_cache_dtype, cfg.head_dim)
         accelerator = jax.default_backend() != "cpu"
-        if page_size < 1 or page_size & (page_size - 1):
-            raise InputError(f"page_size={page_size} must be a power of two")
-        if decode_steps < 1:
-            raise InputError(f"decode_steps={decode_steps} must be >= 1")
-        if schedule not in SCHEDULES:
-            raise InputError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len),
-                            ("max_tokens_per_step", max_tokens_per_step)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
+                            ("max_tokens_per_step", max_tokens_per_step),
+                            ("num_pages", num_pages), ("kv_cache_bytes", kv_cache_bytes),
+                            ("page_size", page_size), ("decode_steps", decode_steps)):
+            if value is not None and not _whole(value, 1):
                 raise InputError(f"{name}={value!r} must be an integer >= 1 (or None for the "
                                  "default)")
+        if page_size & (page_size - 1):
+            raise InputError(f"page_size={page_size} must be a power of two")
+        if num_pages is not None and kv_cache_bytes is not None:
+            raise InputError("pass num_pages or kv_cache_bytes, not both: either sizes the "
+                             "KV page pool")
+        if not _positive_seconds(decode_call_seconds):
+            raise InputError(f"decode_call_seconds={decode_call_seconds!r} must be a finite "
+                             "number of seconds > 0")
+        if schedule not in SCHEDULES:
+            raise InputError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
         self.mesh = model.mesh
         data_size, model_size = mesh_sizes(self.mesh)
         if data_size > 1 and not spans_processes(self.mesh):
@@ -448,8 +472,6 @@ class Engine(StepLoop):
                                          memory_fraction, model_shards=model_size,
                                          reserve_bytes=reserve, device=device,
                                          kv_cache_dtype=model.kv_cache_dtype)
-        elif num_pages < 1:
-            raise InputError(f"num_pages={num_pages} must be >= 1")
         capacity = num_pages * page_size
         slots = slots or max(1, min(default_slots, capacity // 256))
         if slots < 1:
@@ -609,6 +631,7 @@ class Engine(StepLoop):
         H200, 70B tp=2 batch 1, ~14 ms per call: 51.0 against 46.7 tok/s, bench/NOTES.md
         r171-r172).
         """
+        check_max_decode_steps(max_decode_steps)
         t0 = time.perf_counter()
         self._order_waiting()
         if no_arrivals and max_decode_steps is None and not self._waiting:
@@ -659,12 +682,15 @@ class Engine(StepLoop):
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: a waiting or running one leaves the engine, its slot and pages
         freed (full pages stay in the prefix cache); a finished one's result is dropped.
-        ``result()`` then says it was cancelled. Returns whether it was still unfinished.
+        ``result()`` then says it was cancelled. Returns whether it was still unfinished; an
+        id this engine never issued is an ``InputError``.
 
         Also what the entry points do with their requests when interrupted (``Ctrl-C`` in
         ``generate``, a ``stream`` closed early), so the engine stays usable: it copes with
         a request caught half-way through an interrupted step.
         """
+        if not _whole(request_id, 0) or request_id >= self._next_id:
+            raise InputError(f"unknown request id {request_id!r}")
         s = self._seqs.get(request_id)
         if request_id in self._taken or request_id in self._cancelled or s is None:
             return False

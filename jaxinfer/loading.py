@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import check_deterministic, resolve_backend
+from jaxinfer.attention import check_backend, check_deterministic, resolve_backend
 from jaxinfer.config import LlamaConfig
 from jaxinfer.errors import CheckpointError, InputError
 from jaxinfer.model import (
@@ -178,8 +178,16 @@ def load_model(
     jdtype = parse_dtype(dtype)
     check_kv_cache_dtype(kv_cache_dtype)
     resolve_layout(layout)  # a bad name fails before any I/O
+    check_backend(backend)
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise InputError(f"max_batch={max_batch!r} must be a positive integer")
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh) or set(mesh.axis_names) != {"data", "model"}:
+            raise InputError(f"mesh={mesh!r} must be a mesh of axes ('data', 'model'); make "
+                             "it with sharding.make_mesh(data=..., model=...)")
+        if shardings is not None:
+            raise InputError("pass mesh or shardings, not both: a mesh places the weights by "
+                             "its own partition rules")
     split = mesh is not None and mesh.shape["model"] > 1  # tensor parallel
     packed = _packed_format(name_or_path)  # an AWQ / GPTQ folder: runs as it is stored
     if packed is not None and deterministic:

@@ -35,7 +35,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer.engine import Engine, EngineStats, Event, RequestMetrics, StepLoop
+from jaxinfer.engine import (
+    Engine,
+    EngineStats,
+    Event,
+    RequestMetrics,
+    StepLoop,
+    check_max_decode_steps,
+)
 from jaxinfer.errors import InputError
 from jaxinfer.requests import Completion, Model, Request, ScoreResult
 from jaxinfer.speculative import Speculative
@@ -130,6 +137,7 @@ class DataParallelEngine(StepLoop):
         """Launch a step (``Engine.step``'s arguments) on every replica with work and none in
         flight; return the events of the first replica whose step is done (ids are this
         engine's)."""
+        check_max_decode_steps(max_decode_steps)
         t0 = time.perf_counter()
         for i, e in enumerate(self.replicas):
             if i not in self._running and e.has_unfinished():

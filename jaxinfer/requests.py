@@ -310,6 +310,10 @@ def make_requests(
                              f"{context}; lower max_new_tokens to at most {context - len(ids)}")
         if sp.stop and model.tokenizer is None:
             raise InputError("stop strings need a tokenizer; use stop_token_ids instead")
+        outside = [t for t in sp.stop_token_ids if t >= model.config.vocab_size]
+        if outside:
+            raise InputError(f"stop_token_ids {outside} are outside the model's vocabulary of "
+                             f"{model.config.vocab_size} tokens, so they could never stop it")
         stops = tuple(dict.fromkeys((() if sp.ignore_eos else eos) + sp.stop_token_ids))
         if sp.speculative is not None and sp.speculative.draft is not None:
             check_draft(model, sp.speculative.draft, len(ids) + sp.max_new_tokens)
@@ -352,6 +356,9 @@ def make_score_requests(model: Model, pairs: Sequence[ScorePair]) -> list[Reques
     """
     if isinstance(pairs, tuple) and len(pairs) == 2 and not isinstance(pairs[0], tuple):
         pairs = [pairs]  # one pair
+    if isinstance(pairs, str | bytes) or not isinstance(pairs, Iterable):
+        raise InputError(f"score takes (context, continuation) pairs, or a list of them; got "
+                         f"a {type(pairs).__name__}")
     pairs = list(pairs)
     if not pairs:
         raise InputError("no (context, continuation) pairs given")

@@ -170,12 +170,72 @@ def test_good_chat_roles_pass(tok_model):
 
 # --- Engine and CLI -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option", ["max_batch", "max_seq_len", "max_tokens_per_step"])
+@pytest.mark.parametrize("option", ["max_batch", "max_seq_len", "max_tokens_per_step",
+                                    "num_pages", "kv_cache_bytes", "page_size", "decode_steps"])
 @pytest.mark.parametrize("value", [0, -1, True, 2.0])
 def test_engine_rejects_sizes_below_one(model, option, value):
     with pytest.raises(InputError) as e:
         jaxinfer.Engine(model, **{option: value}, verbose=False)
     assert one_line(e).startswith(f"{option}=")
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"page_size": 12}, "page_size=12 must be a power of two"),
+    ({"num_pages": 64, "kv_cache_bytes": 2**20}, "pass num_pages or kv_cache_bytes, not both"),
+    ({"decode_call_seconds": None}, "decode_call_seconds=None must be a finite"),
+    ({"decode_call_seconds": float("nan")}, "decode_call_seconds=nan must be a finite"),
+    ({"decode_call_seconds": 0}, "decode_call_seconds=0 must be a finite"),
+    ({"decode_call_seconds": "0.2"}, "decode_call_seconds='0.2' must be a finite"),
+])
+def test_engine_rejects_bad_settings(model, kwargs, why):
+    with pytest.raises(InputError) as e:
+        jaxinfer.Engine(model, **kwargs, verbose=False)
+    assert why in one_line(e)
+
+
+def test_engine_step_and_cancel_refuse_bad_arguments(model):
+    """``step(max_decode_steps=0)`` is refused before it plans anything (it used to preempt
+    every running sequence); cancelling an id the engine never issued is refused, while an
+    issued, finished one still answers False."""
+    engine = jaxinfer.Engine(model, verbose=False)
+    (req,) = make_requests(model, [[5, 6, 7]], False, None, {"max_new_tokens": 4})
+    rid = engine.add_request(req)
+    engine.step(max_decode_steps=1)
+    running = engine.stats().num_preemptions
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(InputError, match="max_decode_steps=.* must be an integer >= 1"):
+            engine.step(max_decode_steps=bad)
+    assert engine.stats().num_preemptions == running and engine.has_unfinished()
+    while engine.has_unfinished():
+        engine.step()
+    for bad in (rid + 1, -1, "0", 0.0):
+        with pytest.raises(InputError, match="unknown request id"):
+            engine.cancel(bad)
+    assert len(engine.result(rid).token_ids) == 4 and engine.cancel(rid) is False
+
+
+def test_load_model_checks_backend_and_mesh_before_loading():
+    """A backend typo, a mesh that is not ``make_mesh``'s, and a mesh with shardings are
+    one-line errors before anything is read (the model named does not even exist)."""
+    from sharding import make_mesh
+
+    for kwargs, why in (({"backend": "palas"}, "unknown attention backend 'palas'"),
+                        ({"mesh": 2}, "mesh=2 must be a mesh of axes ('data', 'model')"),
+                        ({"mesh": make_mesh(), "shardings": object()},
+                         "pass mesh or shardings, not both")):
+        with pytest.raises(InputError) as e:
+            jaxinfer.load_model("/no/such/model", **kwargs)
+        assert why in one_line(e)
+
+
+def test_stop_ids_outside_the_vocabulary_and_non_pairs_are_refused(model):
+    vocab = model.config.vocab_size
+    with pytest.raises(InputError, match=f"stop_token_ids \\[{vocab + 5}\\] are outside"):
+        make_requests(model, [[5, 6]], False, None, {"max_new_tokens": 2,
+                                                     "stop_token_ids": [3, vocab + 5]})
+    for bad in (5, None, "text"):
+        with pytest.raises(InputError, match="score takes .context, continuation. pairs"):
+            make_score_requests(model, bad)
 
 
 @pytest.mark.parametrize("flags, option", [
