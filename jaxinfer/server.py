@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine import EngineStats
@@ -149,6 +149,13 @@ class _Sampling(_Body):
     # SamplingParams options this endpoint names otherwise (for 400 answers).
     renames: ClassVar[dict[str, str]] = {}
 
+    @field_validator("n", "stream", "ignore_eos", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: Any) -> Any:
+        """``null`` means the default, as OpenAI's API takes it."""
+        return cls.model_fields[info.field_name].default if value is None else value
+
     def wants_logprobs(self) -> bool:
         """Whether the chosen tokens' log-probabilities are asked for."""
         raise NotImplementedError
@@ -162,6 +169,8 @@ class _Sampling(_Body):
         out = []
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported; leave it out"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options needs stream=true"))
         return out
 
 
@@ -176,6 +185,12 @@ class CompletionBody(_Sampling):
     suffix: str | None = None
 
     renames: ClassVar[dict[str, str]] = {"top_logprobs": "logprobs"}
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, value: Any) -> Any:
+        """``echo: null`` means false."""
+        return False if value is None else value
 
     def wants_logprobs(self) -> bool:
         """``logprobs=k``: the chosen tokens' log-probabilities (and k alternatives)."""
@@ -218,6 +233,12 @@ class ChatBody(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_logprobs(cls, value: Any) -> Any:
+        """``logprobs: null`` means false."""
+        return False if value is None else value
+
     def wants_logprobs(self) -> bool:
         """``logprobs=true``."""
         return self.logprobs
@@ -235,6 +256,9 @@ class ChatBody(_Sampling):
             out.append(("tools", "tool calls are not supported"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             out.append(("max_tokens", "give max_tokens or max_completion_tokens, not both"))
+        for name in ("max_tokens", "max_completion_tokens"):
+            if getattr(self, name) == 0:
+                out.append((name, f"{name} must be at least 1 (a chat reply has tokens)"))
         return out
 
     def texts(self) -> list[dict[str, str]]:
@@ -382,7 +406,11 @@ class Submission:
         return out
 
     async def start(self) -> None:
-        """Submit; return once the engine took the requests (raise ``APIError`` otherwise)."""
+        """Submit; return once the engine took the requests (raise ``APIError`` otherwise).
+        No jobs (an echo-only completion without logprobs): nothing to submit."""
+        if not self.ticket.jobs:
+            self.done = True
+            return
         try:
             self.ticket.id = self.server.engine.submit(self.ticket, self.ticket.jobs,
                                                        self.ticket.stream)
@@ -590,9 +618,10 @@ class Server:
             prompt_text = self.model.tokenizer.decode(ids) if body.echo else ""
             echo = results.get(("echo", i))
             echo_lps = [None] + (echo.token_logprobs if echo is not None else [])
-            if body.max_tokens == 0:
-                out.append(self._text_choice(len(out), prompt_text, ids, echo_lps, None,
-                                             "length", body.wants_logprobs()))
+            if body.max_tokens == 0:  # the prompt alone, once per choice asked for
+                for _ in range(body.n):
+                    out.append(self._text_choice(len(out), prompt_text, ids, echo_lps, None,
+                                                 "length", body.wants_logprobs()))
                 continue
             for j in range(body.n):
                 c = results[i * body.n + j]

@@ -356,6 +356,11 @@ def test_bad_requests_get_400(served):
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21},
          "top_logprobs"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_tokens": None, "max_completion_tokens": 0},
+         "max_completion_tokens"),
+        ("/v1/completions", {**ok, "stream_options": {"include_usage": True}},
+         "stream_options"),
         ("/v1/chat/completions", {**chat, "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages"),
@@ -374,6 +379,20 @@ def test_bad_requests_get_400(served):
     assert httpx.get(url + "/v1/completions").status_code == 405
     # The server still serves after all that.
     assert httpx.post(url + "/v1/completions", json=ok, timeout=60).status_code == 200
+    # null takes the default where OpenAI's API allows it.
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None}
+    r = httpx.post(url + "/v1/completions", json={**ok, **nulls, "echo": None}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, **nulls, "logprobs": None},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    # Echo alone (no tokens generated, no logprobs: nothing for the engine to run) gives one
+    # choice per n, and leaves nothing behind in the engine.
+    r = httpx.post(url + "/v1/completions", json={**ok, "max_tokens": 0, "echo": True, "n": 3},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["hi"] * 3
+    wait_idle(url)
 
 
 def test_models_health_and_metrics_move(served):
