@@ -107,7 +107,10 @@ def input_error(e: InputError, renames: dict[str, str] | None = None) -> APIErro
     first = re.match(r"(\w+)", message)
     found = [first.group(1)] if first else []
     found += re.findall(r"\b(\w+)=", message)
-    return APIError(400, message, param=next((names[m] for m in found if m in names), None))
+    param = next((names[m] for m in found if m in names), None)
+    # The client's names in the text too (max_tokens, not the library's max_new_tokens).
+    message = re.sub(r"\b(\w+)\b", lambda m: names.get(m.group(1), m.group(1)), message)
+    return APIError(400, message, param=param)
 
 
 # ---------------------------------------------------------------------------- request bodies

@@ -375,6 +375,14 @@ def test_bad_requests_get_400(served):
         assert "\n" not in err["message"]
         if param is not None:
             assert err["param"] == param, (body, err)
+    # The messages use the API's parameter names, not the library's.
+    for body, says in (({**ok, "max_tokens": -1}, "max_tokens=-1"),
+                       ({**ok, "logprobs": 21}, "logprobs=21"),
+                       ({**ok, "max_tokens": 500, "prompt": "x" * 100}, "lower max_tokens")):
+        message = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["error"][
+            "message"]
+        assert says in message and "max_new_tokens" not in message, message
+        assert "top_logprobs" not in message, message
     assert httpx.get(url + "/v1/nothing").status_code == 404
     assert httpx.get(url + "/v1/completions").status_code == 405
     # The server still serves after all that.
