@@ -293,12 +293,12 @@ def parse_body(raw: bytes, kind: type[_Body]) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         param = str(err["loc"][0]) if err["loc"] else None
+        where = ".".join(str(x) for x in err["loc"])  # messages.0.name: the element itself
         if err["type"] == "extra_forbidden":
-            message = f"unrecognized request argument {param!r}"
+            message = f"unrecognized request argument {where!r}"
         elif err["type"] == "missing":
-            message = f"missing required argument {param!r}"
+            message = f"missing required argument {where!r}"
         else:
-            where = ".".join(str(x) for x in err["loc"])
             message = f"invalid value for {where}: {err['msg']} (got {err['input']!r:.60})"
         raise APIError(400, message, param=param) from None
     for param, why in body.unsupported():

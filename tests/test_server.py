@@ -375,6 +375,14 @@ def test_bad_requests_get_400(served):
         assert "\n" not in err["message"]
         if param is not None:
             assert err["param"] == param, (body, err)
+    # An error inside a list names the element, not just the field.
+    for body, says in (
+            ({**chat, "messages": [{"role": "user", "content": "hi", "name": "bob"}]},
+             "unrecognized request argument 'messages.0.name'"),
+            ({**chat, "messages": [{"role": "user"}]},
+             "missing required argument 'messages.0.content'")):
+        err = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["error"]
+        assert err["message"] == says and err["param"] == "messages", err
     # The messages use the API's parameter names, not the library's.
     for body, says in (({**ok, "max_tokens": -1}, "max_tokens=-1"),
                        ({**ok, "logprobs": 21}, "logprobs=21"),
