@@ -96,7 +96,14 @@ from jaxinfer.runner import (
     verify_step,
     verify_tokens,
 )
-from jaxinfer.sampling import MAX_TOP_LOGPROBS, SamplingArrays, SamplingParams, prng_key_data
+from jaxinfer.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingArrays,
+    SamplingParams,
+    is_int,
+    is_real,
+    prng_key_data,
+)
 from jaxinfer.speculative import NGRAM_WINDOW, Speculative, propose_ngram
 from jaxinfer.structured import TokenMatcher, fill_masks, mask_words
 from sharding.mesh import mesh_sizes, spans_processes
@@ -122,21 +129,10 @@ SPECULATION_RETRY = 16
 again."""
 
 
-def _whole(value: Any, least: int) -> bool:
-    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= least
-
-
-def _positive_seconds(value: Any) -> bool:
-    """Whether ``value`` is a finite real number (not a bool) above 0."""
-    return (isinstance(value, int | float | np.integer | np.floating)
-            and not isinstance(value, bool) and math.isfinite(value) and value > 0)
-
-
 def check_max_decode_steps(max_decode_steps: Any) -> None:
     """Raise ``InputError`` unless ``max_decode_steps`` (``step``'s cap) is None or an
     integer >= 1."""
-    if max_decode_steps is not None and not _whole(max_decode_steps, 1):
+    if max_decode_steps is not None and not (is_int(max_decode_steps) and max_decode_steps >= 1):
         raise InputError(f"max_decode_steps={max_decode_steps!r} must be an integer >= 1 (or "
                          "None: the engine's own call length)")
 
@@ -435,7 +431,7 @@ class Engine(StepLoop):
                             ("max_tokens_per_step", max_tokens_per_step),
                             ("num_pages", num_pages), ("kv_cache_bytes", kv_cache_bytes),
                             ("page_size", page_size), ("decode_steps", decode_steps)):
-            if value is not None and not _whole(value, 1):
+            if value is not None and not (is_int(value) and value >= 1):
                 raise InputError(f"{name}={value!r} must be an integer >= 1 (or None for the "
                                  "default)")
         if page_size & (page_size - 1):
@@ -443,7 +439,7 @@ class Engine(StepLoop):
         if num_pages is not None and kv_cache_bytes is not None:
             raise InputError("pass num_pages or kv_cache_bytes, not both: either sizes the "
                              "KV page pool")
-        if not _positive_seconds(decode_call_seconds):
+        if not (is_real(decode_call_seconds) and 0 < decode_call_seconds < math.inf):
             raise InputError(f"decode_call_seconds={decode_call_seconds!r} must be a finite "
                              "number of seconds > 0")
         if schedule not in SCHEDULES:
@@ -689,7 +685,7 @@ class Engine(StepLoop):
         ``generate``, a ``stream`` closed early), so the engine stays usable: it copes with
         a request caught half-way through an interrupted step.
         """
-        if not _whole(request_id, 0) or request_id >= self._next_id:
+        if not (is_int(request_id) and 0 <= request_id < self._next_id):
             raise InputError(f"unknown request id {request_id!r}")
         s = self._seqs.get(request_id)
         if request_id in self._taken or request_id in self._cancelled or s is None:

@@ -9,7 +9,6 @@ sampling and stop rules serve one prompt or thousands.
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ from jaxinfer.requests import (
     make_score_requests,
 )
 from jaxinfer.runner import step_program
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, is_int
 from sharding.placement import on_mesh, put_replicated, to_host
 
 _LOGITS_BUCKET = 16  # compute_logits pads its sequence to a power of two >= this
@@ -221,8 +220,7 @@ def score_rolling(model: Model, text: str | Sequence[int], *, max_length: int | 
     """
     context = model.config.max_position_embeddings
     for name, value in (("max_length", max_length), ("stride", stride)):
-        if value is not None and (not isinstance(value, numbers.Integral)
-                                  or isinstance(value, bool | np.bool_)):
+        if value is not None and not is_int(value):
             raise InputError(f"{name}={value!r} must be a whole number of tokens or None")
     max_length = context if max_length is None else int(max_length)
     if not 1 < max_length <= context:

@@ -32,14 +32,14 @@ MAX_TOP_LOGPROBS = 20
 many for every row of a step in which any request asks."""
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     """An integer, numpy integers included; bools are not (``True`` is no token id)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
 
 
-def _is_real(x: object) -> bool:
+def is_real(x: object) -> bool:
     """A real number that is not NaN (bools excluded); ``inf`` is left to the range checks."""
-    return _is_int(x) or (isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
+    return is_int(x) or (isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
                           and not math.isnan(x))
 
 
@@ -96,35 +96,35 @@ class SamplingParams:
                                  f"{'strings' if name == 'stop' else 'token ids'}")
             object.__setattr__(self, name, value)
         checks = [
-            (_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens < _INT32,
+            (is_int(self.max_new_tokens) and 1 <= self.max_new_tokens < _INT32,
              f"max_new_tokens={self.max_new_tokens!r} must be an integer in [1, 2**31)"),
-            (_is_real(self.temperature) and 0 <= self.temperature < math.inf,
+            (is_real(self.temperature) and 0 <= self.temperature < math.inf,
              f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)"),
-            (_is_int(self.top_k) and 0 <= self.top_k < _INT32,
+            (is_int(self.top_k) and 0 <= self.top_k < _INT32,
              f"top_k={self.top_k!r} must be an integer in [0, 2**31) (0 disables it)"),
-            (_is_real(self.top_p) and 0 < self.top_p <= 1,
+            (is_real(self.top_p) and 0 < self.top_p <= 1,
              f"top_p={self.top_p!r} must be a number in (0, 1]"),
-            (_is_real(self.min_p) and 0 <= self.min_p < 1,
+            (is_real(self.min_p) and 0 <= self.min_p < 1,
              f"min_p={self.min_p!r} must be a number in [0, 1)"),
-            (_is_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+            (is_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
              f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 "
              "(1 disables it)"),
-            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEEDS),
+            (self.seed is None or (is_int(self.seed) and 0 <= self.seed < SEEDS),
              f"seed={self.seed!r} must be an integer in [0, 2**63) or None"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop={self.stop!r} must be non-empty strings"),
-            (all(_is_int(i) and 0 <= i < _INT32 for i in self.stop_token_ids),
+            (all(is_int(i) and 0 <= i < _INT32 for i in self.stop_token_ids),
              f"stop_token_ids={self.stop_token_ids!r} must be integers in [0, 2**31)"),
             (isinstance(self.logprobs, bool | np.bool_),
              f"logprobs={self.logprobs!r} must be True or False"),
             (isinstance(self.ignore_eos, bool | np.bool_),
              f"ignore_eos={self.ignore_eos!r} must be True or False"),
-            (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            (is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
              f"top_logprobs={self.top_logprobs!r} must be an integer in [0, "
              f"{MAX_TOP_LOGPROBS}]"),
-            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            (is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              f"presence_penalty={self.presence_penalty!r} must be a number in [-2, 2]"),
-            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            (is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty={self.frequency_penalty!r} must be a number in [-2, 2]"),
             (not (self.ignore_eos and self.response_format is not None),
              "ignore_eos=True cannot be combined with response_format: a constrained output "

@@ -152,8 +152,9 @@ class _Sampling(_Body):
     # SamplingParams options this endpoint names otherwise (for 400 answers).
     renames: ClassVar[dict[str, str]] = {}
 
+    # echo (completions) and logprobs (chat: a bool) are the endpoints' own fields.
     @field_validator("n", "stream", "ignore_eos", "presence_penalty", "frequency_penalty",
-                     mode="before")
+                     "echo", "logprobs", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, value: Any, info: Any) -> Any:
         """``null`` means the default, as OpenAI's API takes it."""
@@ -188,12 +189,6 @@ class CompletionBody(_Sampling):
     suffix: str | None = None
 
     renames: ClassVar[dict[str, str]] = {"top_logprobs": "logprobs"}
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo(cls, value: Any) -> Any:
-        """``echo: null`` means false."""
-        return False if value is None else value
 
     def wants_logprobs(self) -> bool:
         """``logprobs=k``: the chosen tokens' log-probabilities (and k alternatives)."""
@@ -235,12 +230,6 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _null_logprobs(cls, value: Any) -> Any:
-        """``logprobs: null`` means false."""
-        return False if value is None else value
 
     def wants_logprobs(self) -> bool:
         """``logprobs=true``."""

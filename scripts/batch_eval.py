@@ -229,13 +229,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _requests(model: Any, good: Sequence[Record], args: argparse.Namespace,
-              options: dict[str, Any], base_seed: int | None) -> dict[int, Any]:
+def _requests(runner: Runner, good: Sequence[Record], args: argparse.Namespace,
+              base_seed: int | None) -> dict[int, Any]:
     """Validate each good record into an engine ``Request`` (line -> Request or error str).
 
-    A record the model cannot take (too long for its context, say) becomes an error record
-    with the reason, like a malformed line, instead of stopping the run.
+    A record the model or its engine cannot take (too long for its context or the engine's
+    ``max_seq_len``, say: ``runner.check``) becomes an error record with the reason, like a
+    malformed line, instead of stopping the run.
     """
+    model, options = runner.model, runner.options
     from jaxinfer.requests import encode_chat, make_requests, make_score_requests
     from jaxinfer.sampling import SamplingParams, offset_seed
 
@@ -253,6 +255,7 @@ def _requests(model: Any, good: Sequence[Record], args: argparse.Namespace,
                 sp = SamplingParams.from_kwargs(
                     **options, seed=None if base_seed is None else offset_seed(base_seed, r.line))
                 (req,) = make_requests(model, r.prompt, args.chat, sp, {})
+            runner.check(req)
             out[r.line] = req
         except InputError as e:
             out[r.line] = str(e)
@@ -277,6 +280,16 @@ def _record(result: Any, speculative: bool) -> dict[str, Any]:
     if speculative:
         out.update(draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens)
     return out
+
+
+def _report_bad(bad: Sequence[Record], args: argparse.Namespace, what: str = "") -> None:
+    """Print each bad record's line and error; with ``--on-bad-record fail`` raise
+    ``InputError`` for them (``what``: which check found them)."""
+    for r in bad:
+        print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
+    if bad and args.on_bad_record == "fail":
+        raise InputError(f"{len(bad)} bad record(s) in {args.input}{what} (first at line "
+                         f"{bad[0].line}); fix them or pass --on-bad-record skip")
 
 
 GENERATION_ONLY = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p",
@@ -308,12 +321,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size={args.batch_size} must be >= 1")
     records = parse_records(args.input, args.score)
-    bad = [r for r in records if r.error]
-    for r in bad:
-        print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
-    if bad and args.on_bad_record == "fail":
-        raise InputError(f"{len(bad)} bad record(s) in {args.input} (first at line "
-                         f"{bad[0].line}); fix them or pass --on-bad-record skip")
+    _report_bad([r for r in records if r.error], args)
 
     processes = replica_processes(args, multihost=_multihost(args),
                                   draft=args.speculative == "draft")
@@ -393,8 +401,9 @@ class Runner(Protocol):
     def prepare(self, reqs: dict[int, Any]) -> None:
         """Compile what the requests (line -> Request) need before the timed run."""
 
-    def check(self, req: Any) -> str | None:
-        """Why the engine(s) cannot take this ``Request``, or None (where known up front)."""
+    def check(self, req: Any) -> None:
+        """Raise ``InputError`` where the engine(s) cannot take this ``Request`` (where known
+        up front)."""
 
     def submit(self, reqs: dict[int, Any]) -> None:
         """Hand the requests (line -> Request) to the engine(s)."""
@@ -459,13 +468,9 @@ class _InProcess:
                 generate=not args.score, score=args.score, sampled=sampled,
                 speculative=None if args.score else self.options["speculative"])
 
-    def check(self, req: Any) -> str | None:
-        """Why the engine cannot take this ``Request`` (``check_fits``), or None."""
-        try:
-            self.engine.check_fits(req)
-        except InputError as e:
-            return str(e)
-        return None
+    def check(self, req: Any) -> None:
+        """``Engine.check_fits``."""
+        self.engine.check_fits(req)
 
     def submit(self, reqs: dict[int, Any]) -> None:
         """Queue the requests (line -> Request)."""
@@ -532,10 +537,9 @@ class _Processes:
     def prepare(self, reqs: dict[int, Any]) -> None:
         """Nothing: each engine process compiled its programs before it was ready."""
 
-    def check(self, req: Any) -> str | None:
-        """None: the engine processes check each request as they take it, and a refused one
-        comes back from ``results`` with why."""
-        return None
+    def check(self, req: Any) -> None:
+        """Nothing: the engine processes check each request as they take it, and a refused
+        one comes back from ``results`` with why."""
 
     def submit(self, reqs: dict[int, Any]) -> None:
         """Queue the requests (line -> Request), each on the replica with the least work."""
@@ -580,20 +584,13 @@ def _evaluate(args: argparse.Namespace, runner: Runner, records: Sequence[Record
     """Run ``todo``'s good records on ``runner`` (with its sampling ``options``) and write
     every record of ``todo`` in input order as soon as it extends the written prefix; print
     the summary."""
-    reqs = _requests(runner.model, [r for r in todo if not r.error], args, runner.options,
-                     base_seed)
-    for line, req in reqs.items():
-        if not isinstance(req, str):
-            reqs[line] = runner.check(req) or req  # the engine's own limits (max_seq_len)
+    reqs = _requests(runner, [r for r in todo if not r.error], args, base_seed)
     refused = []  # records the model or its engine cannot take (too long, ...)
     for r in todo:
         if isinstance(reqs.get(r.line), str):
             r.error = reqs.pop(r.line)
             refused.append(r)
-            print(f"batch_eval: {args.input}:{r.line}: {r.error}", file=sys.stderr)
-    if refused and args.on_bad_record == "fail":
-        raise InputError(f"{len(refused)} bad record(s) in {args.input} for this model (first "
-                         f"at line {refused[0].line}); fix them or pass --on-bad-record skip")
+    _report_bad(refused, args, " for this model")
     runner.prepare(reqs)
     stats = {"requests": len(reqs), "bad": sum(1 for r in records if r.error), "tokens": 0,
              "ttft": [], "tpot": [], "prompt_lens": [], "output_lens": []}
